@@ -1,0 +1,1 @@
+"""Framework-neutral pieces: FP8 recipes (transformer_engine.common.recipe)."""
