@@ -1,0 +1,61 @@
+// activation_math.h - scalar activation functions and derivatives in float32, shared by
+// the CPU and CUDA backends (activations, fused dact+dbias, GEMM GELU epilogues) so both
+// evaluate the same formulas.
+#pragma once
+
+#include <cmath>
+
+#include "numeric.h"
+
+namespace nvte {
+
+enum class Act { GELU, ReLU, SiLU, QGELU, SReLU, Sigmoid };
+
+NVTE_HD float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// gelu: tanh approximation 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi).
+NVTE_HD float gelu_f(float x) {
+  const float k = 0.7978845608028654f;
+  return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+NVTE_HD float dgelu_f(float x) {
+  const float k = 0.7978845608028654f;
+  const float t = tanhf(k * (x + 0.044715f * x * x * x));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+NVTE_HD float act_f(Act a, float x) {
+  switch (a) {
+    case Act::GELU: return gelu_f(x);
+    case Act::ReLU: return x > 0.0f ? x : 0.0f;
+    case Act::SiLU: return x * sigmoidf_(x);
+    case Act::QGELU: return x * sigmoidf_(1.702f * x);
+    case Act::SReLU: return x > 0.0f ? x * x : 0.0f;
+    case Act::Sigmoid: return sigmoidf_(x);
+  }
+  return 0.0f;
+}
+
+// d act(x) / dx.
+NVTE_HD float dact_f(Act a, float x) {
+  switch (a) {
+    case Act::GELU: return dgelu_f(x);
+    case Act::ReLU: return x > 0.0f ? 1.0f : 0.0f;
+    case Act::SiLU: {
+      const float s = sigmoidf_(x);
+      return s * (1.0f + x * (1.0f - s));
+    }
+    case Act::QGELU: {
+      const float s = sigmoidf_(1.702f * x);
+      return s * (1.0f + 1.702f * x * (1.0f - s));
+    }
+    case Act::SReLU: return x > 0.0f ? 2.0f * x : 0.0f;
+    case Act::Sigmoid: {
+      const float s = sigmoidf_(x);
+      return s * (1.0f - s);
+    }
+  }
+  return 0.0f;
+}
+
+}  // namespace nvte
