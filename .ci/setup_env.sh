@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Shared set-up of the README commands and CI: a virtual environment with every
+# dependency, then a build + install of this repository into it. Idempotent and
+# incremental (the CMake build directory build/cmake is reused).
+# Source it: `source .ci/setup_env.sh`. Honours NVTE_VENV, NVTE_FRAMEWORK, NVTE_WITH_CUDA.
+set -euo pipefail
+NVTE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+NVTE_VENV=${NVTE_VENV:-$NVTE_ROOT/.venv}
+cd "$NVTE_ROOT"
+
+if [ ! -x "$NVTE_VENV/bin/python" ]; then
+  echo "[setup] creating virtual environment $NVTE_VENV"
+  python3 -m venv "$NVTE_VENV"
+fi
+# shellcheck disable=SC1091
+source "$NVTE_VENV/bin/activate"
+
+pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
+if ! python -c "import numpy, ml_dtypes, pytest, pybind11, cmake, ninja, setuptools" 2>/dev/null; then
+  echo "[setup] installing build and test dependencies"
+  pip_q "setuptools>=68" wheel "cmake>=3.24" ninja "pybind11>=2.12" numpy "ml_dtypes>=0.5" pytest
+fi
+# PyTorch: its CPU wheel (torch==2.13.0 is a local file on the CPU machines); a GPU machine keeps its own.
+if ! python -c "import torch" 2>/dev/null; then
+  echo "[setup] installing torch==2.13.0 (CPU build)"
+  pip_q "torch==2.13.0"
+fi
+
+echo "[setup] building and installing transformer_engine (NVTE_FRAMEWORK=${NVTE_FRAMEWORK-<installed>})"
+pip_q --no-build-isolation --no-deps "$NVTE_ROOT"
+python -c "import transformer_engine as te; print('[setup] transformer_engine', te.__version__, 'from', te.__file__)"
