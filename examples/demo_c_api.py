@@ -3,8 +3,10 @@
 An MLP block  y = GELU(LayerNorm(x) @ W1^T + b1) @ W2^T  runs twice per step:
 in float32, and in FP8 (E4M3) with delayed scaling, where every cast is fused into the
 op producing it (LayerNorm -> FP8, GEMM+bias+GELU -> FP8) and the scales come from the
-library's delayed-scaling recipe update. The input's magnitude jumps mid-run so the
-table shows the amax history catching up. Both results are compared with float64.
+library's delayed-scaling recipe update. Half-way, the LayerNorm gain jumps 30x (a fast
+growing activation range): that step's FP8 output saturates with the stale scales, and the
+following steps recover once the amax history has seen the new range (FC1's input needs one
+more step). Both results are compared with float64.
 """
 import argparse
 import time
@@ -120,17 +122,18 @@ def main():
     print(f"transformer_engine C API demo (CPU backend, version {nvte.get_version()}): MLP block "
           f"{a.tokens}x{a.hidden} -> {a.ffn} -> {a.hidden}, FP8 E4M3 with delayed scaling "
           f"(history {a.history}, 'max')")
-    print(f"{'step':>4} {'x scale':>8} {'fp32 err':>9} {'fp8 err':>9} {'amax(ln)':>9} {'scale(ln)':>10} "
+    print(f"{'step':>4} {'ln gain':>8} {'fp32 err':>9} {'fp8 err':>9} {'amax(ln)':>9} {'scale(ln)':>10} "
           f"{'amax(fc1)':>10} {'scale(fc1)':>11} {'fp32 ms':>8} {'fp8 ms':>8}")
     errs = []
     for step in range(a.steps):
-        mag = 1.0 if step < a.steps // 2 else 8.0  # the activation range jumps half-way
-        x = (mag * rng.standard_normal((a.tokens, a.hidden))).astype(F32)
-        ref = mlp_ref(x, ln_w, ln_b, w1, b1, w2)
+        mag = 1.0 if step < a.steps // 2 else 30.0  # the activation range jumps half-way
+        gain = (mag * ln_w).astype(F32)
+        x = rng.standard_normal((a.tokens, a.hidden)).astype(F32)
+        ref = mlp_ref(x, gain, ln_b, w1, b1, w2)
         t0 = time.perf_counter()
-        y32 = mlp_f32(x, ln_w, ln_b, w1, b1, w2)
+        y32 = mlp_f32(x, gain, ln_b, w1, b1, w2)
         t1 = time.perf_counter()
-        y8 = mlp_fp8(x, ln_w, ln_b, w1, b1, w2, meta)
+        y8 = mlp_fp8(x, gain, ln_b, w1, b1, w2, meta)
         t2 = time.perf_counter()
         amax_ln, amax_fc1 = meta.history[0, 2], meta.history[0, 3]
         print(f"{step:>4} {mag:>8.1f} {rel(y32, ref):>9.2e} {rel(y8, ref):>9.2e} {amax_ln:>9.3f} "
@@ -138,10 +141,12 @@ def main():
               f"{1e3 * (t1 - t0):>8.1f} {1e3 * (t2 - t1):>8.1f}")
         errs.append(rel(y8, ref))
         meta.update()  # after the step, as fp8_autocast does when it exits
-    print(f"final FP8 relative error {errs[-1]:.2e} (E4M3 has a 3-bit mantissa: a few 1e-2 is expected; "
-          f"float32 is ~1e-7)")
-    if not errs[-1] < 0.1:
-        raise SystemExit("FP8 error unexpectedly large")
+    jump = a.steps // 2
+    print(f"FP8 relative error: {errs[jump - 1]:.2e} before the jump, {errs[jump]:.2e} on the jump step "
+          f"(stale scales saturate), {errs[-1]:.2e} at the end (E4M3 keeps 3 mantissa bits, so a few 1e-2 "
+          f"is expected; float32 is ~1e-7)")
+    if not (errs[-1] < 0.1 and errs[jump] > 2 * errs[-1]):
+        raise SystemExit("FP8 errors do not show delayed scaling recovering as expected")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 // FP8 encoding (both backends use exactly these functions, so casts agree bit for bit):
 // round to nearest even; |x| beyond the largest finite value (infinities included)
 // saturates to +-max (448 for E4M3, 57344 for E5M2), like the GPU's satfinite
-// conversion; NaN becomes the canonical NaN 0x7F. torch.float8_e4m3fn differs on
-// purpose: it maps overflow to NaN (and float8_e5m2 to inf).
+// conversion; NaN becomes the canonical NaN 0x7F. Where others differ (tested on
+// purpose in tests/core/test_fp8_codec.py): ml_dtypes maps E4M3 overflow to NaN and
+// E5M2 overflow to inf; torch 2.13 (CPU) saturates float8_e4m3fn but maps float8_e5m2
+// overflow to inf.
 // bf16/fp16 conversions round to nearest even and keep inf/NaN (standard IEEE rules).
 #pragma once
 

@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "transformer_engine/transformer_engine.h"
@@ -43,8 +44,22 @@ inline NVTETensor handle(const Tensor *t) { return t ? t->handle() : nullptr; }
 
 inline cudaStream_t to_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
+// Handles of a Python list of Tensor; None entries become NULL when allow_none, else a TypeError.
+std::vector<NVTETensor> tensor_handles(const py::list &l, const char *what, bool allow_none = false);
+
 // Raises transformer_engine._nvte.Error (a RuntimeError) with the library's message.
 void check(NVTEStatus status);
+
+// Builds a temporary NVTEQuantizationConfig from keyword arguments and passes it to f
+// (defined in cast.cpp; used by the cast and recipe bindings).
+void with_quant_config(bool force_pow2_scales, float amax_epsilon, const Tensor *noop,
+                       const std::function<void(NVTEQuantizationConfig)> &f);
+
+// Registers one fused dact + dbias + quantize function (signature of nvte_quantize_dbias_dgelu and
+// nvte_cast_transpose_dbias_dgelu) under `name` (defined in cast.cpp; used by cast and transpose).
+using DActDbiasFn = NVTEStatus (*)(const NVTETensor, const NVTETensor, NVTETensor, NVTETensor, NVTETensor,
+                                   cudaStream_t);
+void def_dact_dbias(py::module_ &m, const char *name, DActDbiasFn fn);
 
 // Per-domain registration; each lives in its own file.
 void bind_cast(py::module_ &m);

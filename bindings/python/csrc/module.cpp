@@ -48,8 +48,22 @@ void Tensor::set_array(NVTETensorParam p, py::array arr, py::object dtype) {
   if (nvte_dtype_size(t) != static_cast<size_t>(arr.itemsize()))
     throw py::value_error(std::string("array itemsize ") + std::to_string(arr.itemsize()) +
                           " does not match dtype " + nvte_dtype_name(t));
-  set_raw(p, reinterpret_cast<uintptr_t>(arr.request().ptr), shape, t);
+  set_raw(p, reinterpret_cast<uintptr_t>(arr.data()), shape, t);  // not request(): ml_dtypes lack buffer formats
   keep_[p] = arr;
+}
+
+std::vector<NVTETensor> tensor_handles(const py::list &l, const char *what, bool allow_none) {
+  std::vector<NVTETensor> r;
+  for (size_t i = 0; i < l.size(); ++i) {
+    if (allow_none && l[i].is_none()) {
+      r.push_back(nullptr);
+      continue;
+    }
+    if (!py::isinstance<Tensor>(l[i]))
+      throw py::type_error(std::string(what) + "[" + std::to_string(i) + "] is not a Tensor");
+    r.push_back(l[i].cast<const Tensor &>().handle());
+  }
+  return r;
 }
 
 void check(NVTEStatus status) {

@@ -1,0 +1,254 @@
+// api/gemm.cpp - nvte_cublas_gemm* / nvte_multi_tensor_gemm entry points: resolve the
+// operands (layout, transpose, FP8 scale_inv), check shapes and epilogue arguments,
+// pick the backend, run.
+#include "transformer_engine/gemm.h"
+
+#include <string>
+
+#include "../common/backend.h"
+#include "../common/config.h"
+#include "../cpu/gemm.h"
+
+using namespace nvte;
+
+namespace {
+
+// One GEMM request in the terms of gemm.h, common to the v1, v2 and multi-tensor calls.
+struct Request {
+  NVTETensor A = nullptr, B = nullptr, C = nullptr, D = nullptr;
+  bool transa = false, transb = false;
+  float alpha = 1.0f, beta = 0.0f;
+  NVTETensor bias = nullptr, dbias = nullptr, aux = nullptr, workspace = nullptr;
+  bool gelu = false, dgelu = false;
+};
+
+// An optional argument: NULL handles and tensors with no memory and no elements count as
+// absent; anything else must be a valid tensor (a NULL pointer with elements is an error).
+NVTETensor optional(NVTETensor t, const char *name) {
+  if (t == nullptr) return nullptr;
+  auto empty = [](const NVTEBasicTensor &b) {
+    return b.data_ptr == nullptr && (b.shape.ndim == 0 || numel(b.shape) == 0);
+  };
+  if (empty(t->params[kNVTERowwiseData]) && empty(t->params[kNVTEColumnwiseData])) return nullptr;
+  require(t, name);
+  return t;
+}
+
+bool is_float(NVTEDType t) { return is_high_precision(t) || is_fp8(t); }
+
+// op(t) as a strided matrix view. An operand with only columnwise data (its transpose,
+// as FP8 tensors often carry) is used through that buffer with the trans flag flipped.
+// *scale_inv receives the FP8 scale_inv pointer (read only once the backend is known).
+cpu::MatView op_view(const Tensor &t, const char *name, bool trans, const float **scale_inv) {
+  const NVTEBasicTensor &row = t.params[kNVTERowwiseData], &col = t.params[kNVTEColumnwiseData];
+  const bool use_col = !buffer_set(row) && buffer_set(col);
+  const NVTEBasicTensor &b = use_col ? col : row;
+  NVTE_CHECK(is_float(b.dtype), name, " has dtype ", dtype_name(b.dtype),
+             "; expected float32, float16, bfloat16, float8_e4m3 or float8_e5m2");
+  const Dims2 s = flat2d(b.shape);
+  const bool tr = use_col ? !trans : trans;
+  cpu::MatView v;
+  v.data = b.data_ptr;
+  v.dtype = b.dtype;
+  v.rows = tr ? s.cols : s.rows;
+  v.cols = tr ? s.rows : s.cols;
+  v.row_stride = tr ? 1 : s.cols;
+  v.col_stride = tr ? s.cols : 1;
+  if (is_fp8(b.dtype)) {
+    const float *si = scalar_param(t, use_col ? kNVTEColumnwiseScaleInv : kNVTERowwiseScaleInv, name);
+    if (si == nullptr && use_col) si = scalar_param(t, kNVTERowwiseScaleInv, name);
+    NVTE_CHECK(si != nullptr, name, " is FP8 (", dtype_name(b.dtype), ") but has no scale_inv");
+    *scale_inv = si;
+  }
+  return v;
+}
+
+std::string tf(bool b) { return b ? "true" : "false"; }
+
+void check_mn(const NVTETensor t, const char *name, size_t n, size_t m) {
+  const NVTEShape s = logical_shape(*t);
+  const Dims2 d = flat2d(s);
+  NVTE_CHECK(d.rows == n && d.cols == m, name, " has shape ", shape_str(s), "; expected [n=", n, ", m=", m,
+             "] (the shape of D = op(B) @ op(A))");
+}
+
+void check_vector(const NVTETensor t, const char *name, size_t len, const char *what) {
+  const NVTEShape s = logical_shape(*t);
+  NVTE_CHECK(numel(s) == len && flat2d(s).rows == 1, name, " has shape ", shape_str(s), "; expected [", len,
+             "] (", what, ")");
+  NVTE_CHECK(is_high_precision(logical_dtype(*t)), name, " has dtype ", dtype_name(logical_dtype(*t)),
+             "; expected float32, float16 or bfloat16");
+}
+
+void run(const char *op, Request r) {
+  const Tensor &A = require(r.A, "A");
+  const Tensor &B = require(r.B, "B");
+  Tensor &D = require_mut(r.D, "D");
+  r.bias = optional(r.bias, "bias");
+  r.dbias = optional(r.dbias, "bias gradient");
+  r.aux = optional(r.aux, "pre_gelu_out");
+
+  cpu::GemmProblem p;
+  const float *a_scale_inv = nullptr, *b_scale_inv = nullptr;
+  p.y = op_view(A, "A", r.transa, &a_scale_inv);
+  p.x = op_view(B, "B", r.transb, &b_scale_inv);
+  const size_t m = p.y.cols, k = p.y.rows, n = p.x.rows;
+  NVTE_CHECK(p.x.cols == k, "inner dimensions differ: op(A) is [k=", k, ", m=", m, "] from A ",
+             shape_str(logical_shape(A)), " (transa=", tf(r.transa), ") but op(B) is [n=", n, ", k=", p.x.cols,
+             "] from B ", shape_str(logical_shape(B)), " (transb=", tf(r.transb), ")");
+  NVTE_CHECK(is_fp8(p.x.dtype) == is_fp8(p.y.dtype), "A is ", dtype_name(p.y.dtype), " and B is ",
+             dtype_name(p.x.dtype), ": an FP8 GEMM needs both A and B in FP8");
+  check_mn(r.D, "D", n, m);
+  const NVTEDType d_type = logical_dtype(D);
+  NVTE_CHECK(is_float(d_type), "D has dtype ", dtype_name(d_type),
+             "; expected float32, float16, bfloat16, float8_e4m3 or float8_e5m2");
+
+  if (r.beta != 0.0f) {
+    if (r.C == nullptr || r.C == r.D) {
+      NVTE_CHECK(!is_fp8(d_type), "accumulating into D (beta = ", r.beta, ") needs a float32, float16 or ",
+                 "bfloat16 D, got ", dtype_name(d_type));
+      r.C = r.D;
+    }
+    require(r.C, "C");
+    check_mn(r.C, "C", n, m);
+    p.c = r.C;
+  }
+  NVTE_CHECK(!(r.gelu && r.dgelu), "the GELU and dGELU epilogues cannot be combined");
+  NVTE_CHECK(!((r.gelu || r.dgelu) && r.aux == nullptr), r.gelu ? "the GELU" : "the dGELU",
+             " epilogue needs the pre_gelu_out (aux) tensor");
+  NVTE_CHECK(!(r.bias && (r.dbias || r.dgelu)), "bias (forward) cannot be combined with a backward epilogue");
+  NVTE_CHECK(!(r.dbias && r.gelu), "a bias gradient cannot be combined with the forward GELU epilogue");
+  if (r.bias) check_vector(r.bias, "bias", m, "one value per column of D, m");
+  if (r.dbias) {
+    if (r.dgelu)
+      check_vector(r.dbias, "bias", m, "the dGELU bias gradient: column sums of D, m");
+    else
+      check_vector(r.dbias, "bias", n, "the bias gradient of op(B): one value per row, n");
+  }
+  if (r.aux) {
+    check_mn(r.aux, "pre_gelu_out", n, m);
+    NVTE_CHECK(is_high_precision(logical_dtype(*r.aux)), "pre_gelu_out has dtype ",
+               dtype_name(logical_dtype(*r.aux)), "; expected float32, float16 or bfloat16");
+  }
+  p.alpha = r.alpha;
+  p.beta = r.beta;
+  p.d = &D;
+  p.bias = r.bias;
+  p.dbias = r.dbias;
+  p.aux = (r.gelu || r.dgelu) ? r.aux : nullptr;
+  p.gelu = r.gelu;
+  p.dgelu = r.dgelu;
+
+  const NamedTensor ts[] = {{"A", r.A}, {"B", r.B}, {"C", r.C}, {"D", r.D}, {"bias", r.bias},
+                            {"bias gradient", r.dbias}, {"pre_gelu_out", r.aux}, {"workspace", r.workspace}};
+  switch (backend_of(ts, sizeof(ts) / sizeof(ts[0]))) {
+    case Backend::CPU:  // the CPU needs no workspace
+      if (a_scale_inv) p.y.scale_inv = *a_scale_inv;
+      if (b_scale_inv) p.x.scale_inv = *b_scale_inv;
+      return cpu::gemm(p);
+    case Backend::CUDA: cuda_not_built(op);
+  }
+}
+
+// The v1 flags in terms of a Request (epilogue choice as in gemm.h's file comment).
+Request v1_request(const NVTETensor A, const NVTETensor B, NVTETensor D, const NVTETensor bias,
+                   NVTETensor pre_gelu_out, bool transa, bool transb, bool grad, NVTETensor workspace,
+                   bool accumulate) {
+  Request r;
+  r.A = A;
+  r.B = B;
+  r.D = D;
+  r.transa = transa;
+  r.transb = transb;
+  r.beta = accumulate ? 1.0f : 0.0f;
+  r.workspace = workspace;
+  const NVTETensor aux = optional(pre_gelu_out, "pre_gelu_out");
+  if (grad) {
+    r.dbias = bias;
+    r.aux = aux;
+    r.dgelu = aux != nullptr;
+  } else {
+    r.bias = bias;
+    r.aux = aux;
+    r.gelu = aux != nullptr;
+  }
+  return r;
+}
+
+}  // namespace
+
+extern "C" {
+
+NVTEStatus nvte_cublas_gemm(const NVTETensor A, const NVTETensor B, NVTETensor D, const NVTETensor bias,
+                            NVTETensor pre_gelu_out, bool transa, bool transb, bool grad,
+                            NVTETensor workspace, bool accumulate, bool use_split_accumulator,
+                            int math_sm_count, cudaStream_t stream) {
+  (void)use_split_accumulator, (void)math_sm_count, (void)stream;  // CPU: always full precision
+  return api_call("nvte_cublas_gemm", [&] {
+    run("nvte_cublas_gemm",
+        v1_request(A, B, D, bias, pre_gelu_out, transa, transb, grad, workspace, accumulate));
+  });
+}
+
+NVTEStatus nvte_cublas_gemm_v2(int transa, int transb, const float *alpha, const NVTETensor A,
+                               const NVTETensor B, const float *beta, const NVTETensor C, NVTETensor D,
+                               NVTETensor workspace, NVTEMatmulConfig config, cudaStream_t stream) {
+  (void)stream;
+  return api_call("nvte_cublas_gemm_v2", [&] {
+    NVTE_CHECK(alpha != nullptr && beta != nullptr, "alpha and beta must be host pointers to float, got ",
+               alpha ? "alpha set" : "alpha NULL", " and ", beta ? "beta set" : "beta NULL");
+    Request r;
+    r.A = A;
+    r.B = B;
+    r.C = optional(C, "C");
+    r.D = D;
+    r.transa = transa != 0;
+    r.transb = transb != 0;
+    r.alpha = *alpha;
+    r.beta = *beta;
+    r.workspace = workspace;
+    if (config) {
+      r.bias = config->bias_tensor;
+      r.dbias = config->dbias_tensor;
+      r.gelu = config->with_gelu_epilogue;
+      r.dgelu = config->with_dgelu_epilogue;
+      r.aux = config->epilogue_aux_tensor;
+    }
+    run("nvte_cublas_gemm_v2", r);
+  });
+}
+
+NVTEStatus nvte_multi_tensor_gemm(const NVTETensor *A, const NVTETensor *B, NVTETensor *D,
+                                  const NVTETensor *bias, NVTETensor *pre_gelu_out, const int num_gemms,
+                                  bool transa, bool transb, bool grad, NVTETensor *workspace,
+                                  bool accumulate, bool use_split_accumulator, int math_sm_count,
+                                  cudaStream_t stream) {
+  (void)use_split_accumulator, (void)math_sm_count, (void)stream;
+  return api_call("nvte_multi_tensor_gemm", [&] {
+    NVTE_CHECK(num_gemms >= 0, "num_gemms is ", num_gemms, "; expected >= 0");
+    if (num_gemms == 0) return;
+    NVTE_CHECK(A != nullptr && B != nullptr && D != nullptr, "the A, B and D arrays must be non-NULL (got A ",
+               A ? "set" : "NULL", ", B ", B ? "set" : "NULL", ", D ", D ? "set" : "NULL", ")");
+    for (int i = 0; i < num_gemms; ++i) {
+      try {
+        // The CPU needs no workspace, so only the first entry is looked at for the backend.
+        run("nvte_multi_tensor_gemm",
+            v1_request(A[i], B[i], D[i], bias ? bias[i] : nullptr, pre_gelu_out ? pre_gelu_out[i] : nullptr,
+                       transa, transb, grad, workspace ? workspace[0] : nullptr, accumulate));
+      } catch (const Error &e) {
+        throw Error(e.status(), concat("GEMM ", i, " of ", num_gemms, ": ", e.what()));
+      }
+    }
+  });
+}
+
+NVTEStatus nvte_cublas_gemm_workspace_size(NVTEBackend backend, size_t *bytes) {
+  return api_call("nvte_cublas_gemm_workspace_size", [&] {
+    NVTE_CHECK(bytes != nullptr, "bytes is NULL");
+    NVTE_CHECK(backend == kNVTEBackendCPU || backend == kNVTEBackendCUDA, "unknown backend ", (int)backend);
+    // CPU: none. CUDA: cuBLASLt's recommended 32 MiB (Hopper) once that backend exists.
+    *bytes = backend == kNVTEBackendCPU ? 0 : size_t(32) << 20;
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,200 @@
+// api/normalization.cpp - nvte_layernorm_* / nvte_rmsnorm_* entry points: validate, pick the backend, run.
+#include "transformer_engine/normalization.h"
+
+#include <cmath>
+
+#include "../common/backend.h"
+#include "../cpu/normalization.h"
+
+using namespace nvte;
+
+namespace {
+
+// An x-like [N, H] input in high precision (FP8 inputs are not part of the API); returns its 2D view.
+Dims2 check_input(const Tensor &t, const char *name) {
+  const NVTEDType dt = logical_dtype(t);
+  NVTE_CHECK(is_high_precision(dt), name, " has dtype ", dtype_name(dt),
+             "; expected float32, float16 or bfloat16");
+  NVTE_CHECK(buffer_set(t.params[kNVTERowwiseData]), name, " needs rowwise data");
+  return flat2d(logical_shape(t));
+}
+
+// A tensor that must have x's 2D view [N, H] (z, dz, dx, add).
+void check_like_x(const Tensor &t, const char *name, const Tensor &x, Dims2 xd) {
+  const NVTEShape s = logical_shape(t);
+  const Dims2 d = flat2d(s);
+  NVTE_CHECK(d.rows == xd.rows && d.cols == xd.cols, name, " has shape ", shape_str(s), " but x has shape ",
+             shape_str(logical_shape(x)), "; expected the same [N, H] = [", xd.rows, ", ", xd.cols, "]");
+}
+
+// gamma, beta, dgamma, dbeta: high precision, H elements, last dim H.
+void check_vec(const Tensor &t, const char *name, size_t h) {
+  const NVTEBasicTensor &b = t.params[kNVTERowwiseData];
+  NVTE_CHECK(buffer_set(b), name, " needs rowwise data");
+  NVTE_CHECK(is_high_precision(b.dtype), name, " has dtype ", dtype_name(b.dtype),
+             "; expected float32, float16 or bfloat16");
+  NVTE_CHECK(numel(b.shape) == h && (b.shape.ndim == 0 ? h == 1 : b.shape.data[b.shape.ndim - 1] == h), name,
+             " has shape ", shape_str(b.shape), "; expected [", h, "] (H = last dim of x)");
+}
+
+// mu, rsigma: float32 with one value per row.
+void check_stats(const Tensor &t, const char *name, size_t n) {
+  const NVTEBasicTensor &b = t.params[kNVTERowwiseData];
+  NVTE_CHECK(buffer_set(b), name, " needs rowwise data");
+  NVTE_CHECK(b.dtype == kNVTEFloat32, name, " has dtype ", dtype_name(b.dtype), "; expected float32");
+  NVTE_CHECK(numel(b.shape) == n, name, " has shape ", shape_str(b.shape), " (", numel(b.shape),
+             " elements); expected [", n, "] (N = rows of x)");
+}
+
+void check_epsilon(float eps) {
+  NVTE_CHECK(eps >= 0.0f, "epsilon must be >= 0, got ", eps);  // NaN fails too
+}
+
+// The CPU backend needs no scratch memory: a query call (NULL workspace data) is told
+// 0 bytes and is computed right away; a given workspace is left untouched.
+void no_workspace(NVTETensor workspace) {
+  if (workspace == nullptr) return;
+  NVTEBasicTensor &b = workspace->params[kNVTERowwiseData];
+  if (b.data_ptr != nullptr) return;
+  b.dtype = kNVTEByte;
+  b.shape.ndim = 1;
+  b.shape.data[0] = 0;
+}
+
+// ln: LayerNorm (beta, mu present); otherwise RMSNorm.
+void norm_fwd(const char *op, bool ln, const NVTETensor x, const NVTETensor gamma, const NVTETensor beta, float eps,
+              NVTETensor z, NVTETensor mu, NVTETensor rsigma, NVTETensor workspace, bool zc) {
+  const Tensor &xt = require(x, "x");
+  const Tensor &gt = require(gamma, "gamma");
+  const Tensor *bt = ln ? &require(beta, "beta") : nullptr;
+  Tensor &zt = require_mut(z, "z");
+  Tensor *mt = ln ? &require_mut(mu, "mu") : nullptr;
+  Tensor &rt = require_mut(rsigma, "rsigma");
+  const Dims2 d = check_input(xt, "x");
+  check_vec(gt, "gamma", d.cols);
+  if (bt) check_vec(*bt, "beta", d.cols);
+  check_like_x(zt, "z", xt, d);
+  if (mt) check_stats(*mt, "mu", d.rows);
+  check_stats(rt, "rsigma", d.rows);
+  check_epsilon(eps);
+  switch (backend_of({{"x", x}, {"gamma", gamma}, {"beta", beta}, {"z", z}, {"mu", mu},
+                      {"rsigma", rsigma}, {"workspace", workspace}})) {
+    case Backend::CPU:
+      no_workspace(workspace);
+      return cpu::norm_fwd(xt, gt, bt, eps, zt, mt, rt, zc);
+    case Backend::CUDA: cuda_not_built(op);
+  }
+}
+
+void norm_bwd(const char *op, bool ln, const NVTETensor dz, const NVTETensor x, const NVTETensor add,
+              const NVTETensor mu, const NVTETensor rsigma, const NVTETensor gamma, NVTETensor dx,
+              NVTETensor dgamma, NVTETensor dbeta, NVTETensor workspace, bool zc, bool with_add) {
+  const Tensor &dzt = require(dz, "dz");
+  const Tensor &xt = require(x, "x");
+  const Tensor *at = with_add ? &require(add, "add") : nullptr;
+  const Tensor *mt = ln ? &require(mu, "mu") : nullptr;
+  const Tensor &rt = require(rsigma, "rsigma");
+  const Tensor &gt = require(gamma, "gamma");
+  Tensor &dxt = require_mut(dx, "dx");
+  Tensor &dgt = require_mut(dgamma, "dgamma");
+  Tensor *dbt = ln ? &require_mut(dbeta, "dbeta") : nullptr;
+  const Dims2 d = check_input(xt, "x");
+  check_input(dzt, "dz");
+  check_like_x(dzt, "dz", xt, d);
+  if (at) {
+    check_input(*at, "add");
+    check_like_x(*at, "add", xt, d);
+  }
+  if (mt) check_stats(*mt, "mu", d.rows);
+  check_stats(rt, "rsigma", d.rows);
+  check_vec(gt, "gamma", d.cols);
+  check_like_x(dxt, "dx", xt, d);
+  NVTE_CHECK(is_high_precision(logical_dtype(dxt)), "dx has dtype ", dtype_name(logical_dtype(dxt)),
+             "; expected float32, float16 or bfloat16");
+  check_vec(dgt, "dgamma", d.cols);
+  if (dbt) check_vec(*dbt, "dbeta", d.cols);
+  switch (backend_of({{"dz", dz}, {"x", x}, {"add", add}, {"mu", mu}, {"rsigma", rsigma}, {"gamma", gamma},
+                      {"dx", dx}, {"dgamma", dgamma}, {"dbeta", dbeta}, {"workspace", workspace}})) {
+    case Backend::CPU:
+      no_workspace(workspace);
+      return cpu::norm_bwd(dzt, xt, at, mt, rt, gt, dxt, dgt, dbt, zc);
+    case Backend::CUDA: cuda_not_built(op);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+NVTEStatus nvte_layernorm_fwd(const NVTETensor x, const NVTETensor gamma, const NVTETensor beta,
+                              const float epsilon, NVTETensor z, NVTETensor mu, NVTETensor rsigma,
+                              NVTETensor workspace, const int multiprocessorCount,
+                              const bool zero_centered_gamma, cudaStream_t stream) {
+  (void)multiprocessorCount;
+  (void)stream;
+  return api_call("nvte_layernorm_fwd", [&] {
+    norm_fwd("nvte_layernorm_fwd", true, x, gamma, beta, epsilon, z, mu, rsigma, workspace, zero_centered_gamma);
+  });
+}
+
+NVTEStatus nvte_layernorm_bwd(const NVTETensor dz, const NVTETensor x, const NVTETensor mu,
+                              const NVTETensor rsigma, const NVTETensor gamma, NVTETensor dx,
+                              NVTETensor dgamma, NVTETensor dbeta, NVTETensor workspace,
+                              const int multiprocessorCount, const bool zero_centered_gamma,
+                              cudaStream_t stream) {
+  (void)multiprocessorCount;
+  (void)stream;
+  return api_call("nvte_layernorm_bwd", [&] {
+    norm_bwd("nvte_layernorm_bwd", true, dz, x, nullptr, mu, rsigma, gamma, dx, dgamma, dbeta, workspace,
+             zero_centered_gamma, false);
+  });
+}
+
+NVTEStatus nvte_rmsnorm_fwd(const NVTETensor x, const NVTETensor gamma, const float epsilon, NVTETensor z,
+                            NVTETensor rsigma, NVTETensor workspace, const int multiprocessorCount,
+                            const bool zero_centered_gamma, cudaStream_t stream) {
+  (void)multiprocessorCount;
+  (void)stream;
+  return api_call("nvte_rmsnorm_fwd", [&] {
+    norm_fwd("nvte_rmsnorm_fwd", false, x, gamma, nullptr, epsilon, z, nullptr, rsigma, workspace,
+             zero_centered_gamma);
+  });
+}
+
+NVTEStatus nvte_rmsnorm_bwd(const NVTETensor dz, const NVTETensor x, const NVTETensor rsigma,
+                            const NVTETensor gamma, NVTETensor dx, NVTETensor dgamma, NVTETensor workspace,
+                            const int multiprocessorCount, const bool zero_centered_gamma,
+                            cudaStream_t stream) {
+  (void)multiprocessorCount;
+  (void)stream;
+  return api_call("nvte_rmsnorm_bwd", [&] {
+    norm_bwd("nvte_rmsnorm_bwd", false, dz, x, nullptr, nullptr, rsigma, gamma, dx, dgamma, nullptr, workspace,
+             zero_centered_gamma, false);
+  });
+}
+
+NVTEStatus nvte_rmsnorm_bwd_add(const NVTETensor dz, const NVTETensor x, const NVTETensor add,
+                                const NVTETensor rsigma, const NVTETensor gamma, NVTETensor dx,
+                                NVTETensor dgamma, NVTETensor workspace, const int multiprocessorCount,
+                                const bool zero_centered_gamma, cudaStream_t stream) {
+  (void)multiprocessorCount;
+  (void)stream;
+  return api_call("nvte_rmsnorm_bwd_add", [&] {
+    norm_bwd("nvte_rmsnorm_bwd_add", false, dz, x, add, nullptr, rsigma, gamma, dx, dgamma, nullptr, workspace,
+             zero_centered_gamma, true);
+  });
+}
+
+NVTEStatus nvte_normalization_workspace_size(const NVTETensor x, bool is_forward, size_t *bytes) {
+  (void)is_forward;
+  return api_call("nvte_normalization_workspace_size", [&] {
+    NVTE_CHECK(bytes != nullptr, "bytes is a NULL pointer");
+    require(x, "x");
+    switch (backend_of({{"x", x}})) {
+      case Backend::CPU: *bytes = 0; return;
+      case Backend::CUDA: cuda_not_built("nvte_normalization_workspace_size");
+    }
+  });
+}
+
+}  // extern "C"
