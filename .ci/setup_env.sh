@@ -20,6 +20,13 @@ if ! python -c "import numpy, ml_dtypes, pytest, pybind11, cmake, ninja, setupto
   echo "[setup] installing build and test dependencies"
   pip_q "setuptools>=68" wheel "cmake>=3.24" ninja "pybind11>=2.12" numpy "ml_dtypes>=0.5" pytest
 fi
+# The CUDA backend is compiled wherever nvcc exists (CI too); its cuBLASLt header comes from
+# the nvidia-cublas wheel matching CUDA 13.0 (the library itself opens cuBLASLt at run time).
+if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } && [ "${NVTE_WITH_CUDA:-auto}" != OFF ] \
+   && ! python -c "import nvidia.cu13, os, sys; sys.exit(not os.path.exists(os.path.join(nvidia.cu13.__path__[0], 'include', 'cublasLt.h')))" 2>/dev/null; then
+  echo "[setup] installing nvidia-cublas (cuBLASLt header for the CUDA backend)"
+  pip_q "nvidia-cublas==13.0.2.14"
+fi
 # PyTorch: its CPU wheel (torch==2.13.0 is a local file on the CPU machines); a GPU machine keeps its own.
 if ! python -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0 (CPU build)"

@@ -11,7 +11,7 @@ stage=/tmp/nvte_pkg_$name
 pybind_dir=$($py -c 'import pybind11; print(pybind11.get_cmake_dir())')
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S "$root" -B "$build" "${gen[@]}" -DNVTE_BUILD_PYTHON=ON -DCMAKE_BUILD_TYPE=Release \
-  -DNVTE_WITH_CUDA="${NVTE_WITH_CUDA:-auto}" -DPython_EXECUTABLE="$(command -v $py)" \
+  -DNVTE_WITH_CUDA="${NVTE_WITH_CUDA:-auto}" -DNVTE_CUDA_ARCHS="${NVTE_CUDA_ARCHS:-80;89;90}" -DPython_EXECUTABLE="$(command -v $py)" \
   -Dpybind11_DIR="$pybind_dir" >"$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
 cmake --build "$build" -j "${NVTE_BUILD_JOBS:-2}" >&2
 rm -rf "$stage" && mkdir -p "$stage"

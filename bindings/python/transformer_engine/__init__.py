@@ -4,9 +4,26 @@ The compiled core is libtransformer_engine.so (C API nvte_*), reached from Pytho
 through the framework-neutral module transformer_engine._nvte. Framework adapters
 live in transformer_engine.pytorch, transformer_engine.jax and transformer_engine.paddle.
 """
+import os as _os
+import sysconfig as _sysconfig
 from pathlib import Path as _Path
 
-from . import _nvte  # noqa: F401  (loads libtransformer_engine.so)
+
+def _point_at_pip_cublaslt():
+    """The CUDA backend opens cuBLASLt at run time. When the pip wheel nvidia-cublas is
+    installed (PyTorch's CUDA builds bring it), use that copy, the one PyTorch loads too."""
+    if "NVTE_CUBLASLT_PATH" in _os.environ:
+        return
+    for base in {_sysconfig.get_paths()["purelib"], _sysconfig.get_paths()["platlib"]}:
+        cand = _Path(base) / "nvidia" / "cu13" / "lib" / "libcublasLt.so.13"
+        if cand.exists():
+            _os.environ["NVTE_CUBLASLT_PATH"] = str(cand)
+            return
+
+
+_point_at_pip_cublaslt()
+
+from . import _nvte  # noqa: E402,F401  (loads libtransformer_engine.so)
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,67 @@
+"""Timing helpers for the GPU benchmarks: CUDA events, warm-up, median of many runs,
+rotation over several input sets (so repeated runs do not just measure the L2), and the
+measured device-copy bandwidth used as the memory ceiling."""
+import statistics
+
+import torch
+
+from transformer_engine import _nvte as nvte  # noqa: F401  (fail early if the build is missing)
+
+
+def time_ms(fn, iters=50, warmup=10):
+    """Median milliseconds of fn() over iters runs (CUDA events around each run).
+    fn may take the iteration index (to rotate among input sets)."""
+    takes_index = fn.__code__.co_argcount >= 1
+    for i in range(warmup):
+        fn(i) if takes_index else fn()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(i) if takes_index else fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+_COPY_BW = None
+
+
+def copy_bandwidth_gbs():
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + written (measured once)."""
+    global _COPY_BW
+    if _COPY_BW is None:
+        n = 1 << 30  # 1 GiB, far beyond the L2
+        src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+        dst = torch.empty_like(src)
+        ms = time_ms(lambda: dst.copy_(src), iters=20, warmup=3)
+        _COPY_BW = 2 * n / ms / 1e6
+    return _COPY_BW
+
+
+class Report:
+    """Rows of (group, case, metric dict); printed as a table and saved as markdown."""
+
+    def __init__(self):
+        self.rows = []
+
+    def add(self, group, case, **metrics):
+        self.rows.append((group, case, metrics))
+        vals = "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        print(f"[{group}] {case}: {vals}", flush=True)
+
+    def markdown(self):
+        out = []
+        groups = []
+        for g, _, _ in self.rows:
+            if g not in groups:
+                groups.append(g)
+        for g in groups:
+            rows = [(c, m) for gg, c, m in self.rows if gg == g]
+            keys = list(rows[0][1].keys())
+            out.append(f"\n### {g}\n\n| case | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
+            for c, m in rows:
+                out.append(f"| {c} | " + " | ".join(f"{m[k]:.3g}" if isinstance(m[k], float) else str(m[k]) for k in keys) + " |")
+        return "\n".join(out) + "\n"

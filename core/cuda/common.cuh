@@ -1,0 +1,119 @@
+// common.cuh - what every CUDA kernel file of the backend shares: error checks that turn
+// CUDA failures into NVTE_ERROR_CUDA statuses, fast device conversions that are
+// bit-identical to core/common/numeric.h (the CPU oracle), 16-byte vector access,
+// and the amax reduction (warp -> block -> one atomic per block).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/error.h"
+#include "../common/numeric.h"
+#include "../common/tensor.h"
+
+#define NVTE_CHECK_CUDA(call)                                                                   \
+  do {                                                                                          \
+    const cudaError_t err_ = (call);                                                            \
+    if (err_ != cudaSuccess) NVTE_FAIL(NVTE_ERROR_CUDA, #call, " failed: ", cudaGetErrorName(err_), \
+                                       " (", cudaGetErrorString(err_), ")");                    \
+  } while (0)
+
+// After a kernel launch: reports launch-configuration errors without synchronising.
+#define NVTE_CHECK_LAUNCH() NVTE_CHECK_CUDA(cudaGetLastError())
+
+namespace nvte::cuda {
+
+// Multiprocessor count of the current device (cached per device).
+int sm_count();
+
+// Blocks for a grid-stride kernel over n items: enough to fill the device a few times over.
+inline unsigned grid_for(size_t n, int threads, int items_per_thread = 1) {
+  const size_t want = (n + (size_t)threads * items_per_thread - 1) / ((size_t)threads * items_per_thread);
+  const size_t cap = (size_t)sm_count() * 8;
+  return (unsigned)(want < 1 ? 1 : (want > cap ? cap : want));
+}
+
+// ---------------------------------------------------------------- conversions
+// load: storage -> float32; store: float32 -> storage. FP8 stores use the hardware
+// satfinite conversion on sm_89+ (same results as numeric.h: RNE, saturate, NaN -> 0x7F,
+// checked bit for bit by tests/gpu) and numeric.h elsewhere.
+__device__ __forceinline__ float load_f32(float v) { return v; }
+__device__ __forceinline__ float load_f32(bf16 v) { return __uint_as_float((uint32_t)v.bits << 16); }
+__device__ __forceinline__ float load_f32(fp16 v) { return __half2float(__ushort_as_half(v.bits)); }
+__device__ __forceinline__ float load_f32(fp8e4m3 v) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(v.bits, __NV_E4M3)));
+}
+__device__ __forceinline__ float load_f32(fp8e5m2 v) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(v.bits, __NV_E5M2)));
+}
+
+template <class T> __device__ __forceinline__ T store_f32(float v);
+template <> __device__ __forceinline__ float store_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ bf16 store_f32<bf16>(float v) {
+  return bf16{__bfloat16_as_ushort(__float2bfloat16_rn(v))};
+}
+template <> __device__ __forceinline__ fp16 store_f32<fp16>(float v) {
+  return fp16{__half_as_ushort(__float2half_rn(v))};
+}
+template <> __device__ __forceinline__ fp8e4m3 store_f32<fp8e4m3>(float v) {
+  return fp8e4m3{(uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3)};
+}
+template <> __device__ __forceinline__ fp8e5m2 store_f32<fp8e5m2>(float v) {
+  return fp8e5m2{(uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2)};
+}
+
+// ------------------------------------------------------------- vector access
+// N elements of T in one aligned access (N * sizeof(T) == 16 for full-width loads).
+template <class T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T *p) {
+  return *reinterpret_cast<const Vec<T, N> *>(p);
+}
+template <class T, int N>
+__device__ __forceinline__ void store_vec(T *p, const Vec<T, N> &v) {
+  *reinterpret_cast<Vec<T, N> *>(p) = v;
+}
+
+// True when every pointer is aligned to `bytes` (decides vector vs scalar paths on the host).
+inline bool aligned(const void *p, size_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+// ---------------------------------------------------------------- reductions
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Non-negative floats order like their bit patterns, so an integer atomicMax is a float max.
+__device__ __forceinline__ void atomic_max_nonneg(float *addr, float v) {
+  atomicMax(reinterpret_cast<int *>(addr), __float_as_int(v));
+}
+
+// Reduces each thread's |x| maximum over the block and folds it into *amax (one atomic per
+// block). All threads of the block must call it. NaNs are ignored (fmaxf), as on the CPU.
+__device__ __forceinline__ void block_amax_update(float local, float *amax) {
+  __shared__ float partial[32];
+  local = warp_max(local);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) partial[warp] = local;
+  __syncthreads();
+  if (warp == 0) {
+    const int nwarps = (blockDim.x + 31) >> 5;
+    float v = lane < nwarps ? partial[lane] : 0.0f;
+    v = warp_max(v);
+    if (lane == 0 && amax != nullptr && v > 0.0f) atomic_max_nonneg(amax, v);
+  }
+}
+
+}  // namespace nvte::cuda

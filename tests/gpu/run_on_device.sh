@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# On the lent GPU machine: build the library with the CUDA backend, run the GPU test suite
+# (CUDA vs the CPU oracle), compute-sanitizer memcheck over it, and the GPU benchmarks.
+# Logs and a results table go to $OUT (default /tmp/nvte_out).
+#   tests/gpu/run_on_device.sh [build] [test] [sanitize] [bench] [cpu]   (default: build test bench)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/nvte_out}
+mkdir -p "$OUT"
+steps=${*:-build test bench}
+export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+STAGE=/tmp/nvte_pkg_gpu
+rc=0
+
+if [[ " $steps " == *" build "* ]]; then
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    nvcc --version | tail -1
+    $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+    git rev-parse --short HEAD 2>/dev/null || true; } | tee "$OUT/env.txt"
+  t0=$(date +%s)
+  if PYTHON=$PY NVTE_WITH_CUDA=ON NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS:-90} NVTE_BUILD_JOBS=16 \
+      tests/dev_build.sh gpu >"$OUT/build.log" 2>&1; then
+    echo "build: ok in $(( $(date +%s) - t0 )) s"
+  else
+    echo "build: FAILED"; tail -40 "$OUT/build.log"; exit 1
+  fi
+fi
+export PYTHONPATH=$STAGE
+
+if [[ " $steps " == *" cpu "* ]]; then
+  $PY -m pytest -q -x tests/core -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/cpu_tests.log"
+fi
+
+if [[ " $steps " == *" test "* ]]; then
+  $PY -m pytest -q tests/gpu -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+
+if [[ " $steps " == *" sanitize "* ]]; then
+  compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
+    $PY -m pytest -q -x tests/gpu -p no:cacheprovider -k "not large" 2>&1 | tee "$OUT/sanitizer.log" | tail -15
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+
+if [[ " $steps " == *" bench "* ]]; then
+  $PY benchmarks/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+exit $rc
