@@ -5,6 +5,9 @@
 #include "../common/activation_math.h"
 #include "../common/backend.h"
 #include "../cpu/activation.h"
+#ifdef NVTE_WITH_CUDA
+#include "../cuda/activation.h"
+#endif
 
 using namespace nvte;
 
@@ -31,7 +34,7 @@ void check_dims(const Tensor &t, const char *name, size_t rows, size_t cols, con
 
 // Elementwise forward (backward false, grad unused) or backward.
 void run_act(const char *op, Act a, bool backward, const NVTETensor grad, const NVTETensor input,
-             NVTETensor output) {
+             NVTETensor output, cudaStream_t stream) {
   const Tensor &in = require(input, "input");
   const Tensor *g = backward ? &require(grad, "grad") : nullptr;
   Tensor &out = require_mut(output, "output");
@@ -45,13 +48,19 @@ void run_act(const char *op, Act a, bool backward, const NVTETensor grad, const 
   check_dims(out, "output", d.rows, d.cols, "(the input's shape)");
   switch (backend_of({{"grad", grad}, {"input", input}, {"output", output}})) {
     case Backend::CPU: return cpu::activation(a, g, in, out);
-    case Backend::CUDA: cuda_not_built(op);
+    case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+      return cuda::activation(a, g, in, out, stream);
+#else
+      (void)stream;
+      cuda_not_built(op);
+#endif
   }
 }
 
 // Gated forward (backward false): [N, 2H] -> [N, H]; backward: grad [N, H] -> output [N, 2H].
 void run_gated(const char *op, Act a, bool backward, const NVTETensor grad, const NVTETensor input,
-               NVTETensor output) {
+               NVTETensor output, cudaStream_t stream) {
   const Tensor &in = require(input, "input");
   const Tensor *g = backward ? &require(grad, "grad") : nullptr;
   Tensor &out = require_mut(output, "output");
@@ -71,7 +80,13 @@ void run_gated(const char *op, Act a, bool backward, const NVTETensor grad, cons
   }
   switch (backend_of({{"grad", grad}, {"input", input}, {"output", output}})) {
     case Backend::CPU: return cpu::gated_activation(a, g, in, out);
-    case Backend::CUDA: cuda_not_built(op);
+    case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+      return cuda::gated_activation(a, g, in, out, stream);
+#else
+      (void)stream;
+      cuda_not_built(op);
+#endif
   }
 }
 
@@ -84,15 +99,14 @@ void run_gated(const char *op, Act a, bool backward, const NVTETensor grad, cons
 
 #define NVTE_DEFINE_ACT(name, act, runner)                                                  \
   NVTEStatus nvte_##name(const NVTETensor input, NVTETensor output, cudaStream_t stream) {  \
-    (void)stream;                                                                           \
-    return api_call("nvte_" #name,                                                          \
-                    [&] { runner("nvte_" #name, Act::act, false, nullptr, input, output); }); \
+    return api_call("nvte_" #name, [&] {                                                    \
+      runner("nvte_" #name, Act::act, false, nullptr, input, output, stream);               \
+    });                                                                                     \
   }                                                                                         \
   NVTEStatus nvte_d##name(const NVTETensor grad, const NVTETensor input, NVTETensor output, \
                           cudaStream_t stream) {                                            \
-    (void)stream;                                                                           \
     return api_call("nvte_d" #name,                                                         \
-                    [&] { runner("nvte_d" #name, Act::act, true, grad, input, output); });  \
+                    [&] { runner("nvte_d" #name, Act::act, true, grad, input, output, stream); }); \
   }
 #define NVTE_DEFINE_ELEMENTWISE(name, act) NVTE_DEFINE_ACT(name, act, run_act)
 #define NVTE_DEFINE_GATED(name, act) NVTE_DEFINE_ACT(name, act, run_gated)

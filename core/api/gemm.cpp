@@ -8,6 +8,9 @@
 #include "../common/backend.h"
 #include "../common/config.h"
 #include "../cpu/gemm.h"
+#ifdef NVTE_WITH_CUDA
+#include "../cuda/gemm.h"
+#endif
 
 using namespace nvte;
 
@@ -20,6 +23,9 @@ struct Request {
   float alpha = 1.0f, beta = 0.0f;
   NVTETensor bias = nullptr, dbias = nullptr, aux = nullptr, workspace = nullptr;
   bool gelu = false, dgelu = false;
+  bool use_split_accumulator = true;  // CUDA FP8 only; the CPU always accumulates in full precision
+  int sm_count = 0;                   // CUDA only
+  cudaStream_t stream = nullptr;
 };
 
 // An optional argument: NULL handles and tensors with no memory and no elements count as
@@ -36,6 +42,14 @@ NVTETensor optional(NVTETensor t, const char *name) {
 
 bool is_float(NVTEDType t) { return is_high_precision(t) || is_fp8(t); }
 
+// A buffer as a row-major 2D matrix. Rowwise data of shape [.., c] is [rows, c]; columnwise
+// data (the transpose of the logical [rest.., N]) has shape [N, rest..] and is [N, prod(rest)].
+Dims2 stored_dims(const NVTEBasicTensor &b, bool columnwise) {
+  if (!columnwise || b.shape.ndim == 0) return flat2d(b.shape);
+  const size_t r = b.shape.data[0];
+  return {r, r ? numel(b.shape) / r : 0};
+}
+
 // op(t) as a strided matrix view. An operand with only columnwise data (its transpose,
 // as FP8 tensors often carry) is used through that buffer with the trans flag flipped.
 // *scale_inv receives the FP8 scale_inv pointer (read only once the backend is known).
@@ -45,7 +59,7 @@ cpu::MatView op_view(const Tensor &t, const char *name, bool trans, const float 
   const NVTEBasicTensor &b = use_col ? col : row;
   NVTE_CHECK(is_float(b.dtype), name, " has dtype ", dtype_name(b.dtype),
              "; expected float32, float16, bfloat16, float8_e4m3 or float8_e5m2");
-  const Dims2 s = flat2d(b.shape);
+  const Dims2 s = stored_dims(b, use_col);
   const bool tr = use_col ? !trans : trans;
   cpu::MatView v;
   v.data = b.data_ptr;
@@ -64,6 +78,84 @@ cpu::MatView op_view(const Tensor &t, const char *name, bool trans, const float 
 }
 
 std::string tf(bool b) { return b ? "true" : "false"; }
+
+#ifdef NVTE_WITH_CUDA
+// The buffer of t that the CUDA GEMM reads, as a cuBLAS operand. `trans` is the flag the
+// caller gave; `tn_trans` the flag an FP8 operand must end up with when the device takes
+// FP8 GEMMs only in TN layout (A: true, B: false). The rowwise buffer is used when it fits,
+// else the columnwise buffer (the transpose) with the flag flipped, as on the CPU.
+cuda::GemmOperand cuda_operand(const Tensor &t, const char *name, const char *flag, bool trans, bool tn_trans,
+                               bool tn_only) {
+  const NVTEBasicTensor &row = t.params[kNVTERowwiseData], &col = t.params[kNVTEColumnwiseData];
+  const bool has_row = buffer_set(row), has_col = buffer_set(col);
+  const NVTEDType dt = has_row ? row.dtype : col.dtype;
+  bool use_col = !has_row && has_col;
+  if (is_fp8(dt) && tn_only) {
+    if (has_row && trans == tn_trans) {
+      use_col = false;
+    } else if (has_col && !trans == tn_trans) {
+      use_col = true;
+    } else {
+      NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "FP8 GEMMs on this GPU (sm_89 / sm_90) run only in TN layout (",
+                flag, " = ", tf(tn_trans), " in cuBLAS terms), but ", name, " is FP8 with ", flag, " = ", tf(trans),
+                has_row ? " and has no columnwise data (its transpose) to use instead"
+                        : " and has only columnwise data, which needs the opposite flag",
+                "; quantize ", name, " with columnwise data, or use a non-FP8 GEMM");
+    }
+  }
+  const NVTEBasicTensor &b = use_col ? col : row;
+  cuda::GemmOperand o;
+  o.data = b.data_ptr;
+  o.dtype = b.dtype;
+  o.trans = use_col ? !trans : trans;
+  const Dims2 s = stored_dims(b, use_col);
+  o.rows = s.rows;
+  o.cols = s.cols;
+  if (is_fp8(b.dtype)) {
+    const float *si = scalar_param(t, use_col ? kNVTEColumnwiseScaleInv : kNVTERowwiseScaleInv, name);
+    if (si == nullptr && use_col) si = scalar_param(t, kNVTERowwiseScaleInv, name);
+    NVTE_CHECK(si != nullptr, name, " is FP8 (", dtype_name(b.dtype), ") but has no scale_inv");
+    o.scale_inv = si;
+  }
+  return o;
+}
+
+size_t buffer_bytes(const NVTETensor t) {
+  if (t == nullptr) return 0;
+  const NVTEBasicTensor &b = t->params[kNVTERowwiseData];
+  return b.data_ptr ? numel(b.shape) * dtype_size(b.dtype) : 0;
+}
+
+void run_cuda(const Request &r, size_t m, size_t n, size_t k) {
+  const bool tn_only = !cuda::non_tn_fp8_supported();
+  cuda::GemmArgs g;
+  g.a = cuda_operand(*r.A, "A", "transa", r.transa, true, tn_only);
+  g.b = cuda_operand(*r.B, "B", "transb", r.transb, false, tn_only);
+  // cuBLAS shapes: op(A) is m x k, op(B) is k x n; a stored [rows, cols] buffer is cols x rows.
+  const size_t am = g.a.trans ? g.a.rows : g.a.cols, ak = g.a.trans ? g.a.cols : g.a.rows;
+  const size_t bk = g.b.trans ? g.b.rows : g.b.cols, bn = g.b.trans ? g.b.cols : g.b.rows;
+  NVTE_CHECK(am == m && ak == k && bk == k && bn == n, "the buffers chosen for the CUDA GEMM (A [", g.a.rows, ", ",
+             g.a.cols, "], B [", g.b.rows, ", ", g.b.cols, "]) do not give m=", m, " n=", n, " k=", k,
+             "; check the columnwise data's shape (the transpose of the rowwise shape)");
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.alpha = r.alpha;
+  g.beta = r.beta;
+  g.c = r.C;
+  g.d = r.D;
+  g.bias = r.bias;
+  g.dbias = r.dbias;
+  g.aux = (r.gelu || r.dgelu) ? r.aux : nullptr;
+  g.gelu = r.gelu;
+  g.dgelu = r.dgelu;
+  g.workspace = r.workspace ? r.workspace->params[kNVTERowwiseData].data_ptr : nullptr;
+  g.workspace_bytes = buffer_bytes(r.workspace);
+  g.use_split_accumulator = r.use_split_accumulator;
+  g.sm_count = r.sm_count;
+  cuda::gemm(g, r.stream);
+}
+#endif
 
 void check_mn(const NVTETensor t, const char *name, size_t n, size_t m) {
   const NVTEShape s = logical_shape(*t);
@@ -146,15 +238,23 @@ void run(const char *op, Request r) {
       if (a_scale_inv) p.y.scale_inv = *a_scale_inv;
       if (b_scale_inv) p.x.scale_inv = *b_scale_inv;
       return cpu::gemm(p);
-    case Backend::CUDA: cuda_not_built(op);
+    case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+      return run_cuda(r, m, n, k);
+#else
+      cuda_not_built(op);
+#endif
   }
 }
 
 // The v1 flags in terms of a Request (epilogue choice as in gemm.h's file comment).
 Request v1_request(const NVTETensor A, const NVTETensor B, NVTETensor D, const NVTETensor bias,
                    NVTETensor pre_gelu_out, bool transa, bool transb, bool grad, NVTETensor workspace,
-                   bool accumulate) {
+                   bool accumulate, bool use_split_accumulator, int math_sm_count, cudaStream_t stream) {
   Request r;
+  r.use_split_accumulator = use_split_accumulator;
+  r.sm_count = math_sm_count;
+  r.stream = stream;
   r.A = A;
   r.B = B;
   r.D = D;
@@ -183,17 +283,15 @@ NVTEStatus nvte_cublas_gemm(const NVTETensor A, const NVTETensor B, NVTETensor D
                             NVTETensor pre_gelu_out, bool transa, bool transb, bool grad,
                             NVTETensor workspace, bool accumulate, bool use_split_accumulator,
                             int math_sm_count, cudaStream_t stream) {
-  (void)use_split_accumulator, (void)math_sm_count, (void)stream;  // CPU: always full precision
   return api_call("nvte_cublas_gemm", [&] {
-    run("nvte_cublas_gemm",
-        v1_request(A, B, D, bias, pre_gelu_out, transa, transb, grad, workspace, accumulate));
+    run("nvte_cublas_gemm", v1_request(A, B, D, bias, pre_gelu_out, transa, transb, grad, workspace, accumulate,
+                                       use_split_accumulator, math_sm_count, stream));
   });
 }
 
 NVTEStatus nvte_cublas_gemm_v2(int transa, int transb, const float *alpha, const NVTETensor A,
                                const NVTETensor B, const float *beta, const NVTETensor C, NVTETensor D,
                                NVTETensor workspace, NVTEMatmulConfig config, cudaStream_t stream) {
-  (void)stream;
   return api_call("nvte_cublas_gemm_v2", [&] {
     NVTE_CHECK(alpha != nullptr && beta != nullptr, "alpha and beta must be host pointers to float, got ",
                alpha ? "alpha set" : "alpha NULL", " and ", beta ? "beta set" : "beta NULL");
@@ -207,7 +305,10 @@ NVTEStatus nvte_cublas_gemm_v2(int transa, int transb, const float *alpha, const
     r.alpha = *alpha;
     r.beta = *beta;
     r.workspace = workspace;
+    r.stream = stream;
     if (config) {
+      r.use_split_accumulator = config->use_split_accumulator;
+      r.sm_count = config->sm_count;
       r.bias = config->bias_tensor;
       r.dbias = config->dbias_tensor;
       r.gelu = config->with_gelu_epilogue;
@@ -223,7 +324,6 @@ NVTEStatus nvte_multi_tensor_gemm(const NVTETensor *A, const NVTETensor *B, NVTE
                                   bool transa, bool transb, bool grad, NVTETensor *workspace,
                                   bool accumulate, bool use_split_accumulator, int math_sm_count,
                                   cudaStream_t stream) {
-  (void)use_split_accumulator, (void)math_sm_count, (void)stream;
   return api_call("nvte_multi_tensor_gemm", [&] {
     NVTE_CHECK(num_gemms >= 0, "num_gemms is ", num_gemms, "; expected >= 0");
     if (num_gemms == 0) return;
@@ -231,10 +331,12 @@ NVTEStatus nvte_multi_tensor_gemm(const NVTETensor *A, const NVTETensor *B, NVTE
                A ? "set" : "NULL", ", B ", B ? "set" : "NULL", ", D ", D ? "set" : "NULL", ")");
     for (int i = 0; i < num_gemms; ++i) {
       try {
-        // The CPU needs no workspace, so only the first entry is looked at for the backend.
+        // The call does not say how many workspaces there are, so every GEMM uses the first
+        // one; they run one after another on `stream`, so sharing it is safe.
         run("nvte_multi_tensor_gemm",
             v1_request(A[i], B[i], D[i], bias ? bias[i] : nullptr, pre_gelu_out ? pre_gelu_out[i] : nullptr,
-                       transa, transb, grad, workspace ? workspace[0] : nullptr, accumulate));
+                       transa, transb, grad, workspace ? workspace[0] : nullptr, accumulate,
+                       use_split_accumulator, math_sm_count, stream));
       } catch (const Error &e) {
         throw Error(e.status(), concat("GEMM ", i, " of ", num_gemms, ": ", e.what()));
       }
@@ -246,8 +348,8 @@ NVTEStatus nvte_cublas_gemm_workspace_size(NVTEBackend backend, size_t *bytes) {
   return api_call("nvte_cublas_gemm_workspace_size", [&] {
     NVTE_CHECK(bytes != nullptr, "bytes is NULL");
     NVTE_CHECK(backend == kNVTEBackendCPU || backend == kNVTEBackendCUDA, "unknown backend ", (int)backend);
-    // CPU: none. CUDA: cuBLASLt's recommended 32 MiB (Hopper) once that backend exists.
-    *bytes = backend == kNVTEBackendCPU ? 0 : size_t(32) << 20;
+    // CPU: none. CUDA: cuBLASLt's recommended 32 MiB (Hopper) plus the FP8 amax scratch.
+    *bytes = backend == kNVTEBackendCPU ? 0 : (size_t(32) << 20) + 256;
   });
 }
 

@@ -5,6 +5,9 @@
 
 #include "../common/backend.h"
 #include "../cpu/normalization.h"
+#ifdef NVTE_WITH_CUDA
+#include "../cuda/normalization.h"
+#endif
 
 using namespace nvte;
 
@@ -61,9 +64,35 @@ void no_workspace(NVTETensor workspace) {
   b.shape.data[0] = 0;
 }
 
+#ifdef NVTE_WITH_CUDA
+// The CUDA backward's workspace (TE convention): a workspace whose data pointer is NULL is
+// told the bytes needed (shape [bytes], dtype byte) and, when that is > 0, nothing is
+// computed (returns false). Otherwise the given buffer must be large enough.
+bool cuda_workspace(NVTETensor workspace, size_t bytes, void **data) {
+  *data = nullptr;
+  if (workspace == nullptr) {
+    NVTE_CHECK(bytes == 0, "the CUDA normalization backward needs a workspace of ", bytes,
+               " bytes; pass a workspace tensor (a NULL data pointer queries the size)");
+    return true;
+  }
+  NVTEBasicTensor &b = workspace->params[kNVTERowwiseData];
+  if (b.data_ptr == nullptr) {
+    b.dtype = kNVTEByte;
+    b.shape.ndim = 1;
+    b.shape.data[0] = bytes;
+    return bytes == 0;
+  }
+  const size_t have = numel(b.shape) * dtype_size(b.dtype);
+  NVTE_CHECK(have >= bytes, "workspace has ", have, " bytes (shape ", shape_str(b.shape), ", dtype ",
+             dtype_name(b.dtype), "); the CUDA normalization backward needs ", bytes);
+  *data = b.data_ptr;
+  return true;
+}
+#endif
+
 // ln: LayerNorm (beta, mu present); otherwise RMSNorm.
 void norm_fwd(const char *op, bool ln, const NVTETensor x, const NVTETensor gamma, const NVTETensor beta, float eps,
-              NVTETensor z, NVTETensor mu, NVTETensor rsigma, NVTETensor workspace, bool zc) {
+              NVTETensor z, NVTETensor mu, NVTETensor rsigma, NVTETensor workspace, bool zc, cudaStream_t stream) {
   const Tensor &xt = require(x, "x");
   const Tensor &gt = require(gamma, "gamma");
   const Tensor *bt = ln ? &require(beta, "beta") : nullptr;
@@ -82,13 +111,20 @@ void norm_fwd(const char *op, bool ln, const NVTETensor x, const NVTETensor gamm
     case Backend::CPU:
       no_workspace(workspace);
       return cpu::norm_fwd(xt, gt, bt, eps, zt, mt, rt, zc);
-    case Backend::CUDA: cuda_not_built(op);
+    case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+      no_workspace(workspace);  // the forward needs no scratch memory either
+      return cuda::norm_fwd(xt, gt, bt, eps, zt, mt, rt, zc, stream);
+#else
+      cuda_not_built(op);
+#endif
   }
 }
 
 void norm_bwd(const char *op, bool ln, const NVTETensor dz, const NVTETensor x, const NVTETensor add,
               const NVTETensor mu, const NVTETensor rsigma, const NVTETensor gamma, NVTETensor dx,
-              NVTETensor dgamma, NVTETensor dbeta, NVTETensor workspace, bool zc, bool with_add) {
+              NVTETensor dgamma, NVTETensor dbeta, NVTETensor workspace, bool zc, bool with_add, int sm_hint,
+              cudaStream_t stream) {
   const Tensor &dzt = require(dz, "dz");
   const Tensor &xt = require(x, "x");
   const Tensor *at = with_add ? &require(add, "add") : nullptr;
@@ -118,7 +154,18 @@ void norm_bwd(const char *op, bool ln, const NVTETensor dz, const NVTETensor x, 
     case Backend::CPU:
       no_workspace(workspace);
       return cpu::norm_bwd(dzt, xt, at, mt, rt, gt, dxt, dgt, dbt, zc);
-    case Backend::CUDA: cuda_not_built(op);
+    case Backend::CUDA: {
+#ifdef NVTE_WITH_CUDA
+      const int sm = cuda::norm_sm(sm_hint);
+      void *ws = nullptr;
+      if (!cuda_workspace(workspace, cuda::norm_bwd_workspace_bytes(d.rows, d.cols, sm), &ws)) return;
+      return cuda::norm_bwd(dzt, xt, at, mt, rt, gt, dxt, dgt, dbt, zc, ws, sm, stream);
+#else
+      (void)sm_hint;
+      (void)stream;
+      cuda_not_built(op);
+#endif
+    }
   }
 }
 
@@ -130,10 +177,10 @@ NVTEStatus nvte_layernorm_fwd(const NVTETensor x, const NVTETensor gamma, const 
                               const float epsilon, NVTETensor z, NVTETensor mu, NVTETensor rsigma,
                               NVTETensor workspace, const int multiprocessorCount,
                               const bool zero_centered_gamma, cudaStream_t stream) {
-  (void)multiprocessorCount;
-  (void)stream;
+  (void)multiprocessorCount;  // the forward's launch shape depends on the row length only
   return api_call("nvte_layernorm_fwd", [&] {
-    norm_fwd("nvte_layernorm_fwd", true, x, gamma, beta, epsilon, z, mu, rsigma, workspace, zero_centered_gamma);
+    norm_fwd("nvte_layernorm_fwd", true, x, gamma, beta, epsilon, z, mu, rsigma, workspace, zero_centered_gamma,
+             stream);
   });
 }
 
@@ -142,11 +189,9 @@ NVTEStatus nvte_layernorm_bwd(const NVTETensor dz, const NVTETensor x, const NVT
                               NVTETensor dgamma, NVTETensor dbeta, NVTETensor workspace,
                               const int multiprocessorCount, const bool zero_centered_gamma,
                               cudaStream_t stream) {
-  (void)multiprocessorCount;
-  (void)stream;
   return api_call("nvte_layernorm_bwd", [&] {
     norm_bwd("nvte_layernorm_bwd", true, dz, x, nullptr, mu, rsigma, gamma, dx, dgamma, dbeta, workspace,
-             zero_centered_gamma, false);
+             zero_centered_gamma, false, multiprocessorCount, stream);
   });
 }
 
@@ -154,10 +199,9 @@ NVTEStatus nvte_rmsnorm_fwd(const NVTETensor x, const NVTETensor gamma, const fl
                             NVTETensor rsigma, NVTETensor workspace, const int multiprocessorCount,
                             const bool zero_centered_gamma, cudaStream_t stream) {
   (void)multiprocessorCount;
-  (void)stream;
   return api_call("nvte_rmsnorm_fwd", [&] {
     norm_fwd("nvte_rmsnorm_fwd", false, x, gamma, nullptr, epsilon, z, nullptr, rsigma, workspace,
-             zero_centered_gamma);
+             zero_centered_gamma, stream);
   });
 }
 
@@ -165,11 +209,9 @@ NVTEStatus nvte_rmsnorm_bwd(const NVTETensor dz, const NVTETensor x, const NVTET
                             const NVTETensor gamma, NVTETensor dx, NVTETensor dgamma, NVTETensor workspace,
                             const int multiprocessorCount, const bool zero_centered_gamma,
                             cudaStream_t stream) {
-  (void)multiprocessorCount;
-  (void)stream;
   return api_call("nvte_rmsnorm_bwd", [&] {
     norm_bwd("nvte_rmsnorm_bwd", false, dz, x, nullptr, nullptr, rsigma, gamma, dx, dgamma, nullptr, workspace,
-             zero_centered_gamma, false);
+             zero_centered_gamma, false, multiprocessorCount, stream);
   });
 }
 
@@ -177,22 +219,31 @@ NVTEStatus nvte_rmsnorm_bwd_add(const NVTETensor dz, const NVTETensor x, const N
                                 const NVTETensor rsigma, const NVTETensor gamma, NVTETensor dx,
                                 NVTETensor dgamma, NVTETensor workspace, const int multiprocessorCount,
                                 const bool zero_centered_gamma, cudaStream_t stream) {
-  (void)multiprocessorCount;
-  (void)stream;
   return api_call("nvte_rmsnorm_bwd_add", [&] {
     norm_bwd("nvte_rmsnorm_bwd_add", false, dz, x, add, nullptr, rsigma, gamma, dx, dgamma, nullptr, workspace,
-             zero_centered_gamma, true);
+             zero_centered_gamma, true, multiprocessorCount, stream);
   });
 }
 
+// On CUDA: 0 for the forward; for the backward, the bytes nvte_*norm_bwd asks for on the
+// current device with multiprocessorCount <= 0 (LayerNorm's, which RMSNorm's never exceed).
 NVTEStatus nvte_normalization_workspace_size(const NVTETensor x, bool is_forward, size_t *bytes) {
-  (void)is_forward;
   return api_call("nvte_normalization_workspace_size", [&] {
     NVTE_CHECK(bytes != nullptr, "bytes is a NULL pointer");
-    require(x, "x");
+    const Tensor &xt = require(x, "x");
     switch (backend_of({{"x", x}})) {
       case Backend::CPU: *bytes = 0; return;
-      case Backend::CUDA: cuda_not_built("nvte_normalization_workspace_size");
+      case Backend::CUDA: {
+#ifdef NVTE_WITH_CUDA
+        const Dims2 d = flat2d(logical_shape(xt));
+        *bytes = is_forward ? 0 : cuda::norm_bwd_workspace_bytes(d.rows, d.cols, cuda::norm_sm(0));
+        return;
+#else
+        (void)xt;
+        (void)is_forward;
+        cuda_not_built("nvte_normalization_workspace_size");
+#endif
+      }
     }
   });
 }

@@ -9,7 +9,9 @@
 #include "../common/config.h"
 #include "../cpu/recipe.h"
 #include "runners.h"
-
+#ifdef NVTE_WITH_CUDA
+#include "../cuda/recipe.h"
+#endif
 
 using namespace nvte;
 
@@ -54,7 +56,8 @@ cpu::History history_of(const NVTETensor hist, const NVTETensor scale, const std
 }
 
 void run_update(const NVTETensor amax_history, const NVTETensor scale, NVTETensor updated_amax_history,
-                NVTETensor updated_scale, const char *algo_name, NVTEDType fp8_dtype, float margin) {
+                NVTETensor updated_scale, const char *algo_name, NVTEDType fp8_dtype, float margin,
+                cudaStream_t stream) {
   const cpu::AmaxAlgo algo = parse_algo(algo_name);
   const float fmax = recipe_fp8_max(fp8_dtype);
   const cpu::History in = history_of(amax_history, scale, "amax_history", "scale");
@@ -66,12 +69,19 @@ void run_update(const NVTETensor amax_history, const NVTETensor scale, NVTETenso
                       {"updated_amax_history", updated_amax_history}, {"updated_scale", updated_scale}})) {
     case Backend::CPU:
       return cpu::amax_and_scale_update(in.hist, in.scale, out.hist, out.scale, in.len, in.n, algo, fmax, margin);
-    case Backend::CUDA: cuda_not_built("nvte_delayed_scaling_recipe_amax_and_scale_update");
+    case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+      return cuda::amax_and_scale_update(in.hist, in.scale, out.hist, out.scale, in.len, in.n, algo, fmax, margin,
+                                         stream);
+#else
+      cuda_not_built("nvte_delayed_scaling_recipe_amax_and_scale_update");
+#endif
   }
 }
 
 void run_after_reduction(const NVTETensor buffer, const NVTETensor *hists, const NVTETensor *scales,
-                         size_t num, const char *algo_name, NVTEDType fp8_dtype, float margin) {
+                         size_t num, const char *algo_name, NVTEDType fp8_dtype, float margin,
+                         cudaStream_t stream) {
   const cpu::AmaxAlgo algo = parse_algo(algo_name);
   const float fmax = recipe_fp8_max(fp8_dtype);
   NVTE_CHECK(num == 0 || (hists != nullptr && scales != nullptr),
@@ -104,7 +114,12 @@ void run_after_reduction(const NVTETensor buffer, const NVTETensor *hists, const
   }
   switch (backend_of(all.data(), all.size())) {
     case Backend::CPU: return cpu::amax_and_scale_update_after_reduction(buf, hs, algo, fmax, margin);
-    case Backend::CUDA: cuda_not_built("nvte_delayed_scaling_recipe_amax_and_scale_update_after_reduction");
+    case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+      return cuda::amax_and_scale_update_after_reduction(buf, hs, algo, fmax, margin, stream);
+#else
+      cuda_not_built("nvte_delayed_scaling_recipe_amax_and_scale_update_after_reduction");
+#endif
   }
 }
 
@@ -116,9 +131,9 @@ NVTEStatus nvte_delayed_scaling_recipe_amax_and_scale_update(
     const NVTETensor amax_history, const NVTETensor scale, NVTETensor updated_amax_history,
     NVTETensor updated_scale, const char *amax_compute_algo, NVTEDType fp8_dtype, float margin,
     cudaStream_t stream) {
-  (void)stream;
   return api_call("nvte_delayed_scaling_recipe_amax_and_scale_update", [&] {
-    run_update(amax_history, scale, updated_amax_history, updated_scale, amax_compute_algo, fp8_dtype, margin);
+    run_update(amax_history, scale, updated_amax_history, updated_scale, amax_compute_algo, fp8_dtype, margin,
+               stream);
   });
 }
 
@@ -126,15 +141,13 @@ NVTEStatus nvte_delayed_scaling_recipe_amax_and_scale_update_after_reduction(
     const NVTETensor amax_reduction_buffer, const NVTETensor *amax_histories, const NVTETensor *scales,
     size_t num_tensors, const char *amax_compute_algo, NVTEDType fp8_dtype, float margin,
     cudaStream_t stream) {
-  (void)stream;
   return api_call("nvte_delayed_scaling_recipe_amax_and_scale_update_after_reduction", [&] {
     run_after_reduction(amax_reduction_buffer, amax_histories, scales, num_tensors, amax_compute_algo,
-                        fp8_dtype, margin);
+                        fp8_dtype, margin, stream);
   });
 }
 
 NVTEStatus nvte_compute_amax(const NVTETensor input, NVTETensor output, cudaStream_t stream) {
-  (void)stream;
   return api_call("nvte_compute_amax", [&] {
     const Tensor &in = require(input, "input");
     NVTE_CHECK(is_high_precision(logical_dtype(in)), "input must be float32, float16 or bfloat16, got ",
@@ -144,14 +157,19 @@ NVTEStatus nvte_compute_amax(const NVTETensor input, NVTETensor output, cudaStre
     NVTE_CHECK(amax != nullptr, "output has no amax buffer to write");
     switch (backend_of({{"input", input}, {"output", output}})) {
       case Backend::CPU: return cpu::compute_amax(in, amax);
-      case Backend::CUDA: cuda_not_built("nvte_compute_amax");
+      case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+        NVTE_CHECK(buffer_set(in.params[kNVTERowwiseData]), "input needs rowwise data");
+        return cuda::compute_amax(in, amax, stream);
+#else
+        cuda_not_built("nvte_compute_amax");
+#endif
     }
   });
 }
 
 NVTEStatus nvte_compute_scale_from_amax(NVTETensor output, const NVTEQuantizationConfig config,
                                         cudaStream_t stream) {
-  (void)stream;
   return api_call("nvte_compute_scale_from_amax", [&] {
     NVTE_CHECK(output != nullptr, "output is a NULL tensor handle");
     const NVTEDType t = logical_dtype(*output);
@@ -169,7 +187,13 @@ NVTEStatus nvte_compute_scale_from_amax(NVTETensor output, const NVTEQuantizatio
         if (api::noop_set(c.noop_tensor, b)) return;
         *scale = cpu::scale_from_amax(*amax, fp8_max(t), c.force_pow2_scales, c.amax_epsilon);
         return;
-      case Backend::CUDA: cuda_not_built("nvte_compute_scale_from_amax");
+      case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+        return cuda::compute_scale_from_amax(amax, scale, api::noop_ptr(c.noop_tensor), fp8_max(t),
+                                             c.force_pow2_scales, c.amax_epsilon, stream);
+#else
+        cuda_not_built("nvte_compute_scale_from_amax");
+#endif
     }
   });
 }

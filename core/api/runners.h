@@ -10,14 +10,24 @@
 
 namespace nvte::api {
 
-// True when a noop flag tensor (float32[1]) holds 1: TE's "skip this op" signal.
+// True when a noop flag tensor (float32[1]) holds 1: TE's "skip this op" signal. CPU only
+// (it reads the flag on the host).
 bool noop_set(const NVTETensor noop, Backend b);
 
-void run_quantize(const char *op, const NVTETensor input, NVTETensor output, const NVTETensor noop);
+// The validated data pointer of a noop flag tensor (null when absent), for kernels that test
+// the flag on the device.
+const float *noop_ptr(const NVTETensor noop);
+
+// The checks the CPU's OutputRows makes on an output of rows x cols (dtype, layouts' shapes,
+// FP8 needs a scale, float32 scalar buffers), without reading any buffer: for the CUDA path.
+void check_output(const Tensor &out, const char *name, size_t rows, size_t cols);
+
+void run_quantize(const char *op, const NVTETensor input, NVTETensor output, const NVTETensor noop,
+                  cudaStream_t stream);
 
 // act empty: plain dbias; otherwise g = input * dact(act_input) first.
 void run_quantize_dbias(const char *op, const NVTETensor input, const NVTETensor act_input,
                         NVTETensor output, NVTETensor dbias, NVTETensor workspace,
-                        std::optional<Act> act);
+                        std::optional<Act> act, cudaStream_t stream);
 
 }  // namespace nvte::api

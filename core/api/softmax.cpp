@@ -5,6 +5,9 @@
 
 #include "../common/backend.h"
 #include "../cpu/softmax.h"
+#ifdef NVTE_WITH_CUDA
+#include "../cuda/softmax.h"
+#endif
 
 using namespace nvte;
 using cpu::SoftmaxMask;
@@ -63,7 +66,7 @@ void check_mask(const Tensor &m, const Tensor &in) {
 }
 
 void run_forward(const char *op, SoftmaxMask kind, const NVTETensor input, const NVTETensor mask,
-                 NVTETensor softmax_results, float scale) {
+                 NVTETensor softmax_results, float scale, cudaStream_t stream) {
   const Tensor &in = require_float(input, "input");
   Tensor &out = const_cast<Tensor &>(require_float(softmax_results, "softmax_results"));
   check_family_shape(kind, in, "input");
@@ -75,7 +78,12 @@ void run_forward(const char *op, SoftmaxMask kind, const NVTETensor input, const
   }
   switch (backend_of({{"input", input}, {"mask", mask}, {"softmax_results", softmax_results}})) {
     case Backend::CPU: return cpu::softmax_forward(kind, in, m, out, scale);
-    case Backend::CUDA: cuda_not_built(op);
+    case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+      return cuda::softmax_forward(kind, in, m, out, scale, stream);
+#else
+          cuda_not_built(op);
+#endif
   }
 }
 
@@ -88,7 +96,7 @@ void check_alias(const Tensor &out, const Tensor &in, const char *in_name) {
 }
 
 void run_backward(const char *op, SoftmaxMask kind, const NVTETensor incoming_grads,
-                  const NVTETensor softmax_results, NVTETensor output_grads, float scale) {
+                  const NVTETensor softmax_results, NVTETensor output_grads, float scale, cudaStream_t stream) {
   const Tensor &dy = require_float(incoming_grads, "incoming_grads");
   const Tensor &y = require_float(softmax_results, "softmax_results");
   Tensor &dx = const_cast<Tensor &>(require_float(output_grads, "output_grads"));
@@ -102,7 +110,12 @@ void run_backward(const char *op, SoftmaxMask kind, const NVTETensor incoming_gr
                       {"softmax_results", softmax_results},
                       {"output_grads", output_grads}})) {
     case Backend::CPU: return cpu::softmax_backward(dy, y, dx, scale);
-    case Backend::CUDA: cuda_not_built(op);
+    case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+      return cuda::softmax_backward(dy, y, dx, scale, stream);
+#else
+          cuda_not_built(op);
+#endif
   }
 }
 
@@ -112,43 +125,38 @@ extern "C" {
 
 NVTEStatus nvte_scaled_softmax_forward(const NVTETensor input, NVTETensor softmax_results,
                                        float scale_factor, cudaStream_t stream) {
-  (void)stream;
   const char *op = "nvte_scaled_softmax_forward";
-  return api_call(op, [&] { run_forward(op, SoftmaxMask::None, input, nullptr, softmax_results, scale_factor); });
+  return api_call(op, [&] { run_forward(op, SoftmaxMask::None, input, nullptr, softmax_results, scale_factor, stream); });
 }
 
 NVTEStatus nvte_scaled_softmax_backward(const NVTETensor incoming_grads, const NVTETensor softmax_results,
                                         NVTETensor output_grads, float scale_factor, cudaStream_t stream) {
-  (void)stream;
   const char *op = "nvte_scaled_softmax_backward";
   return api_call(op, [&] {
-    run_backward(op, SoftmaxMask::None, incoming_grads, softmax_results, output_grads, scale_factor);
+    run_backward(op, SoftmaxMask::None, incoming_grads, softmax_results, output_grads, scale_factor, stream);
   });
 }
 
 NVTEStatus nvte_scaled_masked_softmax_forward(const NVTETensor input, const NVTETensor mask,
                                               NVTETensor softmax_results, float scale_factor,
                                               cudaStream_t stream) {
-  (void)stream;
   const char *op = "nvte_scaled_masked_softmax_forward";
-  return api_call(op, [&] { run_forward(op, SoftmaxMask::Explicit, input, mask, softmax_results, scale_factor); });
+  return api_call(op, [&] { run_forward(op, SoftmaxMask::Explicit, input, mask, softmax_results, scale_factor, stream); });
 }
 
 NVTEStatus nvte_scaled_masked_softmax_backward(const NVTETensor incoming_grads, const NVTETensor softmax_results,
                                                NVTETensor output_grads, float scale_factor, cudaStream_t stream) {
-  (void)stream;
   const char *op = "nvte_scaled_masked_softmax_backward";
   return api_call(op, [&] {
-    run_backward(op, SoftmaxMask::Explicit, incoming_grads, softmax_results, output_grads, scale_factor);
+    run_backward(op, SoftmaxMask::Explicit, incoming_grads, softmax_results, output_grads, scale_factor, stream);
   });
 }
 
 NVTEStatus nvte_scaled_upper_triang_masked_softmax_forward(const NVTETensor input, NVTETensor softmax_results,
                                                            float scale_factor, cudaStream_t stream) {
-  (void)stream;
   const char *op = "nvte_scaled_upper_triang_masked_softmax_forward";
   return api_call(op, [&] {
-    run_forward(op, SoftmaxMask::UpperTriang, input, nullptr, softmax_results, scale_factor);
+    run_forward(op, SoftmaxMask::UpperTriang, input, nullptr, softmax_results, scale_factor, stream);
   });
 }
 
@@ -156,19 +164,17 @@ NVTEStatus nvte_scaled_upper_triang_masked_softmax_backward(const NVTETensor inc
                                                             const NVTETensor softmax_results,
                                                             NVTETensor output_grads, float scale_factor,
                                                             cudaStream_t stream) {
-  (void)stream;
   const char *op = "nvte_scaled_upper_triang_masked_softmax_backward";
   return api_call(op, [&] {
-    run_backward(op, SoftmaxMask::UpperTriang, incoming_grads, softmax_results, output_grads, scale_factor);
+    run_backward(op, SoftmaxMask::UpperTriang, incoming_grads, softmax_results, output_grads, scale_factor, stream);
   });
 }
 
 NVTEStatus nvte_scaled_aligned_causal_masked_softmax_forward(const NVTETensor input, NVTETensor softmax_results,
                                                              float scale_factor, cudaStream_t stream) {
-  (void)stream;
   const char *op = "nvte_scaled_aligned_causal_masked_softmax_forward";
   return api_call(op, [&] {
-    run_forward(op, SoftmaxMask::AlignedCausal, input, nullptr, softmax_results, scale_factor);
+    run_forward(op, SoftmaxMask::AlignedCausal, input, nullptr, softmax_results, scale_factor, stream);
   });
 }
 
@@ -176,10 +182,9 @@ NVTEStatus nvte_scaled_aligned_causal_masked_softmax_backward(const NVTETensor i
                                                               const NVTETensor softmax_results,
                                                               NVTETensor output_grads, float scale_factor,
                                                               cudaStream_t stream) {
-  (void)stream;
   const char *op = "nvte_scaled_aligned_causal_masked_softmax_backward";
   return api_call(op, [&] {
-    run_backward(op, SoftmaxMask::AlignedCausal, incoming_grads, softmax_results, output_grads, scale_factor);
+    run_backward(op, SoftmaxMask::AlignedCausal, incoming_grads, softmax_results, output_grads, scale_factor, stream);
   });
 }
 

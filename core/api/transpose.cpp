@@ -11,7 +11,10 @@
 #include "runners.h"
 #include "../cpu/rows.h"
 #include "../cpu/transpose.h"
-
+#ifdef NVTE_WITH_CUDA
+#include "../cuda/cast.h"
+#include "../cuda/transpose.h"
+#endif
 
 using namespace nvte;
 using nvte::api::run_quantize;
@@ -19,7 +22,7 @@ using nvte::api::run_quantize_dbias;
 
 namespace {
 
-void run_transpose(const NVTETensor input, NVTETensor transposed_output) {
+void run_transpose(const NVTETensor input, NVTETensor transposed_output, cudaStream_t stream) {
   const Tensor &in = require(input, "input");
   Tensor &out = require_mut(transposed_output, "transposed_output");
   const NVTEBasicTensor &src = in.params[kNVTERowwiseData];
@@ -36,11 +39,16 @@ void run_transpose(const NVTETensor input, NVTETensor transposed_output) {
              "] (input shape ", shape_str(src.shape), " transposed)");
   switch (backend_of({{"input", input}, {"transposed_output", transposed_output}})) {
     case Backend::CPU: return cpu::transpose(in, out);
-    case Backend::CUDA: cuda_not_built("nvte_transpose");
+    case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+      return cuda::transpose(in, out, stream);
+#else
+      cuda_not_built("nvte_transpose");
+#endif
   }
 }
 
-void run_multi_cast_transpose(size_t n, const NVTETensor *inputs, NVTETensor *outputs) {
+void run_multi_cast_transpose(size_t n, const NVTETensor *inputs, NVTETensor *outputs, cudaStream_t stream) {
   if (n == 0) return;
   NVTE_CHECK(inputs != nullptr && outputs != nullptr, "input_list or output_list is NULL with num_tensors = ", n);
   std::vector<std::string> names;
@@ -72,7 +80,17 @@ void run_multi_cast_transpose(size_t n, const NVTETensor *inputs, NVTETensor *ou
       }
       for (size_t i = 0; i < n; ++i) cpu::quantize(*inputs[i], *outputs[i]);
       return;
-    case Backend::CUDA: cuda_not_built("nvte_multi_cast_transpose");
+    case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+      for (size_t i = 0; i < n; ++i) {
+        const Dims2 d = flat2d(inputs[i]->params[kNVTERowwiseData].shape);
+        api::check_output(*outputs[i], names[2 * i + 1].c_str(), d.rows, d.cols);
+      }
+      for (size_t i = 0; i < n; ++i) cuda::quantize(*inputs[i], *outputs[i], nullptr, stream);
+      return;
+#else
+      cuda_not_built("nvte_multi_cast_transpose");
+#endif
   }
 }
 
@@ -81,20 +99,19 @@ void run_multi_cast_transpose(size_t n, const NVTETensor *inputs, NVTETensor *ou
 extern "C" {
 
 NVTEStatus nvte_cast_transpose(const NVTETensor input, NVTETensor output, cudaStream_t stream) {
-  (void)stream;
-  return api_call("nvte_cast_transpose", [&] { run_quantize("nvte_cast_transpose", input, output, nullptr); });
+  return api_call("nvte_cast_transpose",
+                  [&] { run_quantize("nvte_cast_transpose", input, output, nullptr, stream); });
 }
 
 NVTEStatus nvte_transpose(const NVTETensor input, NVTETensor transposed_output, cudaStream_t stream) {
-  (void)stream;
-  return api_call("nvte_transpose", [&] { run_transpose(input, transposed_output); });
+  return api_call("nvte_transpose", [&] { run_transpose(input, transposed_output, stream); });
 }
 
 NVTEStatus nvte_cast_transpose_dbias(const NVTETensor input, NVTETensor output, NVTETensor dbias,
                                      NVTETensor workspace, cudaStream_t stream) {
-  (void)stream;
   return api_call("nvte_cast_transpose_dbias", [&] {
-    run_quantize_dbias("nvte_cast_transpose_dbias", input, nullptr, output, dbias, workspace, std::nullopt);
+    run_quantize_dbias("nvte_cast_transpose_dbias", input, nullptr, output, dbias, workspace, std::nullopt,
+                       stream);
   });
 }
 
@@ -102,10 +119,9 @@ NVTEStatus nvte_cast_transpose_dbias(const NVTETensor input, NVTETensor output, 
   NVTEStatus nvte_cast_transpose_dbias_##name(const NVTETensor input, const NVTETensor act_input,    \
                                               NVTETensor output, NVTETensor dbias,                   \
                                               NVTETensor workspace, cudaStream_t stream) {           \
-    (void)stream;                                                                                    \
     return api_call("nvte_cast_transpose_dbias_" #name, [&] {                                        \
       run_quantize_dbias("nvte_cast_transpose_dbias_" #name, input, act_input, output, dbias,        \
-                         workspace, act);                                                            \
+                         workspace, act, stream);                                                    \
     });                                                                                              \
   }
 
@@ -118,9 +134,8 @@ NVTE_DEFINE_CAST_TRANSPOSE_DBIAS_DACT(dsrelu, Act::SReLU)
 
 NVTEStatus nvte_multi_cast_transpose(size_t num_tensors, const NVTETensor *input_list,
                                      NVTETensor *output_list, cudaStream_t stream) {
-  (void)stream;
   return api_call("nvte_multi_cast_transpose",
-                  [&] { run_multi_cast_transpose(num_tensors, input_list, output_list); });
+                  [&] { run_multi_cast_transpose(num_tensors, input_list, output_list, stream); });
 }
 
 }  // extern "C"

@@ -83,7 +83,19 @@ NVTEBackend nvte_pointer_backend(const void *ptr) {
 }
 
 int nvte_is_non_tn_fp8_gemm_supported(void) {
-  // The CPU backend handles every layout; the CUDA backend (sm_90) requires TN for FP8.
+  // The CPU backend handles every layout. cuBLASLt's FP8 GEMMs take only the TN layout on
+  // Ada (sm_89), Hopper (sm_90) and consumer Blackwell (sm_12x); sm_100+ takes all four.
+#ifdef NVTE_WITH_CUDA
+  int n = 0, dev = 0, major = 0, minor = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0 || cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;  // no usable device: only the CPU backend runs
+  }
+  return (major == 8 && minor == 9) || major == 9 || major == 12 ? 0 : 1;
+#else
   return 1;
+#endif
 }
 }

@@ -26,12 +26,13 @@ float delayed_scale(float amax, float old_scale, float fp8_max, float margin_fac
 // 2^margin rounded once to float32 (exact for integer margins).
 float margin_factor(float margin) { return static_cast<float>(std::exp2(static_cast<double>(margin))); }
 
-// Column-wise max of a [len, n] history. fmaxf semantics from 0: NaN entries are ignored,
+// Column-wise max of a [len, n] history, from 0, by comparison (NaN entries are ignored, as by
+// fmaxf; std::fmax itself is avoided, see rows.cpp),
 // so an all-NaN (or all-zero) column gives 0 and keeps its scale.
 void column_max(const float *hist, size_t len, size_t n, float *amax) {
   std::fill(amax, amax + n, 0.0f);
   for (size_t i = 0; i < len; ++i)
-    for (size_t j = 0; j < n; ++j) amax[j] = std::fmax(amax[j], hist[i * n + j]);
+    for (size_t j = 0; j < n; ++j) amax[j] = hist[i * n + j] > amax[j] ? hist[i * n + j] : amax[j];
 }
 
 }  // namespace
@@ -92,7 +93,7 @@ void compute_amax(const Tensor &in, float *amax) {
     float m = 0.0f;
     for (size_t r = r0; r < r1; ++r) {
       src.load(r, row.data());
-      for (float v : row) m = std::fmax(m, std::fabs(v));
+      for (float v : row) m = std::fabs(v) > m ? std::fabs(v) : m;  // not std::fmax: see rows.cpp
     }
     atomic_fmax(acc, m);
   });

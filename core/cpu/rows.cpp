@@ -74,8 +74,13 @@ OutputRows::OutputRows(const Tensor &out, const char *name, size_t rows, size_t 
 }
 
 void OutputRows::store(size_t r, const float *vals) {
+  // NaN-ignoring max written as a comparison: GCC vectorises std::fmax here with min/max
+  // instructions that let a NaN win (seen: amax 0 for a row holding inf then NaNs).
   float m = 0.0f;
-  for (size_t j = 0; j < cols_; ++j) m = std::fmax(m, std::fabs(vals[j]));
+  for (size_t j = 0; j < cols_; ++j) {
+    const float a = std::fabs(vals[j]);
+    m = a > m ? a : m;
+  }
   atomic_fmax(amax_acc_, m);
   with_float_dtype(dtype_, "output", [&](auto tag) {
     using T = typename decltype(tag)::type;

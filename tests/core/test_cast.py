@@ -351,3 +351,17 @@ def test_zero_tensor_clears_everything_but_scale():
     nvte.zero_tensor(nvte.Tensor(None, amax=only_amax))  # buffers that are not set are skipped
     assert only_amax[0] == 0.0
     nvte.zero_tensor(nvte.Tensor(np.zeros((0, 8), np.float32)))  # empty
+
+
+def test_amax_counts_inf_and_ignores_nan_in_one_row():
+    """A row holding finite values, then inf, then NaNs: amax is inf (NaNs ignored). A vectorised
+    std::fmax once let the NaNs win and reported 0 here."""
+    x = np.arange(0x7F00, 0x7F00 + 256, dtype=np.uint16)  # bf16: 2^127.., max, inf, NaNs
+    for sl in (slice(0, 256), slice(120, 136)):
+        xs = x[sl].copy()
+        o = FP8Out(xs.shape, "e4m3")
+        nvte.quantize(nvte.Tensor(xs, dtype=DT.kBFloat16), o.tensor)
+        assert o.amax[0] == np.inf
+        amax_out = FP8Out(xs.shape, "e4m3")
+        nvte.compute_amax(nvte.Tensor(xs, dtype=DT.kBFloat16), amax_out.tensor)
+        assert amax_out.amax[0] == np.inf

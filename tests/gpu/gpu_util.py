@@ -39,6 +39,7 @@ class T:
             nv = dt if dt is not None else TORCH_TO_NVTE[x.dtype]
             self.t.set_param(param, x.data_ptr(), list(x.shape), nv)
             self.refs[int(param)] = x
+        self.t._refs = self.refs  # `T(x).t` alone keeps the borrowed buffers alive
 
 
 def fp8_out(shape, fmt, device, scale=1.0, amax=0.0, rowwise=True, columnwise=False):

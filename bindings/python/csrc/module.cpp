@@ -112,7 +112,9 @@ PYBIND11_MODULE(_nvte, m) {
   m.def("cuda_backend_available", [] { return nvte_cuda_backend_available() != 0; });
   m.def("dtype_size", &nvte_dtype_size);
 
-  py::class_<Tensor>(m, "Tensor",
+  // dynamic_attr: callers may attach the framework tensors a handle borrows (handle._refs = ...)
+  // so that the handle alone keeps them alive.
+  py::class_<Tensor>(m, "Tensor", py::dynamic_attr(),
                      "An NVTETensor handle. Buffers are borrowed: numpy arrays are kept alive by the "
                      "handle; raw pointers must be kept alive by the caller.")
       .def(py::init([](py::object data, py::object dtype, py::object scale, py::object amax,

@@ -1,0 +1,112 @@
+"""GPU benchmarks of the cast family: cast+transpose bf16 -> FP8 E4M3 (rowwise + columnwise,
+amax, scale_inv) and dgelu + cast + transpose + dbias (bf16 in, FP8 E5M2 out, bf16 dbias), at
+8192x4096 and 8192x16384. Reports achieved GB/s (bytes read + written), its fraction of the
+device-copy bandwidth, and the speed-up over the equivalent PyTorch op sequence timed in the
+same process. Inputs rotate among 3 sets so that repeated runs are not served from the L2."""
+import math
+
+import torch
+
+from transformer_engine import _nvte as nvte
+
+from gpu_harness import copy_bandwidth_gbs, time_ms
+
+DT = nvte.DType
+P = nvte.Param
+SHAPES = [(8192, 4096), (8192, 16384)]
+SETS = 3
+
+
+def nt(data=None, dtype=None, columnwise=None, scale=None, amax=None, scale_inv=None, columnwise_scale_inv=None):
+    """An nvte.Tensor over torch CUDA tensors (the caller keeps them alive)."""
+    t = nvte.Tensor()
+    tmap = {torch.bfloat16: DT.kBFloat16, torch.float32: DT.kFloat32, torch.uint8: DT.kByte}
+    for p, x, dt in [(P.kRowwiseData, data, dtype), (P.kColumnwiseData, columnwise, dtype), (P.kScale, scale, None),
+                     (P.kAmax, amax, None), (P.kRowwiseScaleInv, scale_inv, None),
+                     (P.kColumnwiseScaleInv, columnwise_scale_inv, None)]:
+        if x is not None:
+            t.set_param(p, x.data_ptr(), list(x.shape), dt if dt is not None else tmap[x.dtype])
+    return t
+
+
+def fp8_output(m, n, dt):
+    b = {
+        "data": torch.empty((m, n), dtype=torch.uint8, device="cuda"),
+        "col": torch.empty((n, m), dtype=torch.uint8, device="cuda"),
+        "scale": torch.full((1,), 0.5, dtype=torch.float32, device="cuda"),
+        "amax": torch.zeros(1, dtype=torch.float32, device="cuda"),
+        "scale_inv": torch.zeros(1, dtype=torch.float32, device="cuda"),
+        "col_scale_inv": torch.zeros(1, dtype=torch.float32, device="cuda"),
+    }
+    b["T"] = nt(b["data"], dt, columnwise=b["col"], scale=b["scale"], amax=b["amax"], scale_inv=b["scale_inv"],
+                columnwise_scale_inv=b["col_scale_inv"])
+    return b
+
+
+def dgelu_torch(x):
+    k = math.sqrt(2.0 / math.pi)
+    t = torch.tanh(k * (x + 0.044715 * x * x * x))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x)
+
+
+def add(report, case, ms, nbytes, torch_ms, bw):
+    gbs = nbytes / ms / 1e6
+    report.add("cast", case, ms=ms, GBps=gbs, frac_copy=gbs / bw, torch_ms=torch_ms, speedup_vs_torch=torch_ms / ms)
+
+
+def run(report):
+    bw = copy_bandwidth_gbs()
+    stream = torch.cuda.current_stream().cuda_stream
+    torch.manual_seed(0)
+    for m, n in SHAPES:
+        # ---------------------------------------------------------------- cast + transpose
+        xs = [torch.randn((m, n), device="cuda").to(torch.bfloat16) for _ in range(SETS)]
+        xts = [nt(x) for x in xs]
+        o = fp8_output(m, n, DT.kFloat8E4M3)
+        ours = time_ms(lambda i: nvte.cast_transpose(xts[i % SETS], o["T"], stream))
+        scale = o["scale"]
+
+        def torch_ct(i):
+            x = xs[i % SETS]
+            amax = x.abs().amax().float()
+            y = (x.float() * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            yt = y.t().contiguous()
+            return y, yt, amax, 1.0 / scale
+
+        theirs = time_ms(torch_ct)
+        add(report, f"cast_transpose bf16->e4m3 {m}x{n}", ours, m * n * (2 + 1 + 1), theirs, bw)
+        del xs, xts, o
+
+        # ---------------------------------------------------------------- dgelu + cast + transpose + dbias
+        gs = [torch.randn((m, n), device="cuda").to(torch.bfloat16) for _ in range(SETS)]
+        acts = [(torch.randn((m, n), device="cuda") * 2).to(torch.bfloat16) for _ in range(SETS)]
+        gts, ats = [nt(g) for g in gs], [nt(a) for a in acts]
+        o = fp8_output(m, n, DT.kFloat8E5M2)
+        dbias = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        dbt = nt(dbias)
+        ws_bytes = nvte.quantize_dbias_workspace_size(gts[0])
+        ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device="cuda")
+        wst = nt(ws)
+        ours = time_ms(lambda i: nvte.cast_transpose_dbias_dgelu(gts[i % SETS], ats[i % SETS], o["T"], dbt, wst,
+                                                                 stream))
+        scale = o["scale"]
+
+        def torch_dgelu(i):
+            g = gs[i % SETS].float() * dgelu_torch(acts[i % SETS].float())
+            db = g.sum(0).to(torch.bfloat16)
+            amax = g.abs().amax()
+            y = (g * scale).clamp(-57344.0, 57344.0).to(torch.float8_e5m2)
+            yt = y.t().contiguous()
+            return y, yt, db, amax
+
+        theirs = time_ms(torch_dgelu)
+        nbytes = m * n * (2 + 2 + 1 + 1) + ws_bytes * 2 + n * 2
+        add(report, f"cast_transpose_dbias_dgelu bf16->e5m2 {m}x{n}", ours, nbytes, theirs, bw)
+        del gs, acts, gts, ats, o, ws
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    from gpu_harness import Report
+
+    run(Report())

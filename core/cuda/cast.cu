@@ -1,0 +1,246 @@
+// cast.cu - CUDA quantize / dequantize / quantize+dbias.
+//
+// Design: an output with only a rowwise layout is a flat elementwise map, done by a
+// grid-stride kernel that keeps four 16-byte loads in flight per thread (scalar tail, and a
+// scalar path for misaligned buffers). Anything that needs the columnwise layout or column
+// sums (dbias) goes through the tiled one-pass kernel of cast_tiles.cuh. Both reduce amax
+// in-kernel (one atomic per block), read the scale and the noop flag from device memory and
+// let one thread write scale_inv. dbias is finished by a small kernel that sums the per-tile
+// partials of each column in row-tile order, so results do not depend on scheduling.
+#include "cast.h"
+
+#include "../common/dtype_switch.h"
+#include "cast_tiles.cuh"
+
+namespace nvte::cuda {
+
+namespace {
+
+constexpr int kCastThreads = 256;
+constexpr int kCastUnroll = 4;
+
+template <class InT, class OutT>
+__global__ void __launch_bounds__(kCastThreads)
+    cast_kernel(const InT *in, OutT *out, size_t n, size_t nvec, const float *in_si_p, const float *scale_p,
+                float *amax_p, float *si_p, float *csi_p, const float *noop) {
+  constexpr int N = tiles::vec_elems<InT, OutT>();
+  constexpr bool kFp8Out = is_fp8_type<OutT>::value;
+  constexpr bool kFp8In = is_fp8_type<InT>::value;
+  if (noop != nullptr && *noop == 1.0f) return;
+  float scale = 1.0f, in_si = 1.0f;
+  if constexpr (kFp8Out) scale = scale_p != nullptr ? *scale_p : 1.0f;
+  if constexpr (kFp8In) in_si = *in_si_p;
+  float amax = 0.0f;
+  auto conv = [&](InT x) -> OutT {
+    float g = ld_exact(x);
+    if constexpr (kFp8In) g = mul_like_host(g, in_si);
+    amax = fmaxf(amax, fabsf(g));
+    if constexpr (kFp8Out) return st_exact<OutT>(g * scale);
+    else return st_exact<OutT>(g);
+  };
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  for (size_t base = tid; base < nvec; base += kCastUnroll * stride) {
+    Vec<InT, N> xv[kCastUnroll];
+#pragma unroll
+    for (int u = 0; u < kCastUnroll; ++u) {
+      const size_t i = base + u * stride;
+      if (i < nvec) xv[u] = load_vec<InT, N>(in + i * N);
+    }
+#pragma unroll
+    for (int u = 0; u < kCastUnroll; ++u) {
+      const size_t i = base + u * stride;
+      if (i < nvec) {
+        Vec<OutT, N> yv;
+#pragma unroll
+        for (int k = 0; k < N; ++k) yv.v[k] = conv(xv[u].v[k]);
+        store_vec<OutT, N>(out + i * N, yv);
+      }
+    }
+  }
+  for (size_t i = nvec * N + tid; i < n; i += stride) out[i] = conv(in[i]);
+  if (amax_p != nullptr) block_amax_update(amax, amax_p);
+  if constexpr (kFp8Out) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      const float inv = 1.0f / scale;
+      if (si_p != nullptr) *si_p = inv;
+      if (csi_p != nullptr) *csi_p = inv;
+    }
+  }
+}
+
+template <class DT>
+__global__ void __launch_bounds__(256)
+    dbias_reduce_kernel(const float *partial, DT *dbias, size_t ntiles, size_t cols) {
+  const size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float s = 0.0f;
+#pragma unroll 8
+  for (size_t t = 0; t < ntiles; ++t) s += partial[t * cols + c];
+  dbias[c] = st_exact<DT>(s);
+}
+
+// The output-side pointers every quantizing kernel needs.
+struct OutPtrs {
+  void *row = nullptr, *col = nullptr;
+  NVTEDType dtype = kNVTEFloat32;
+  const float *scale = nullptr;
+  float *amax = nullptr, *scale_inv = nullptr, *col_scale_inv = nullptr;
+};
+
+OutPtrs out_ptrs(const Tensor &out) {
+  OutPtrs o;
+  o.row = out.params[kNVTERowwiseData].data_ptr;
+  o.col = out.params[kNVTEColumnwiseData].data_ptr;
+  o.dtype = logical_dtype(out);
+  o.amax = scalar_param(out, kNVTEAmax, "output amax");
+  if (is_fp8(o.dtype)) {
+    o.scale = scalar_param(out, kNVTEScale, "output scale");
+    o.scale_inv = scalar_param(out, kNVTERowwiseScaleInv, "output scale_inv");
+    o.col_scale_inv = scalar_param(out, kNVTEColumnwiseScaleInv, "output columnwise scale_inv");
+  }
+  return o;
+}
+
+tiles::Args tile_args(const void *in, size_t rows, size_t cols, const float *in_si, const OutPtrs &o,
+                      void *direct, void *transposed, const float *noop) {
+  tiles::Args a;
+  a.in = in;
+  a.rows = rows;
+  a.cols = cols;
+  a.in_scale_inv = in_si;
+  a.out_row = direct;
+  a.out_col = transposed;
+  a.scale = o.scale;
+  a.amax = o.amax;
+  a.scale_inv = o.scale_inv;
+  a.col_scale_inv = o.col_scale_inv;
+  a.noop = noop;
+  return a;
+}
+
+template <class InT, class OutT, bool kDbias>
+void launch_plain_tiles(tiles::Args a, cudaStream_t stream) {
+  a.col_vec = tiles::col_vec_ok(a.out_col, a.rows, sizeof(OutT));
+  if (tiles::vec_ok<InT, InT, OutT>(a))
+    tiles::launch<InT, InT, OutT, kNoAct, kDbias, true, false>(a, stream);
+  else
+    tiles::launch<InT, InT, OutT, kNoAct, kDbias, false, false>(a, stream);
+}
+
+// Converts `in` ([rows, cols], dtype in_t) into the layouts of o. src_transposed: in is the
+// [cols, rows] transpose of the logical tensor (a columnwise-only FP8 input).
+void convert(const void *in, NVTEDType in_t, size_t rows, size_t cols, const float *in_si, const OutPtrs &o,
+             const float *noop, cudaStream_t stream) {
+  with_float_dtype(in_t, "input", [&](auto itag) {
+    using InT = typename decltype(itag)::type;
+    with_float_dtype(o.dtype, "output", [&](auto otag) {
+      using OutT = typename decltype(otag)::type;
+      if constexpr (is_fp8_type<InT>::value && is_fp8_type<OutT>::value) {
+        NVTE_FAIL(NVTE_ERROR_INVALID_ARGUMENT, "FP8 to FP8 conversion is not supported");
+      } else if (o.col != nullptr) {
+        launch_plain_tiles<InT, OutT, false>(tile_args(in, rows, cols, in_si, o, o.row, o.col, noop), stream);
+      } else {
+        constexpr int N = tiles::vec_elems<InT, OutT>();
+        const size_t n = rows * cols;
+        const bool vec = aligned(in, N * sizeof(InT)) && aligned(o.row, N * sizeof(OutT));
+        const size_t nvec = vec ? n / N : 0;
+        const unsigned blocks = nvec ? grid_for(nvec, kCastThreads, kCastUnroll) : grid_for(n, kCastThreads, 4);
+        cast_kernel<InT, OutT><<<blocks, kCastThreads, 0, stream>>>(
+            static_cast<const InT *>(in), static_cast<OutT *>(o.row), n, nvec, in_si, o.scale, o.amax, o.scale_inv,
+            o.col_scale_inv, noop);
+        NVTE_CHECK_LAUNCH();
+      }
+    });
+  });
+}
+
+}  // namespace
+
+void quantize(const Tensor &in, Tensor &out, const float *noop, cudaStream_t stream) {
+  const NVTEBasicTensor &ib = in.params[kNVTERowwiseData];
+  const Dims2 d = flat2d(ib.shape);
+  if (d.rows * d.cols == 0) return;
+  NVTE_CHECK(is_high_precision(ib.dtype), "input must be float32, float16 or bfloat16, got ", dtype_name(ib.dtype));
+  convert(ib.data_ptr, ib.dtype, d.rows, d.cols, nullptr, out_ptrs(out), noop, stream);
+}
+
+void dequantize(const Tensor &in, Tensor &out, cudaStream_t stream) {
+  const Dims2 d = flat2d(logical_shape(in));
+  if (d.rows * d.cols == 0) return;
+  OutPtrs o = out_ptrs(out);
+  const NVTEBasicTensor &rb = in.params[kNVTERowwiseData];
+  if (buffer_set(rb)) {
+    const float *si = scalar_param(in, kNVTERowwiseScaleInv, "input scale_inv");
+    NVTE_CHECK(si != nullptr, "input is FP8 (", dtype_name(rb.dtype), ") but has no scale_inv");
+    return convert(rb.data_ptr, rb.dtype, d.rows, d.cols, si, o, nullptr, stream);
+  }
+  // Columnwise-only input [cols, rows]: the tiled kernel reads it as its own [cols, rows]
+  // matrix, so its "direct" layout is out's columnwise data and its transpose out's rowwise data.
+  const NVTEBasicTensor &cb = in.params[kNVTEColumnwiseData];
+  const float *si = scalar_param(in, kNVTEColumnwiseScaleInv, "input columnwise scale_inv");
+  if (si == nullptr) si = scalar_param(in, kNVTERowwiseScaleInv, "input scale_inv");
+  NVTE_CHECK(si != nullptr, "input is FP8 (", dtype_name(cb.dtype), ") but has no scale_inv");
+  with_float_dtype(cb.dtype, "input", [&](auto itag) {
+    using InT = typename decltype(itag)::type;
+    with_float_dtype(o.dtype, "output", [&](auto otag) {
+      using OutT = typename decltype(otag)::type;
+      if constexpr (is_fp8_type<InT>::value && !is_fp8_type<OutT>::value) {
+        launch_plain_tiles<InT, OutT, false>(tile_args(cb.data_ptr, d.cols, d.rows, si, o, o.col, o.row, nullptr),
+                                             stream);
+      } else {
+        NVTE_FAIL(NVTE_ERROR_INVALID_ARGUMENT, "dequantize needs an FP8 input and a high-precision output");
+      }
+    });
+  });
+}
+
+size_t dbias_workspace_bytes(size_t rows, size_t cols) { return tiles::row_tiles(rows) * cols * sizeof(float); }
+
+void quantize_dbias(const Tensor &in, const Tensor *act_in, std::optional<Act> act, Tensor &out, Tensor &dbias,
+                    void *workspace, cudaStream_t stream) {
+  const NVTEBasicTensor &ib = in.params[kNVTERowwiseData];
+  const NVTEBasicTensor &db = dbias.params[kNVTERowwiseData];
+  const Dims2 d = flat2d(ib.shape);
+  if (d.cols == 0) return;
+  if (d.rows == 0) {  // column sums of nothing
+    NVTE_CHECK_CUDA(cudaMemsetAsync(db.data_ptr, 0, d.cols * dtype_size(db.dtype), stream));
+    return;
+  }
+  NVTE_CHECK(workspace != nullptr && aligned(workspace, sizeof(float)), "workspace must be a 4-byte aligned buffer");
+  const OutPtrs o = out_ptrs(out);
+  tiles::Args a = tile_args(ib.data_ptr, d.rows, d.cols, nullptr, o, o.row, o.col, nullptr);
+  a.dbias_partial = static_cast<float *>(workspace);
+  if (act) {
+    const NVTEBasicTensor &ab = act_in->params[kNVTERowwiseData];
+    a.act = ab.data_ptr;
+    a.act_dtype = ab.dtype;
+    a.act_kind = static_cast<int>(*act);
+    launch_dact_tiles(ib.dtype, ab.dtype, o.dtype, a.act_kind, a, stream);
+  } else {
+    with_float_dtype(ib.dtype, "input", [&](auto itag) {
+      using InT = typename decltype(itag)::type;
+      with_float_dtype(o.dtype, "output", [&](auto otag) {
+        using OutT = typename decltype(otag)::type;
+        if constexpr (is_fp8_type<InT>::value) {
+          NVTE_FAIL(NVTE_ERROR_INVALID_ARGUMENT, "input must be float32, float16 or bfloat16");
+        } else {
+          launch_plain_tiles<InT, OutT, true>(a, stream);
+        }
+      });
+    });
+  }
+  with_float_dtype(db.dtype, "dbias", [&](auto tag) {
+    using DT = typename decltype(tag)::type;
+    if constexpr (is_fp8_type<DT>::value) {
+      NVTE_FAIL(NVTE_ERROR_INVALID_ARGUMENT, "dbias must be float32, float16 or bfloat16");
+    } else {
+      const unsigned blocks = (unsigned)((d.cols + 255) / 256);
+      dbias_reduce_kernel<DT><<<blocks, 256, 0, stream>>>(a.dbias_partial, static_cast<DT *>(db.data_ptr),
+                                                          tiles::row_tiles(d.rows), d.cols);
+      NVTE_CHECK_LAUNCH();
+    }
+  });
+}
+
+}  // namespace nvte::cuda

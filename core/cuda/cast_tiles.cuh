@@ -1,0 +1,345 @@
+// cast_tiles.cuh - device code shared by the cast / cast+transpose / dbias / transpose kernels:
+// exact element conversions and the tiled "one pass, two layouts" kernel.
+//
+// Tiled kernel: a block of 256 threads owns a tile of 128 rows x (8 * N) columns, where N is
+// the number of elements in one 16-byte access of the wider of the input/output types. Each
+// thread loads a 4-row x N-column micro-tile (4 independent 16-byte loads), converts it once,
+// stores the rowwise result straight to global memory (contiguous along the row) and drops
+// each column's 4 consecutive-row values as one small word into a shared-memory image of
+// the transposed tile. The column-major image is XOR-swizzled on 4-row chunks by the
+// thread's vector index, which makes the word stores bank-conflict free while keeping
+// every 16-byte unit contiguous; a second phase then streams the image out as 16-byte
+// stores along the rows of the [cols, rows] output. The input is read exactly once.
+// dbias: per-thread 4-row sums -> fixed-order sum over the 32 row groups in shared memory
+// -> one float32 partial per (row tile, column) in the workspace -> a second kernel sums
+// the partials of each column over the row tiles in order (deterministic).
+#pragma once
+
+#include <cmath>
+#include <type_traits>
+
+#include "../common/activation_math.h"
+#include "common.cuh"
+
+namespace nvte::cuda {
+
+// --------------------------------------------------------- exact conversions
+// Bit-identical to the CPU's numeric.h, NaN payloads included: fast paths, with the
+// numeric.h routine only where the hardware conversion may differ (NaN bits, bf16/fp16
+// rounding of NaN). Finite values never take the slow branches.
+template <class T>
+__device__ __forceinline__ float ld_exact(T v) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
+    return load_f32(v);
+  } else {
+    const float f = load_f32(v);
+    return f == f ? f : nvte::to_f32(v);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ T st_exact(float v) {
+  if constexpr (is_fp8_type<T>::value || std::is_same_v<T, float>) {
+    return store_f32<T>(v);
+  } else {
+    return nvte::from_f32<T>(v);
+  }
+}
+
+// x * si as the CPU computes it (x86: a NaN operand propagates with its payload, the first
+// one when both are NaN; multiplying by exactly 1 is skipped).
+__device__ __forceinline__ float mul_like_host(float x, float si) {
+  if (si == 1.0f) return x;
+  if (x != x) return x;
+  if (si != si) return si;
+  return x * si;
+}
+
+// A type marker: "the act input's dtype is only known at run time".
+struct AnyFloat {};
+// kAct values besides (int)Act: no activation, or the activation chosen at run time.
+constexpr int kNoAct = -1;
+constexpr int kRuntimeAct = 99;
+
+__device__ __forceinline__ float ld_dyn(const void *p, size_t i, NVTEDType t) {
+  switch (t) {
+    case kNVTEFloat32: return static_cast<const float *>(p)[i];
+    case kNVTEFloat16: return ld_exact(static_cast<const fp16 *>(p)[i]);
+    default: return ld_exact(static_cast<const bf16 *>(p)[i]);
+  }
+}
+
+// -------------------------------------------------------------- tiled kernel
+namespace tiles {
+
+constexpr int kThreads = 256;
+constexpr int kVecCols = 8;     // 16-byte vectors across a tile row
+constexpr int kRowGroups = 32;  // groups of 4 rows
+constexpr int kTileRows = 4 * kRowGroups;
+
+template <class InT, class OutT>
+constexpr int vec_elems() {
+  return 16 / (sizeof(InT) > sizeof(OutT) ? sizeof(InT) : sizeof(OutT));
+}
+
+template <class InT, class OutT>
+constexpr int tile_cols() {
+  return kVecCols * vec_elems<InT, OutT>();
+}
+
+struct Args {
+  const void *in = nullptr;
+  const void *act = nullptr;  // activation input (same 2D shape) or null
+  void *out_row = nullptr;    // [rows, cols] or null
+  void *out_col = nullptr;    // [cols, rows] or null
+  const float *in_scale_inv = nullptr;  // FP8 input: decoded as x * scale_inv
+  const float *scale = nullptr;         // FP8 output scale
+  float *amax = nullptr;
+  float *scale_inv = nullptr, *col_scale_inv = nullptr;
+  const float *noop = nullptr;
+  float *dbias_partial = nullptr;  // [row tiles, cols] float32
+  size_t rows = 0, cols = 0;
+  unsigned col_tiles = 0;
+  size_t tiles = 0;      // row tiles x column tiles (set by launch)
+  bool col_vec = false;  // 16-byte stores into out_col are aligned
+  NVTEDType act_dtype = kNVTEFloat32;  // for AnyFloat
+  int act_kind = 0;                    // for kRuntimeAct
+};
+
+template <class T, class ActT>
+__device__ __forceinline__ float act_at(const Args &a, size_t i) {
+  if constexpr (std::is_same_v<ActT, AnyFloat>) return ld_dyn(a.act, i, a.act_dtype);
+  else return ld_exact(static_cast<const ActT *>(a.act)[i]);
+}
+
+// Two output values from float32 (pairs halve the FP8 conversions: cvt.satfinite.*x2 on sm_89+,
+// the same rounding as the single conversion, low byte = first value).
+template <class OutT>
+__device__ __forceinline__ void st_pair(float a, float b, OutT &ya, OutT &yb) {
+  if constexpr (is_fp8_type<OutT>::value) {
+    constexpr __nv_fp8_interpretation_t kKind = std::is_same_v<OutT, fp8e4m3> ? __NV_E4M3 : __NV_E5M2;
+    const __nv_fp8x2_storage_t p = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kKind);
+    ya.bits = (uint8_t)(p & 0xFFu);
+    yb.bits = (uint8_t)(p >> 8);
+  } else {
+    ya = st_exact<OutT>(a);
+    yb = st_exact<OutT>(b);
+  }
+}
+
+// kVec: every row access of this thread is a whole aligned vector (cols % N == 0 and aligned
+// pointers, checked on the host); otherwise elements are read one by one with bounds checks.
+// kRaw: a plain bit copy (transpose of any dtype): no conversion, amax or scale.
+// One block per tile. (A persistent grid that prefetched each block's next tile into
+// registers was measured slower on an H200: the extra registers cost more occupancy than the
+// prefetch gained.)
+template <class InT, class ActT, class OutT, int kAct, bool kDbias, bool kVec, bool kRaw>
+__global__ void __launch_bounds__(kThreads) tile_kernel(const Args a) {
+  constexpr int N = vec_elems<InT, OutT>();
+  constexpr int kCols = kVecCols * N;
+  constexpr int kRowBytes = kTileRows * (int)sizeof(OutT);
+  constexpr int kChunk = 4 * (int)sizeof(OutT);
+  constexpr bool kFp8Out = is_fp8_type<OutT>::value;
+  constexpr bool kFp8In = is_fp8_type<InT>::value;
+  constexpr bool kHasAct = kAct != kNoAct;
+  static_assert(!(kVec && std::is_same_v<ActT, AnyFloat>), "runtime act dtype has no vector path");
+  static_assert(N % 2 == 0, "conversions go in pairs");
+  __shared__ __align__(32) unsigned char s_img[kCols * kRowBytes];
+  __shared__ float s_db[kDbias ? kRowGroups * kCols : 1];
+
+  if (a.noop != nullptr && *a.noop == 1.0f) return;
+  const size_t rows = a.rows, cols = a.cols;
+  const int v = threadIdx.x % kVecCols, g = threadIdx.x / kVecCols;
+  const InT *in = static_cast<const InT *>(a.in);
+  using ActVecT = std::conditional_t<std::is_same_v<ActT, AnyFloat>, InT, ActT>;
+  const ActVecT *act_in = static_cast<const ActVecT *>(a.act);
+
+  float scale = 1.0f, in_si = 1.0f;
+  if constexpr (!kRaw && kFp8Out) scale = a.scale != nullptr ? *a.scale : 1.0f;
+  if constexpr (!kRaw && kFp8In) in_si = *a.in_scale_inv;
+  float amax = 0.0f;
+
+  // Loads of one tile's 4 x N micro-tile (the scalar path reads the act input later).
+  auto load = [&](size_t tile, Vec<InT, N> (&xx)[4], Vec<ActVecT, N> (&aa)[4]) {
+    const size_t m0 = (tile / a.col_tiles) * kTileRows;
+    const size_t c0 = (tile % a.col_tiles) * kCols + (size_t)v * N;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const size_t r = m0 + 4 * g + i;
+      const bool ok = r < rows && c0 < cols;
+      if constexpr (kVec) {
+        if (ok) {
+          xx[i] = load_vec<InT, N>(in + r * cols + c0);
+          if constexpr (kHasAct) aa[i] = load_vec<ActVecT, N>(act_in + r * cols + c0);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+          if (ok && c0 + k < cols) xx[i].v[k] = in[r * cols + c0 + k];
+      }
+    }
+  };
+
+  Vec<InT, N> x[4];
+  Vec<ActVecT, N> ax[4];
+  const size_t tile = blockIdx.x;
+  load(tile, x, ax);
+  {
+    const size_t rt = tile / a.col_tiles, ct = tile % a.col_tiles;
+    const size_t m0 = rt * kTileRows, n0 = ct * kCols;
+    const size_t c0 = n0 + (size_t)v * N;
+
+    // ---- convert: g = x (* dact), amax, column sums, output values; rowwise stores
+    Vec<OutT, N> y[4];
+    float csum[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) csum[k] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const size_t r = m0 + 4 * g + i;
+      const bool row_ok = r < rows && c0 < cols;
+      if constexpr (kRaw) {
+        y[i] = x[i];
+      } else {
+        float gv[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const bool ok = kVec ? row_ok : (row_ok && c0 + k < cols);
+          gv[k] = 0.0f;
+          if (ok) {
+            float t = ld_exact(x[i].v[k]);
+            if constexpr (kFp8In) t = mul_like_host(t, in_si);
+            if constexpr (kHasAct) {
+              float av;
+              if constexpr (kVec) av = ld_exact(ax[i].v[k]);
+              else av = act_at<InT, ActT>(a, r * cols + c0 + k);
+              const Act act = kAct == kRuntimeAct ? static_cast<Act>(a.act_kind) : static_cast<Act>(kAct);
+              t = t * dact_f(act, av);
+            }
+            amax = fmaxf(amax, fabsf(t));
+            if constexpr (kDbias) csum[k] += t;
+            gv[k] = t;
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < N; k += 2) {
+          if constexpr (kFp8Out) st_pair<OutT>(gv[k] * scale, gv[k + 1] * scale, y[i].v[k], y[i].v[k + 1]);
+          else st_pair<OutT>(gv[k], gv[k + 1], y[i].v[k], y[i].v[k + 1]);
+        }
+      }
+      if (a.out_row != nullptr) {
+        OutT *out = static_cast<OutT *>(a.out_row);
+        if constexpr (kVec) {
+          if (row_ok) store_vec<OutT, N>(out + r * cols + c0, y[i]);
+        } else {
+#pragma unroll
+          for (int k = 0; k < N; ++k)
+            if (row_ok && c0 + k < cols) out[r * cols + c0 + k] = y[i].v[k];
+        }
+      }
+    }
+
+    // ---- columnwise layout: swizzled transposed image in shared memory
+    if (a.out_col != nullptr) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        Vec<OutT, 4> chunk;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) chunk.v[i] = y[i].v[k];
+        const int c = v * N + k;
+        *reinterpret_cast<Vec<OutT, 4> *>(s_img + c * kRowBytes + (g ^ (4 * v)) * kChunk) = chunk;
+      }
+    }
+    if constexpr (kDbias) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) s_db[g * kCols + v * N + k] = csum[k];
+    }
+    __syncthreads();
+
+    if (a.out_col != nullptr) {
+      constexpr int kUnit = 16 / (int)sizeof(OutT);  // elements per 16-byte unit
+      constexpr int kUnitsPerRow = kTileRows / kUnit;
+      OutT *out = static_cast<OutT *>(a.out_col);
+#pragma unroll
+      for (int idx = threadIdx.x; idx < kCols * kUnitsPerRow; idx += kThreads) {
+        const int c = idx / kUnitsPerRow, u = idx % kUnitsPerRow;
+        const size_t gc = n0 + c;
+        const int r0 = u * kUnit;
+        const size_t gr = m0 + r0;
+        if (gc >= cols || gr >= rows) continue;
+        const int key = 4 * (c / N);
+        if (a.col_vec) {
+          const unsigned char *src = s_img + c * kRowBytes + ((r0 / 4) ^ key) * kChunk + (r0 % 4) * (int)sizeof(OutT);
+          *reinterpret_cast<uint4 *>(out + gc * rows + gr) = *reinterpret_cast<const uint4 *>(src);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kUnit; ++e) {
+            const int r = r0 + e;
+            if (gr + e < rows)
+              out[gc * rows + gr + e] = *reinterpret_cast<const OutT *>(
+                  s_img + c * kRowBytes + ((r / 4) ^ key) * kChunk + (r % 4) * (int)sizeof(OutT));
+          }
+        }
+      }
+    }
+
+    if constexpr (kDbias) {
+      for (int c = threadIdx.x; c < kCols; c += kThreads) {
+        if (n0 + c >= cols) continue;
+        float s = 0.0f;
+#pragma unroll 8
+        for (int gg = 0; gg < kRowGroups; ++gg) s += s_db[gg * kCols + c];
+        a.dbias_partial[rt * cols + n0 + c] = s;
+      }
+    }
+  }
+
+  if constexpr (!kRaw) {
+    if (a.amax != nullptr) block_amax_update(amax, a.amax);
+    if constexpr (kFp8Out) {
+      if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const float inv = 1.0f / scale;
+        if (a.scale_inv != nullptr) *a.scale_inv = inv;
+        if (a.col_scale_inv != nullptr) *a.col_scale_inv = inv;
+      }
+    }
+  }
+}
+
+inline size_t row_tiles(size_t rows) { return (rows + kTileRows - 1) / kTileRows; }
+
+// Launches the tiled kernel over a (rows x cols, non-empty) problem, one block per tile.
+template <class InT, class ActT, class OutT, int kAct, bool kDbias, bool kVec, bool kRaw>
+void launch(Args a, cudaStream_t stream) {
+  constexpr int kCols = tile_cols<InT, OutT>();
+  const size_t ct = (a.cols + kCols - 1) / kCols;
+  a.col_tiles = (unsigned)ct;
+  a.tiles = row_tiles(a.rows) * ct;
+  NVTE_CHECK_SUPPORTED(ct <= 0xFFFFFFFFu && a.tiles <= 0x7FFFFFFFu, "tensor of ", a.rows, " x ", a.cols,
+                       " is too large for one launch");
+  tile_kernel<InT, ActT, OutT, kAct, kDbias, kVec, kRaw><<<(unsigned)a.tiles, kThreads, 0, stream>>>(a);
+  NVTE_CHECK_LAUNCH();
+}
+
+// Host-side choice of the vector path for given pointers (nullptr counts as aligned).
+template <class InT, class ActT, class OutT>
+bool vec_ok(const Args &a) {
+  constexpr int N = vec_elems<InT, OutT>();
+  if (a.cols % N != 0) return false;
+  if (!aligned(a.in, N * sizeof(InT)) || !aligned(a.out_row, N * sizeof(OutT))) return false;
+  if constexpr (std::is_same_v<ActT, AnyFloat>) return a.act == nullptr;
+  else return aligned(a.act, N * sizeof(ActT));
+}
+
+inline bool col_vec_ok(const void *out_col, size_t rows, size_t elem) {
+  return aligned(out_col, 16) && (rows * elem) % 16 == 0;
+}
+
+}  // namespace tiles
+
+// Quantize/dequantize with dbias over the tiled kernel (cast.cu / cast_dact.cu). act_kind < 0:
+// no activation. act_dtype is the act input's dtype.
+void launch_dact_tiles(NVTEDType in_t, NVTEDType act_t, NVTEDType out_t, int act_kind, tiles::Args a,
+                       cudaStream_t stream);
+
+}  // namespace nvte::cuda
