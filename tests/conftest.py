@@ -17,3 +17,8 @@ def rng(request):
     import zlib
 
     return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])
+
+
+def pytest_terminal_summary(terminalreporter):
+    # Also at the end: `-q` runs (CI) do not print the report header.
+    terminalreporter.write_line(f"random inputs used NVTE_TEST_SEED={SEED}")

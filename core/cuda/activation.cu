@@ -23,36 +23,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// A storage type picked at run time (from the dtype fields of ActParams): scalar access only.
-struct AnyT {};
-
-template <class T>
-__device__ __forceinline__ float ld(const void *p, size_t i, NVTEDType) {
-  return load_f32(static_cast<const T *>(p)[i]);
-}
-template <>
-__device__ __forceinline__ float ld<AnyT>(const void *p, size_t i, NVTEDType t) {
-  switch (t) {
-    case kNVTEFloat16: return load_f32(static_cast<const fp16 *>(p)[i]);
-    case kNVTEBFloat16: return load_f32(static_cast<const bf16 *>(p)[i]);
-    default: return static_cast<const float *>(p)[i];
-  }
-}
-
-template <class T>
-__device__ __forceinline__ void st(void *p, size_t i, float v, NVTEDType) {
-  static_cast<T *>(p)[i] = store_f32<T>(v);
-}
-template <>
-__device__ __forceinline__ void st<AnyT>(void *p, size_t i, float v, NVTEDType t) {
-  switch (t) {
-    case kNVTEFloat16: st<fp16>(p, i, v, t); break;
-    case kNVTEBFloat16: st<bf16>(p, i, v, t); break;
-    case kNVTEFloat8E4M3: st<fp8e4m3>(p, i, v, t); break;
-    case kNVTEFloat8E5M2: st<fp8e5m2>(p, i, v, t); break;
-    default: st<float>(p, i, v, t); break;
-  }
-}
 
 // Elements per 16 bytes, and the chunk length that makes all the tensors' accesses whole
 // 16-byte vectors.

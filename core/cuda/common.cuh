@@ -66,6 +66,39 @@ template <> __device__ __forceinline__ fp8e5m2 store_f32<fp8e5m2>(float v) {
   return fp8e5m2{(uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2)};
 }
 
+// ------------------------------------------------- run-time typed element access
+// Rare mixed-dtype calls run one kernel instantiation over AnyT, which converts through a
+// run-time dtype switch (scalar access only); ld<T>/st<T> are plain typed accesses otherwise.
+struct AnyT {};
+
+template <class T>
+__device__ __forceinline__ float ld(const void *p, size_t i, NVTEDType) {
+  return load_f32(static_cast<const T *>(p)[i]);
+}
+template <>
+__device__ __forceinline__ float ld<AnyT>(const void *p, size_t i, NVTEDType t) {
+  switch (t) {
+    case kNVTEFloat16: return load_f32(static_cast<const fp16 *>(p)[i]);
+    case kNVTEBFloat16: return load_f32(static_cast<const bf16 *>(p)[i]);
+    default: return static_cast<const float *>(p)[i];
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void st(void *p, size_t i, float v, NVTEDType) {
+  static_cast<T *>(p)[i] = store_f32<T>(v);
+}
+template <>
+__device__ __forceinline__ void st<AnyT>(void *p, size_t i, float v, NVTEDType t) {
+  switch (t) {
+    case kNVTEFloat16: st<fp16>(p, i, v, t); break;
+    case kNVTEBFloat16: st<bf16>(p, i, v, t); break;
+    case kNVTEFloat8E4M3: st<fp8e4m3>(p, i, v, t); break;
+    case kNVTEFloat8E5M2: st<fp8e5m2>(p, i, v, t); break;
+    default: st<float>(p, i, v, t); break;
+  }
+}
+
 // ------------------------------------------------------------- vector access
 // N elements of T in one aligned access (N * sizeof(T) == 16 for full-width loads).
 template <class T, int N>

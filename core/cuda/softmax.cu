@@ -22,33 +22,6 @@
 namespace nvte::cuda {
 namespace {
 
-// A storage type picked at run time (the dtype fields of SmParams): scalar access only.
-struct AnyT {};
-
-template <class T>
-__device__ __forceinline__ float ld(const void *p, size_t i, NVTEDType) {
-  return load_f32(static_cast<const T *>(p)[i]);
-}
-template <>
-__device__ __forceinline__ float ld<AnyT>(const void *p, size_t i, NVTEDType t) {
-  switch (t) {
-    case kNVTEFloat16: return load_f32(static_cast<const fp16 *>(p)[i]);
-    case kNVTEBFloat16: return load_f32(static_cast<const bf16 *>(p)[i]);
-    default: return static_cast<const float *>(p)[i];
-  }
-}
-template <class T>
-__device__ __forceinline__ void st(void *p, size_t i, float v, NVTEDType) {
-  static_cast<T *>(p)[i] = store_f32<T>(v);
-}
-template <>
-__device__ __forceinline__ void st<AnyT>(void *p, size_t i, float v, NVTEDType t) {
-  switch (t) {
-    case kNVTEFloat16: st<fp16>(p, i, v, t); break;
-    case kNVTEBFloat16: st<bf16>(p, i, v, t); break;
-    default: st<float>(p, i, v, t); break;
-  }
-}
 
 // Chunk width: up to 16 bytes, at most the thread's element count; 1 for AnyT.
 template <class T, int ELEMS>

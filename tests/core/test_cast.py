@@ -225,8 +225,13 @@ def check_dbias_results(x, act, act_x, out, dbias, dbias_name, fmt, scale):
         assert_fp8_within_one_code(got_rows, ref_codes)
     if out.data is not None and out.col is not None:
         assert_bits_equal(out.col, out.data.reshape(r, c).T)
-    assert_close(dbias.astype(np.float64), g64.sum(axis=0), dbias_name,
-                 atol=dbias_tolerance(g64, dbias_name), rtol=TOLERANCE[dbias_name][1])
+    atol = dbias_tolerance(g64, dbias_name)
+    if act not in (None, "drelu"):
+        # g itself is computed in float32: dact's shared formulas carry an absolute error of up to
+        # ~1.3e-6 near saturation (measured over [-25, 25], see test_activation.py), scaled by |x|
+        # in each term of the column sum.
+        atol = atol + 2e-6 * np.abs(x64).sum(axis=0)
+    assert_close(dbias.astype(np.float64), g64.sum(axis=0), dbias_name, atol=atol, rtol=TOLERANCE[dbias_name][1])
     if act in (None, "drelu"):
         # The documented order: a float32 accumulator starting at +0 adds rows 0, 1, 2, ...
         # (np.cumsum is sequential; the leading zero row makes 0 + (-0) = +0 match).
