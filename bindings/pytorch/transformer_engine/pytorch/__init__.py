@@ -1,0 +1,10 @@
+"""transformer_engine.pytorch: TE modules and FP8 autocast for PyTorch, over the C library.
+
+The adapter holds no numerics of its own: every cast, GEMM, norm and scale update is one call
+into libtransformer_engine (through transformer_engine._nvte), on the CPU backend for CPU
+tensors and on the CUDA backend for CUDA tensors."""
+from .fp8 import (autocast, fp8_autocast, fp8_model_init, is_fp8_available, quantized_model_init)
+from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, TransformerEngineBaseModule
+
+__all__ = ["Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "TransformerEngineBaseModule",
+           "fp8_autocast", "autocast", "is_fp8_available", "fp8_model_init", "quantized_model_init"]

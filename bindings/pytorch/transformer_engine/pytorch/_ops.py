@@ -1,0 +1,376 @@
+"""Thin functions over torch tensors, each making one call into transformer_engine._nvte.
+
+The adapter holds no math: every function here validates its torch arguments (device,
+dtype, contiguity), wraps the buffers into _nvte.Tensor handles (borrowing the torch
+memory through data_ptr()) and makes exactly one _nvte call. Tensors may live on the CPU
+(the library's CPU backend) or on a CUDA device (the CUDA backend; the call is queued on
+torch's current stream).
+
+FP8 data is held as torch.uint8 storage in an `FP8Tensor` together with its float32
+scale_inv (the reciprocal of the scale it was produced with) and the FP8 format.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from transformer_engine import _nvte
+
+DType = _nvte.DType
+Param = _nvte.Param
+
+_TORCH_TO_NVTE = {
+    torch.float32: DType.kFloat32,
+    torch.float16: DType.kFloat16,
+    torch.bfloat16: DType.kBFloat16,
+    torch.uint8: DType.kByte,
+    torch.int32: DType.kInt32,
+    torch.int64: DType.kInt64,
+}
+HIGH_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = (DType.kFloat8E4M3, DType.kFloat8E5M2)
+
+
+# ------------------------------------------------------------------ helpers
+def _stream(t: torch.Tensor) -> int:
+    if t.is_cuda:
+        return torch.cuda.current_stream(t.device).cuda_stream
+    return 0
+
+
+def _check(t: torch.Tensor, name: str, dtypes=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: tensors must live on the CPU or a CUDA device, got device {t.device}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected one of "
+                        f"{[str(d) for d in dtypes]}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: tensor must be contiguous (call .contiguous() first)")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: tensor is on {t.device} but the other operands are on {device}")
+
+
+def _as2d_shape(t: torch.Tensor) -> Tuple[int, int]:
+    if t.dim() == 0:
+        return 1, 1
+    cols = t.shape[-1]
+    rows = t.numel() // cols if cols else 0
+    return rows, cols
+
+
+def _set(nt, param, t: torch.Tensor, dtype=None, shape: Optional[Sequence[int]] = None) -> None:
+    nv = dtype if dtype is not None else _TORCH_TO_NVTE[t.dtype]
+    nt.set_param(param, t.data_ptr(), list(t.shape if shape is None else shape), nv)
+    nt._refs.append(t)
+
+
+def _tensor(data: Optional[torch.Tensor] = None, shape=None):
+    """An _nvte.Tensor whose rowwise data is the high-precision torch tensor `data`."""
+    nt = _nvte.Tensor()
+    nt._refs = []
+    if data is not None:
+        _set(nt, Param.kRowwiseData, data, shape=shape)
+    return nt
+
+
+def _workspace(nbytes: int, device: torch.device):
+    if nbytes <= 0:
+        return None
+    buf = torch.empty(int(nbytes), dtype=torch.uint8, device=device)
+    nt = _nvte.Tensor()
+    nt._refs = []
+    _set(nt, Param.kRowwiseData, buf)
+    return nt
+
+
+class FP8Tensor:
+    """FP8 data (uint8 storage) of a logically 2D [rows, cols] tensor.
+
+    data: uint8 [rows, cols] or None; transpose: uint8 [cols, rows] or None;
+    scale_inv: float32 [1]; fp8_dtype: DType.kFloat8E4M3 / kFloat8E5M2."""
+
+    __slots__ = ("data", "transpose", "scale_inv", "fp8_dtype", "shape")
+
+    def __init__(self, data, transpose, scale_inv, fp8_dtype, shape):
+        self.data = data
+        self.transpose = transpose
+        self.scale_inv = scale_inv
+        self.fp8_dtype = fp8_dtype
+        self.shape = tuple(shape)
+
+    @property
+    def device(self):
+        return self.scale_inv.device
+
+    def nvte(self, rowwise: bool = True, columnwise: bool = True):
+        """Handle with the requested buffers (those that exist)."""
+        nt = _nvte.Tensor()
+        nt._refs = []
+        if rowwise and self.data is not None:
+            _set(nt, Param.kRowwiseData, self.data, dtype=self.fp8_dtype)
+            _set(nt, Param.kRowwiseScaleInv, self.scale_inv)
+        if columnwise and self.transpose is not None:
+            _set(nt, Param.kColumnwiseData, self.transpose, dtype=self.fp8_dtype)
+            _set(nt, Param.kColumnwiseScaleInv, self.scale_inv)
+        return nt
+
+    def drop_rowwise(self) -> None:
+        """Free the rowwise buffer (keep the transpose, e.g. for a backward GEMM)."""
+        if self.transpose is not None:
+            self.data = None
+
+
+def _check_meta(scale: torch.Tensor, amax: Optional[torch.Tensor], device) -> None:
+    _check(scale, "scale", (torch.float32,), device)
+    if scale.numel() != 1:
+        raise ValueError(f"scale must hold one element, got shape {tuple(scale.shape)}")
+    if amax is not None:
+        _check(amax, "amax", (torch.float32,), device)
+        if amax.numel() != 1:
+            raise ValueError(f"amax must hold one element, got shape {tuple(amax.shape)}")
+
+
+def _fp8_output(rows, cols, fp8_dtype, scale, amax, rowwise, columnwise, device):
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be DType.kFloat8E4M3 or kFloat8E5M2, got {fp8_dtype}")
+    if not (rowwise or columnwise):
+        raise ValueError("an FP8 output needs rowwise and/or columnwise data")
+    data = torch.empty((rows, cols), dtype=torch.uint8, device=device) if rowwise else None
+    tr = torch.empty((cols, rows), dtype=torch.uint8, device=device) if columnwise else None
+    scale_inv = torch.empty(1, dtype=torch.float32, device=device)
+    out = FP8Tensor(data, tr, scale_inv, fp8_dtype, (rows, cols))
+    nt = out.nvte()
+    _set(nt, Param.kScale, scale)
+    if amax is not None:
+        _set(nt, Param.kAmax, amax)
+    return out, nt
+
+
+# --------------------------------------------------------------------- casts
+def quantize(x: torch.Tensor, scale: torch.Tensor, amax: Optional[torch.Tensor], fp8_dtype,
+             rowwise: bool = True, columnwise: bool = False) -> FP8Tensor:
+    """FP8 cast of x (viewed 2D) with `scale`; amax (float32 [1], may be a view into an amax
+    history) is max-accumulated by the library; columnwise adds the transposed data."""
+    _check(x, "input", HIGH_PRECISION)
+    _check_meta(scale, amax, x.device)
+    rows, cols = _as2d_shape(x)
+    out, nt = _fp8_output(rows, cols, fp8_dtype, scale, amax, rowwise, columnwise, x.device)
+    src = _tensor(x, shape=(rows, cols))
+    if rowwise and columnwise:
+        _nvte.cast_transpose(src, nt, _stream(x))
+    else:
+        _nvte.quantize(src, nt, _stream(x))
+    return out
+
+
+def quantize_dbias(grad: torch.Tensor, scale: torch.Tensor, amax: Optional[torch.Tensor], fp8_dtype,
+                   rowwise: bool = True, columnwise: bool = True) -> Tuple[FP8Tensor, torch.Tensor]:
+    """FP8 cast of a gradient [rows, cols] plus its column sums (the bias gradient, grad's dtype)."""
+    _check(grad, "grad", HIGH_PRECISION)
+    _check_meta(scale, amax, grad.device)
+    rows, cols = _as2d_shape(grad)
+    out, nt = _fp8_output(rows, cols, fp8_dtype, scale, amax, rowwise, columnwise, grad.device)
+    dbias = torch.empty(cols, dtype=grad.dtype, device=grad.device)
+    src = _tensor(grad, shape=(rows, cols))
+    db = _tensor(dbias)
+    ws = _workspace(_nvte.quantize_dbias_workspace_size(src), grad.device)
+    if rowwise and columnwise:
+        _nvte.cast_transpose_dbias(src, nt, db, ws, _stream(grad))
+    else:
+        _nvte.quantize_dbias(src, nt, db, ws, _stream(grad))
+    return out, dbias
+
+
+def dequantize(x: FP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """High-precision copy of FP8 data (float(data) * scale_inv)."""
+    if dtype not in HIGH_PRECISION:
+        raise TypeError(f"dequantize: dtype {dtype} is not supported")
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    _nvte.dequantize(x.nvte(), _tensor(out), _stream(out))
+    return out
+
+
+# ---------------------------------------------------------------------- GEMM
+_WORKSPACES = {}
+
+
+def _gemm_workspace(device: torch.device):
+    if device.type != "cuda":
+        return None
+    key = (device.type, device.index)
+    if key not in _WORKSPACES:
+        nbytes = _nvte.gemm_workspace_size(_nvte.Backend.CUDA)
+        _WORKSPACES[key] = _workspace(nbytes, device)
+    return _WORKSPACES[key]
+
+
+def _operand(x, name, device):
+    """(handle, logical 2D shape) of a GEMM operand: a torch tensor or an FP8Tensor."""
+    if isinstance(x, FP8Tensor):
+        if x.device != device:
+            raise ValueError(f"{name}: FP8 operand is on {x.device} but the other operands are on {device}")
+        return x.nvte(), x.shape
+    _check(x, name, HIGH_PRECISION, device)
+    if x.dim() != 2:
+        raise ValueError(f"{name}: GEMM operands must be 2D, got shape {tuple(x.shape)}")
+    return _tensor(x), tuple(x.shape)
+
+
+def gemm(A, B, out_dtype: torch.dtype, transa: bool, transb: bool, bias: Optional[torch.Tensor] = None,
+         gelu: bool = False, grad: bool = False, pre_gelu: Optional[torch.Tensor] = None,
+         out: Optional[torch.Tensor] = None, accumulate: bool = False):
+    """D = op(B) @ op(A) in TE's convention (fprop TN, dgrad NN, wgrad NT; row-major operands).
+
+    A, B: high-precision 2D torch tensors or FP8Tensors. Forward epilogues (grad=False): bias [m]
+    added; gelu=True returns (D = gelu(pre), pre) with pre = result (+ bias). Backward epilogues
+    (grad=True): `bias` is an output receiving the bias gradient (see gemm.h); with pre_gelu,
+    D = result * dgelu(pre_gelu)."""
+    device = A.device if isinstance(A, FP8Tensor) else getattr(A, "device", None)
+    if not isinstance(A, (torch.Tensor, FP8Tensor)):
+        raise TypeError(f"A: expected a torch.Tensor or FP8Tensor, got {type(A).__name__}")
+    a, ashape = _operand(A, "A", device)
+    b, bshape = _operand(B, "B", device)
+    m, ka = (ashape[0], ashape[1]) if transa else (ashape[1], ashape[0])
+    n, kb = (bshape[1], bshape[0]) if transb else (bshape[0], bshape[1])
+    if ka != kb:
+        raise ValueError(f"GEMM inner dimensions differ: op(A) is [{ka}, {m}], op(B) is [{n}, {kb}] "
+                         f"(A {ashape}, B {bshape}, transa={transa}, transb={transb})")
+    if out_dtype not in HIGH_PRECISION:
+        raise TypeError(f"GEMM output dtype {out_dtype} is not supported")
+    if out is None:
+        out = torch.empty((n, m), dtype=out_dtype, device=device)
+    else:
+        _check(out, "out", (out_dtype,), device)
+        if tuple(out.shape) != (n, m):
+            raise ValueError(f"out has shape {tuple(out.shape)}; expected {(n, m)}")
+    d = _tensor(out)
+    bias_nt = None
+    if bias is not None:
+        _check(bias, "bias", HIGH_PRECISION, device)
+        bias_nt = _tensor(bias)
+    gelu_nt = None
+    if gelu and not grad:
+        pre_gelu = torch.empty((n, m), dtype=out_dtype, device=device)
+    if pre_gelu is not None:
+        _check(pre_gelu, "pre_gelu", HIGH_PRECISION, device)
+        gelu_nt = _tensor(pre_gelu)
+    _nvte.gemm(a, b, d, bias_nt, gelu_nt, transa, transb, grad, _gemm_workspace(device), accumulate,
+               True, 0, _stream(out))
+    if gelu and not grad:
+        return out, pre_gelu
+    return out
+
+
+# ------------------------------------------------------------- normalization
+def _norm_workspace(x_nt, device, forward):
+    return _workspace(_nvte.normalization_workspace_size(x_nt, forward), device)
+
+
+def _norm_out(x, rows, cols, fp8):
+    """z as a high-precision tensor, or an FP8Tensor when fp8 = (scale, amax, fp8_dtype)."""
+    if fp8 is None:
+        z = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        return z, _tensor(z)
+    scale, amax, fp8_dtype = fp8
+    _check_meta(scale, amax, x.device)
+    return _fp8_output(rows, cols, fp8_dtype, scale, amax, True, False, x.device)
+
+
+def _check_norm(x, gamma, beta=None):
+    _check(x, "input", HIGH_PRECISION)
+    rows, cols = _as2d_shape(x)
+    for name, p in (("weight", gamma), ("bias", beta)):
+        if p is None:
+            continue
+        _check(p, name, HIGH_PRECISION, x.device)
+        if p.numel() != cols:
+            raise ValueError(f"{name} has {p.numel()} elements but the input's last dimension is {cols}")
+    return rows, cols
+
+
+def layernorm_fwd(x, gamma, beta, eps: float, zero_centered_gamma: bool = False, fp8=None):
+    """LayerNorm over the last dim of x. Returns (z [rows, cols] or FP8Tensor, mu, rsigma)."""
+    rows, cols = _check_norm(x, gamma, beta)
+    z, z_nt = _norm_out(x, rows, cols, fp8)
+    mu = torch.empty(rows, dtype=torch.float32, device=x.device)
+    rs = torch.empty(rows, dtype=torch.float32, device=x.device)
+    x_nt = _tensor(x, shape=(rows, cols))
+    ws = _norm_workspace(x_nt, x.device, True)
+    _nvte.layernorm_fwd(x_nt, _tensor(gamma), _tensor(beta), float(eps), z_nt, _tensor(mu), _tensor(rs), ws, 0,
+                        zero_centered_gamma, _stream(x))
+    return z, mu, rs
+
+
+def layernorm_bwd(dz, x, mu, rsigma, gamma, zero_centered_gamma: bool = False):
+    """Returns (dx [rows, cols], dgamma, dbeta)."""
+    rows, cols = _check_norm(x, gamma)
+    _check(dz, "grad_output", HIGH_PRECISION, x.device)
+    _check(mu, "mu", (torch.float32,), x.device)
+    _check(rsigma, "rsigma", (torch.float32,), x.device)
+    dx = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    dg = torch.empty_like(gamma)
+    db = torch.empty_like(gamma)
+    x_nt = _tensor(x, shape=(rows, cols))
+    ws = _norm_workspace(x_nt, x.device, False)
+    _nvte.layernorm_bwd(_tensor(dz, shape=(rows, cols)), x_nt, _tensor(mu), _tensor(rsigma), _tensor(gamma),
+                        _tensor(dx), _tensor(dg), _tensor(db), ws, 0, zero_centered_gamma, _stream(x))
+    return dx, dg, db
+
+
+def rmsnorm_fwd(x, gamma, eps: float, zero_centered_gamma: bool = False, fp8=None):
+    """RMSNorm over the last dim of x. Returns (z [rows, cols] or FP8Tensor, rsigma)."""
+    rows, cols = _check_norm(x, gamma)
+    z, z_nt = _norm_out(x, rows, cols, fp8)
+    rs = torch.empty(rows, dtype=torch.float32, device=x.device)
+    x_nt = _tensor(x, shape=(rows, cols))
+    ws = _norm_workspace(x_nt, x.device, True)
+    _nvte.rmsnorm_fwd(x_nt, _tensor(gamma), float(eps), z_nt, _tensor(rs), ws, 0, zero_centered_gamma,
+                      _stream(x))
+    return z, rs
+
+
+def rmsnorm_bwd(dz, x, rsigma, gamma, zero_centered_gamma: bool = False):
+    """Returns (dx [rows, cols], dgamma)."""
+    rows, cols = _check_norm(x, gamma)
+    _check(dz, "grad_output", HIGH_PRECISION, x.device)
+    _check(rsigma, "rsigma", (torch.float32,), x.device)
+    dx = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    dg = torch.empty_like(gamma)
+    x_nt = _tensor(x, shape=(rows, cols))
+    ws = _norm_workspace(x_nt, x.device, False)
+    _nvte.rmsnorm_bwd(_tensor(dz, shape=(rows, cols)), x_nt, _tensor(rsigma), _tensor(gamma), _tensor(dx),
+                      _tensor(dg), ws, 0, zero_centered_gamma, _stream(x))
+    return dx, dg
+
+
+# --------------------------------------------------------------- activations
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    _check(x, "input", HIGH_PRECISION)
+    out = torch.empty_like(x)
+    _nvte.gelu(_tensor(x), _tensor(out), _stream(x))
+    return out
+
+
+def dgelu(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad * gelu'(x)."""
+    _check(x, "input", HIGH_PRECISION)
+    _check(grad, "grad", (x.dtype,), x.device)
+    if grad.shape != x.shape:
+        raise ValueError(f"grad shape {tuple(grad.shape)} differs from input shape {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    _nvte.dgelu(_tensor(grad), _tensor(x), _tensor(out), _stream(x))
+    return out
+
+
+# -------------------------------------------------------------------- recipe
+def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor, algo: str, fp8_dtype,
+                           margin: float) -> None:
+    """In place: one delayed-scaling step (nvte_delayed_scaling_recipe_amax_and_scale_update)."""
+    _check(amax_history, "amax_history", (torch.float32,))
+    _check(scale, "scale", (torch.float32,), amax_history.device)
+    h, s = _tensor(amax_history), _tensor(scale)
+    _nvte.delayed_scaling_recipe_amax_and_scale_update(h, s, h, s, algo, fp8_dtype, float(margin),
+                                                       _stream(scale))

@@ -1,0 +1,209 @@
+"""FP8 autocast state and per-module delayed-scaling metadata.
+
+Timing (as in TE for DelayedScaling): during a step, every FP8 cast max-accumulates its
+amax into row 0 of its module's amax history. Forward scales are updated (history rolled,
+scale recomputed by nvte_delayed_scaling_recipe_amax_and_scale_update) when the OUTERMOST
+fp8_autocast exits with grad enabled, for every module that ran an FP8 forward inside it.
+Backward scales are updated in each module's backward, right before its gradients are cast
+(a simplification of TE, which does it once per backward pass). With an fp8_group the
+current amaxes (row 0) are all-reduced (MAX) through torch.distributed before an update.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Tuple
+
+import torch
+
+from transformer_engine import _nvte
+from transformer_engine.common.recipe import DelayedScaling, Format, Recipe
+
+from . import _ops
+
+__all__ = ["fp8_autocast", "autocast", "is_fp8_available", "fp8_model_init", "quantized_model_init",
+           "FP8GlobalState", "FP8Meta", "get_default_recipe"]
+
+
+def get_default_recipe() -> DelayedScaling:
+    return DelayedScaling()
+
+
+def is_fp8_available() -> Tuple[bool, str]:
+    """(available, reason). CUDA: the library's CUDA backend and a device of compute capability
+    >= 8.9. Without CUDA, FP8 is emulated by the library's CPU backend (always available)."""
+    if torch.cuda.is_available():
+        if not _nvte.cuda_backend_available():
+            return False, "this build of libtransformer_engine has no CUDA backend"
+        cc = torch.cuda.get_device_capability()
+        if cc < (8, 9):
+            return False, f"FP8 needs a GPU of compute capability 8.9 or newer (found {cc[0]}.{cc[1]})"
+        return True, ""
+    return True, "no CUDA device: FP8 is emulated by the CPU backend of libtransformer_engine"
+
+
+def _fwd_bwd_dtypes(recipe: DelayedScaling):
+    if recipe.fp8_format == Format.E4M3:
+        return _ops.DType.kFloat8E4M3, _ops.DType.kFloat8E4M3
+    if recipe.fp8_format == Format.E5M2:
+        return _ops.DType.kFloat8E5M2, _ops.DType.kFloat8E5M2
+    return _ops.DType.kFloat8E4M3, _ops.DType.kFloat8E5M2  # HYBRID
+
+
+class FP8Meta:
+    """Delayed-scaling state of one module: for forward and backward, an amax history
+    float32 [len, n] and scales float32 [n] on the module's device."""
+
+    def __init__(self, num_fwd: int, num_bwd: int):
+        self.num = {"fwd": num_fwd, "bwd": num_bwd}
+        self.amax_history = {}
+        self.scale = {}
+        self.recipe: Optional[DelayedScaling] = None
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self.amax_history)
+
+    def prepare(self, recipe: DelayedScaling, device: torch.device) -> None:
+        """Create the buffers (first FP8 use) or adapt them to the recipe's history length."""
+        if not isinstance(recipe, DelayedScaling):
+            raise NotImplementedError(f"only the DelayedScaling recipe is implemented, got {type(recipe).__name__}")
+        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+            raise NotImplementedError("DelayedScaling with callable amax_compute_algo / "
+                                      "scaling_factor_compute_algo is not supported by this adapter")
+        self.recipe = recipe
+        n_len = recipe.amax_history_len
+        for key, n in self.num.items():
+            h = self.amax_history.get(key)
+            if h is None:
+                self.amax_history[key] = torch.zeros((n_len, n), dtype=torch.float32, device=device)
+                self.scale[key] = torch.ones(n, dtype=torch.float32, device=device)
+                continue
+            if h.device != device:
+                h = h.to(device)
+                self.scale[key] = self.scale[key].to(device)
+            if h.shape[0] != n_len:  # keep the most recent rows (row 0 = current step)
+                new = torch.zeros((n_len, n), dtype=torch.float32, device=device)
+                k = min(n_len, h.shape[0])
+                new[:k] = h[:k]
+                h = new
+            self.amax_history[key] = h
+
+    def amax(self, key: str, i: int) -> torch.Tensor:
+        """View of the current-step amax slot (history row 0, column i)."""
+        return self.amax_history[key][0, i:i + 1]
+
+    def scale_of(self, key: str, i: int) -> torch.Tensor:
+        return self.scale[key][i:i + 1]
+
+    def fp8_dtype(self, key: str):
+        fwd, bwd = _fwd_bwd_dtypes(self.recipe)
+        return fwd if key == "fwd" else bwd
+
+    def update(self, key: str, group=None) -> None:
+        """Reduce the current amaxes over `group` (if any) and run one delayed-scaling step."""
+        if not self.initialized:
+            return
+        h = self.amax_history[key]
+        if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            row = h[0].clone()
+            torch.distributed.all_reduce(row, op=torch.distributed.ReduceOp.MAX, group=group)
+            h[0].copy_(row)
+        _ops.delayed_scaling_update(h, self.scale[key], self.recipe.amax_compute_algo, self.fp8_dtype(key),
+                                    self.recipe.margin)
+
+    # state_dict support
+    def state(self):
+        if not self.initialized:
+            return None
+        return {
+            "amax_history_fwd": self.amax_history["fwd"].detach().cpu().clone(),
+            "scale_fwd": self.scale["fwd"].detach().cpu().clone(),
+            "amax_history_bwd": self.amax_history["bwd"].detach().cpu().clone(),
+            "scale_bwd": self.scale["bwd"].detach().cpu().clone(),
+        }
+
+    def load(self, state, device: torch.device) -> None:
+        if state is None:
+            self.amax_history, self.scale = {}, {}
+            return
+        if not isinstance(state, dict) or "amax_history_fwd" not in state:
+            raise ValueError("unrecognised FP8 extra state (expected the dict written by get_extra_state)")
+        for key in ("fwd", "bwd"):
+            h = state[f"amax_history_{key}"]
+            s = state[f"scale_{key}"]
+            if h.dim() != 2 or h.shape[1] != self.num[key] or s.shape != (self.num[key],):
+                raise ValueError(f"FP8 extra state for {key} has shapes {tuple(h.shape)}/{tuple(s.shape)}; "
+                                 f"this module needs [len, {self.num[key]}]/[{self.num[key]}]")
+            self.amax_history[key] = h.to(device=device, dtype=torch.float32).contiguous().clone()
+            self.scale[key] = s.to(device=device, dtype=torch.float32).contiguous().clone()
+
+
+class FP8GlobalState:
+    """Process-wide autocast state (a stack of nested fp8_autocast regions)."""
+
+    enabled = False
+    calibrating = False
+    recipe: Optional[Recipe] = None
+    group = None
+    depth = 0
+    pending = {}  # id(meta) -> (meta, group): metas that ran an FP8 forward in this region
+
+    @classmethod
+    def register_forward(cls, meta: FP8Meta) -> None:
+        if torch.is_grad_enabled():
+            cls.pending[id(meta)] = (meta, cls.group)
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.enabled, cls.calibrating, cls.recipe, cls.group, cls.depth = False, False, None, None, 0
+        cls.pending = {}
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
+                 fp8_group=None, _graph: bool = False):
+    """Run TE modules in FP8 inside the region (DelayedScaling; default recipe DelayedScaling()).
+
+    calibrating: modules run in high precision but record amaxes (so scales are ready when FP8
+    is switched on). Forward scales are updated when the outermost region exits."""
+    if enabled:
+        ok, reason = is_fp8_available()
+        if not ok:
+            raise RuntimeError(f"FP8 is not available: {reason}")
+    if fp8_recipe is None:
+        fp8_recipe = get_default_recipe()
+    if not isinstance(fp8_recipe, Recipe):
+        raise TypeError(f"fp8_recipe must be a transformer_engine.common.recipe.Recipe, got {type(fp8_recipe).__name__}")
+    st = FP8GlobalState
+    saved = (st.enabled, st.calibrating, st.recipe, st.group)
+    st.enabled, st.calibrating, st.recipe, st.group = enabled, calibrating, fp8_recipe, fp8_group
+    st.depth += 1
+    try:
+        yield
+    finally:
+        st.enabled, st.calibrating, st.recipe, st.group = saved
+        st.depth -= 1
+        if st.depth == 0:
+            pending, st.pending = st.pending, {}
+            if torch.is_grad_enabled():
+                for meta, group in pending.values():
+                    meta.update("fwd", group)
+
+
+autocast = fp8_autocast
+
+
+def _not_implemented(name):
+    @contextlib.contextmanager
+    def ctx(enabled: bool = True, *args, **kwargs):
+        if enabled:
+            raise NotImplementedError(f"{name}: parameters stored in FP8 are not implemented yet in this "
+                                      "adapter; create modules without it (they keep high-precision weights "
+                                      "and cast them to FP8 in each forward)")
+        yield
+    ctx.__name__ = name
+    return ctx
+
+
+fp8_model_init = _not_implemented("fp8_model_init")
+quantized_model_init = _not_implemented("quantized_model_init")

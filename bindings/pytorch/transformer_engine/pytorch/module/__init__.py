@@ -1,0 +1,8 @@
+"""TE modules of the PyTorch adapter."""
+from .base import TransformerEngineBaseModule
+from .layernorm import LayerNorm, RMSNorm
+from .layernorm_linear import LayerNormLinear
+from .layernorm_mlp import LayerNormMLP
+from .linear import Linear
+
+__all__ = ["TransformerEngineBaseModule", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP"]

@@ -1,0 +1,85 @@
+"""te.LayerNormLinear: y = Linear(Norm(x)), the norm output optionally returned too."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
+from ._linear_fn import LinearCfg, linear_fn
+from .layernorm import check_normalization, layernorm_fn, rmsnorm_fn
+from .linear import check_unsupported
+
+__all__ = ["LayerNormLinear"]
+
+
+class LayerNormLinear(TransformerEngineBaseModule):
+    """Parameters `layer_norm_weight`, `layer_norm_bias` (LayerNorm only) [in_features],
+    `weight` [out_features, in_features], `bias` [out_features]. The norm runs in high
+    precision; the linear part follows te.Linear (FP8 under fp8_autocast)."""
+
+    _num_fp8_fwd = 3
+    _num_fp8_bwd = 2
+
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, sequence_parallel: bool = False,
+                 fuse_wgrad_accumulation: bool = False, tp_group=None, tp_size: int = 1,
+                 get_rng_state_tracker: Optional[Callable] = None, init_method: Optional[Callable] = None,
+                 bias: bool = True, normalization: str = "LayerNorm", return_bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, parallel_mode: Optional[str] = None,
+                 return_layernorm_output: bool = False, return_layernorm_output_gathered: bool = False,
+                 parameters_split=None, zero_centered_gamma: bool = False, device=None,
+                 name: Optional[str] = None, **kwargs):
+        check_unsupported("LayerNormLinear", tp_size, fuse_wgrad_accumulation, parameters_split=parameters_split,
+                          **kwargs)
+        super().__init__(device, params_dtype)
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"LayerNormLinear: features must be positive, got {in_features}, {out_features}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.eps, self.normalization = float(eps), check_normalization(normalization, "LayerNormLinear")
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.use_bias, self.return_bias = bool(bias), bool(return_bias)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        self.init_method = init_method if init_method is not None else default_init_method()
+        self.sequence_parallel, self.parallel_mode, self.name = sequence_parallel, parallel_mode, name
+        self.layer_norm_weight = self._new_param(self.in_features)
+        if self.normalization == "LayerNorm":
+            self.layer_norm_bias = self._new_param(self.in_features)
+        else:
+            self.register_parameter("layer_norm_bias", None)
+        self.weight = self._new_param(self.out_features, self.in_features)
+        if self.use_bias:
+            self.bias = self._new_param(self.out_features)
+        else:
+            self.register_parameter("bias", None)
+        if self._device_arg.type != "meta":
+            self.reset_parameters()
+
+    def _init_parameters(self) -> None:
+        self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+        if self.layer_norm_bias is not None:
+            self.layer_norm_bias.zero_()
+        self.init_method(self.weight)
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False):
+        if fp8_output:
+            raise NotImplementedError("LayerNormLinear: fp8_output is not implemented")
+        check_input(inp, self.in_features, "LayerNormLinear")
+        params = (self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias)
+        check_same_device(inp, params, "LayerNormLinear")
+        x2 = as_2d(inp, self.weight.dtype)
+        if self.normalization == "LayerNorm":
+            ln = layernorm_fn(x2, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+        else:
+            ln = rmsnorm_fn(x2, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
+        fp8, calibrating = self._fp8_mode(self.weight.device)
+        cfg = LinearCfg(self.fp8_meta, fp8, calibrating)
+        out = linear_fn(ln, self.weight, None if self.return_bias else self.bias, cfg)
+        out = out.view(*inp.shape[:-1], self.out_features)
+        res = [out]
+        if self.return_bias:
+            res.append(self.bias)
+        if self.return_layernorm_output:
+            res.append(ln.view(inp.shape))
+        return res[0] if len(res) == 1 else tuple(res)

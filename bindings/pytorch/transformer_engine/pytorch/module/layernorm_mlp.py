@@ -1,0 +1,100 @@
+"""te.LayerNormMLP: y = fc2(gelu(fc1(Norm(x))))."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
+from ._linear_fn import LinearCfg, linear_fn
+from .layernorm import check_normalization, layernorm_fn, rmsnorm_fn
+from .linear import check_unsupported
+
+__all__ = ["LayerNormMLP"]
+
+
+class LayerNormMLP(TransformerEngineBaseModule):
+    """Parameters `layer_norm_weight`, `layer_norm_bias` (LayerNorm only) [hidden_size],
+    `fc1_weight` [ffn_hidden_size, hidden_size], `fc1_bias`, `fc2_weight` [hidden_size,
+    ffn_hidden_size], `fc2_bias`. activation: 'gelu' (tanh approximation, fused into the fc1
+    GEMM's epilogue). Both GEMMs run in FP8 under fp8_autocast; the norm in high precision."""
+
+    # forward slots: fc1 input, fc1 weight, fc1 output, fc2 input, fc2 weight, fc2 output
+    _num_fp8_fwd = 6
+    # backward slots: fc1 grad_output, fc1 grad_input, fc2 grad_output, fc2 grad_input
+    _num_fp8_bwd = 4
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
+                 return_bias: bool = False, get_rng_state_tracker: Optional[Callable] = None, tp_group=None,
+                 tp_size: int = 1, init_method: Optional[Callable] = None, bias: bool = True,
+                 normalization: str = "LayerNorm", activation: str = "gelu",
+                 output_layer_init_method: Optional[Callable] = None, fuse_wgrad_accumulation: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, return_layernorm_output: bool = False,
+                 return_layernorm_output_gathered: bool = False, seq_length: Optional[int] = None,
+                 micro_batch_size: Optional[int] = None, set_parallel_mode: bool = False,
+                 zero_centered_gamma: bool = False, device=None, name: Optional[str] = None, **kwargs):
+        check_unsupported("LayerNormMLP", tp_size, fuse_wgrad_accumulation, set_parallel_mode=set_parallel_mode,
+                          **kwargs)
+        if activation != "gelu":
+            raise NotImplementedError(f"LayerNormMLP: activation {activation!r} is not implemented (only 'gelu')")
+        super().__init__(device, params_dtype)
+        if hidden_size <= 0 or ffn_hidden_size <= 0:
+            raise ValueError(f"LayerNormMLP: sizes must be positive, got {hidden_size}, {ffn_hidden_size}")
+        self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
+        self.eps, self.normalization = float(eps), check_normalization(normalization, "LayerNormMLP")
+        self.activation, self.zero_centered_gamma = activation, bool(zero_centered_gamma)
+        self.use_bias, self.return_bias = bool(bias), bool(return_bias)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        self.init_method = init_method if init_method is not None else default_init_method()
+        self.output_layer_init_method = output_layer_init_method or self.init_method
+        self.sequence_parallel, self.name = sequence_parallel, name
+        h, f = self.hidden_size, self.ffn_hidden_size
+        self.layer_norm_weight = self._new_param(h)
+        if self.normalization == "LayerNorm":
+            self.layer_norm_bias = self._new_param(h)
+        else:
+            self.register_parameter("layer_norm_bias", None)
+        self.fc1_weight = self._new_param(f, h)
+        self.fc2_weight = self._new_param(h, f)
+        if self.use_bias:
+            self.fc1_bias = self._new_param(f)
+            self.fc2_bias = self._new_param(h)
+        else:
+            self.register_parameter("fc1_bias", None)
+            self.register_parameter("fc2_bias", None)
+        if self._device_arg.type != "meta":
+            self.reset_parameters()
+
+    def _init_parameters(self) -> None:
+        self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+        if self.layer_norm_bias is not None:
+            self.layer_norm_bias.zero_()
+        self.init_method(self.fc1_weight)
+        self.output_layer_init_method(self.fc2_weight)
+        for b in (self.fc1_bias, self.fc2_bias):
+            if b is not None:
+                b.zero_()
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        check_input(inp, self.hidden_size, "LayerNormMLP")
+        params = (self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
+                  self.fc2_bias)
+        check_same_device(inp, params, "LayerNormMLP")
+        x2 = as_2d(inp, self.fc1_weight.dtype)
+        if self.normalization == "LayerNorm":
+            ln = layernorm_fn(x2, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+        else:
+            ln = rmsnorm_fn(x2, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
+        fp8, calibrating = self._fp8_mode(self.fc1_weight.device)
+        # fc2's backward runs first: it performs the backward delayed-scaling step for the module
+        cfg1 = LinearCfg(self.fp8_meta, fp8, calibrating, fwd_slot=0, bwd_slot=0, update_bwd=False, gelu=True)
+        cfg2 = LinearCfg(self.fp8_meta, fp8, calibrating, fwd_slot=3, bwd_slot=2, update_bwd=True)
+        act = linear_fn(ln, self.fc1_weight, self.fc1_bias, cfg1)
+        out = linear_fn(act, self.fc2_weight, None if self.return_bias else self.fc2_bias, cfg2)
+        out = out.view(inp.shape)
+        res = [out]
+        if self.return_bias:
+            res.append(self.fc2_bias)
+        if self.return_layernorm_output:
+            res.append(ln.view(inp.shape))
+        return res[0] if len(res) == 1 else tuple(res)

@@ -1,0 +1,77 @@
+"""te.Linear: y = x W^T + b, in FP8 inside fp8_autocast."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .base import (TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method)
+from ._linear_fn import LinearCfg, linear_fn
+
+__all__ = ["Linear"]
+
+
+def check_unsupported(name: str, tp_size: int = 1, fuse_wgrad_accumulation: bool = False, **flags) -> None:
+    """Reject TE options this adapter does not implement, when set to non-default values."""
+    if tp_size != 1:
+        raise NotImplementedError(f"{name}: tensor parallelism (tp_size={tp_size}) is not implemented")
+    if fuse_wgrad_accumulation:
+        raise NotImplementedError(f"{name}: fuse_wgrad_accumulation is not implemented")
+    on = [k for k, v in flags.items() if v]
+    if on:
+        raise NotImplementedError(f"{name}: options not implemented in this adapter: {on}")
+
+
+class Linear(TransformerEngineBaseModule):
+    """Applies y = x W^T + b. Parameters: `weight` [out_features, in_features], `bias` [out_features].
+
+    device: None -> CUDA when available, else the CPU; 'meta' defers allocation until
+    reset_parameters(). Under fp8_autocast the GEMMs run in FP8 with delayed scaling.
+    return_bias=True returns (y without bias, bias) for the caller to fuse the addition."""
+
+    _num_fp8_fwd = 3  # input, weight, output
+    _num_fp8_bwd = 2  # grad_output, grad_input
+
+    def __init__(self, in_features: int, out_features: int, sequence_parallel: bool = False,
+                 fuse_wgrad_accumulation: bool = False, tp_group=None, tp_size: int = 1,
+                 get_rng_state_tracker: Optional[Callable] = None, rng_tracker_name: Optional[str] = None,
+                 init_method: Optional[Callable] = None, bias: bool = True, return_bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, parallel_mode: Optional[str] = None,
+                 parameters_split=None, device=None, name: Optional[str] = None, **kwargs):
+        check_unsupported("Linear", tp_size, fuse_wgrad_accumulation, parameters_split=parameters_split, **kwargs)
+        super().__init__(device, params_dtype)
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"Linear: in_features and out_features must be positive, got {in_features}, {out_features}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.use_bias, self.return_bias = bool(bias), bool(return_bias)
+        self.init_method = init_method if init_method is not None else default_init_method()
+        self.sequence_parallel, self.parallel_mode, self.tp_group, self.name = (
+            sequence_parallel, parallel_mode, tp_group, name)
+        self.weight = self._new_param(self.out_features, self.in_features)
+        if self.use_bias:
+            self.bias = self._new_param(self.out_features)
+        else:
+            self.register_parameter("bias", None)
+        if self._device_arg.type != "meta":
+            self.reset_parameters()
+
+    def _init_parameters(self) -> None:
+        self.init_method(self.weight)
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
+                fp8_grad: bool = False):
+        if fp8_output or fp8_grad:
+            raise NotImplementedError("Linear: fp8_output / fp8_grad are not implemented")
+        check_input(inp, self.in_features, "Linear")
+        weight, bias = self.weight, self.bias
+        check_same_device(inp, (weight, bias), "Linear")
+        fp8, calibrating = self._fp8_mode(weight.device)
+        cfg = LinearCfg(self.fp8_meta, fp8, calibrating, fwd_slot=0, bwd_slot=0)
+        x2 = as_2d(inp, weight.dtype)
+        out = linear_fn(x2, weight, None if self.return_bias else bias, cfg)
+        out = out.view(*inp.shape[:-1], self.out_features)
+        if self.return_bias:
+            return out, bias
+        return out

@@ -1,0 +1,173 @@
+"""Delayed-scaling state of te modules vs a float64 re-computation of the recipe math,
+fp8_autocast semantics and the _extra_state round trip."""
+import io
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+from _util import seeded
+
+
+class RefDelayed:
+    """float64 model of one meta set: history [len, n], scale [n]."""
+
+    def __init__(self, length, n, fp8_max, margin, algo):
+        self.h = torch.zeros(length, n, dtype=torch.float64)
+        self.s = torch.ones(n, dtype=torch.float64)
+        self.fp8_max, self.margin, self.algo = fp8_max, margin, algo
+
+    def record(self, i, x):
+        self.h[0, i] = max(float(self.h[0, i]), float(x.detach().abs().max()))
+
+    def update(self):
+        amax = self.h.max(0).values if self.algo == "max" else self.h[0].clone()
+        self.h = torch.roll(self.h, -1, 0)
+        self.h[0] = 0
+        new = self.fp8_max / amax / 2.0 ** self.margin
+        ok = (amax > 0) & torch.isfinite(amax)
+        self.s = torch.where(ok, new, self.s)
+
+
+@pytest.mark.parametrize("fmt,algo,margin", [("HYBRID", "max", 1), ("E4M3", "most_recent", 0),
+                                             ("E5M2", "max", 2)])
+def test_recipe_state_matches_float64(rng, fmt, algo, margin):
+    g = seeded(rng)
+    r = recipe.DelayedScaling(margin=margin, fp8_format=getattr(recipe.Format, fmt), amax_history_len=3,
+                              amax_compute_algo=algo)
+    fwd_max = 57344.0 if fmt == "E5M2" else 448.0
+    bwd_max = 448.0 if fmt == "E4M3" else 57344.0
+    m = te.Linear(16, 8, device="cpu")
+    ref_f = RefDelayed(3, 3, fwd_max, margin, algo)
+    ref_b = RefDelayed(3, 2, bwd_max, margin, algo)
+    for step, mag in enumerate([1.0, 30.0, 0.01, 5.0, 2.0]):
+        x = torch.randn(6, 16, generator=g) * mag
+        dy = torch.randn(6, 8, generator=g) * mag * 0.1
+        with te.fp8_autocast(fp8_recipe=r):
+            y = m(x)
+            if step == 3:  # a second forward in one region max-accumulates into the same slot
+                x2 = torch.randn(6, 16, generator=g) * 50
+                y = y + m(x2)
+                ref_f.record(0, x2)
+        ref_f.record(0, x)
+        ref_f.record(1, m.weight)
+        ref_f.update()  # outermost exit
+        y.backward(dy)
+        ref_b.update()  # start of backward
+        ref_b.record(0, dy)
+        meta = m.fp8_meta
+        torch.testing.assert_close(meta.amax_history["fwd"].double(), ref_f.h, rtol=1e-6, atol=0)
+        torch.testing.assert_close(meta.scale["fwd"].double(), ref_f.s, rtol=1e-6, atol=0)
+        if step == 3:  # two backward calls: each updates first
+            ref_b.update()
+            ref_b.record(0, dy)
+        torch.testing.assert_close(meta.amax_history["bwd"].double(), ref_b.h, rtol=1e-6, atol=0)
+        torch.testing.assert_close(meta.scale["bwd"].double(), ref_b.s, rtol=1e-6, atol=0)
+
+
+def test_nested_autocast_updates_only_at_outermost_exit(rng):
+    m = te.Linear(8, 8, device="cpu")
+    r = recipe.DelayedScaling(amax_history_len=2)
+    x = torch.randn(4, 8, generator=seeded(rng))
+    with te.fp8_autocast(fp8_recipe=r):
+        with te.fp8_autocast(fp8_recipe=r):
+            m(x)
+        assert torch.equal(m.fp8_meta.scale["fwd"], torch.ones(3))
+        assert float(m.fp8_meta.amax_history["fwd"][0, 0]) > 0
+    assert float(m.fp8_meta.scale["fwd"][0]) != 1.0
+    assert float(m.fp8_meta.amax_history["fwd"][0, 0]) == 0.0
+
+
+def test_autocast_disabled_inside_enabled_runs_high_precision(rng):
+    m = te.Linear(8, 8, device="cpu")
+    x = torch.randn(4, 8, generator=seeded(rng))
+    with te.fp8_autocast(), te.fp8_autocast(enabled=False):
+        y = m(x)
+    assert not m.fp8_meta.initialized
+    torch.testing.assert_close(y, x @ m.weight.detach().t() + m.bias.detach())
+
+
+def test_calibration_records_amax_without_fp8(rng):
+    m = te.Linear(8, 8, device="cpu")
+    x = torch.randn(4, 8, generator=seeded(rng)) * 7
+    with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe.DelayedScaling(amax_history_len=2)):
+        y = m(x)
+    torch.testing.assert_close(y, x @ m.weight.detach().t() + m.bias.detach())
+    torch.testing.assert_close(m.fp8_meta.amax_history["fwd"][1, 0], x.abs().max())
+    torch.testing.assert_close(m.fp8_meta.scale["fwd"][0], 448.0 / x.abs().max())
+
+
+def test_default_recipe_and_availability():
+    ok, reason = te.is_fp8_available()
+    assert ok
+    if not torch.cuda.is_available():
+        assert "CPU" in reason
+    m = te.Linear(8, 8, device="cpu")
+    with te.autocast():
+        m(torch.randn(2, 8))
+    assert m.fp8_meta.amax_history["fwd"].shape == (1024, 3)
+    assert m.fp8_meta.recipe.fp8_format == recipe.Format.HYBRID
+
+
+def test_unsupported_features_raise():
+    with pytest.raises(NotImplementedError, match="fp8_model_init"):
+        with te.fp8_model_init():
+            pass
+    with te.fp8_model_init(enabled=False):
+        pass
+    with pytest.raises(TypeError, match="Recipe"):
+        with te.fp8_autocast(fp8_recipe="hybrid"):
+            pass
+    m = te.Linear(8, 8, device="cpu")
+    with pytest.raises(NotImplementedError, match="DelayedScaling"):
+        with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+            m(torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("make", [lambda: te.Linear(16, 8, device="cpu"),
+                                  lambda: te.LayerNormLinear(16, 8, device="cpu"),
+                                  lambda: te.LayerNormMLP(16, 32, device="cpu")])
+def test_extra_state_round_trip(rng, make):
+    g = seeded(rng)
+    torch.manual_seed(0)
+    m = make()
+    r = recipe.DelayedScaling(amax_history_len=4)
+    for _ in range(3):
+        with te.fp8_autocast(fp8_recipe=r):
+            y = m(torch.randn(5, 16, generator=g) * 3)
+        y.sum().backward()
+    sd = m.state_dict()
+    assert "_extra_state" in sd
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    torch.manual_seed(1)
+    m2 = make()
+    m2.load_state_dict(torch.load(buf, weights_only=False))
+    for key in ("fwd", "bwd"):
+        assert torch.equal(m2.fp8_meta.amax_history[key], m.fp8_meta.amax_history[key])
+        assert torch.equal(m2.fp8_meta.scale[key], m.fp8_meta.scale[key])
+    x = torch.randn(5, 16, generator=g)
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):
+        assert torch.equal(m(x), m2(x))
+    # a module that never ran FP8 stores no meta, and loading that clears the meta
+    fresh = make()
+    m2.load_state_dict(fresh.state_dict())
+    assert not m2.fp8_meta.initialized
+    with pytest.raises(ValueError, match="extra state"):
+        m2.set_extra_state({"bogus": 1})
+
+
+def test_history_length_change_keeps_recent_rows(rng):
+    m = te.Linear(8, 8, device="cpu")
+    x = torch.randn(4, 8, generator=seeded(rng))
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=4)):
+        m(x)
+    h = m.fp8_meta.amax_history["fwd"].clone()
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=2)):
+        pass
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=2)), torch.no_grad():
+        m(x)
+    assert m.fp8_meta.amax_history["fwd"].shape == (2, 3)
+    torch.testing.assert_close(m.fp8_meta.amax_history["fwd"][1], h[1])
