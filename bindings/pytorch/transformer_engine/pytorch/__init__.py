@@ -5,6 +5,10 @@ into libtransformer_engine (through transformer_engine._nvte), on the CPU backen
 tensors and on the CUDA backend for CUDA tensors."""
 from .fp8 import (autocast, fp8_autocast, fp8_model_init, is_fp8_available, quantized_model_init)
 from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, TransformerEngineBaseModule
+from .attention import DotProductAttention, MultiheadAttention
+from . import transformer
+from .transformer import TransformerLayer
 
 __all__ = ["Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "TransformerEngineBaseModule",
+           "TransformerLayer", "DotProductAttention", "MultiheadAttention",
            "fp8_autocast", "autocast", "is_fp8_available", "fp8_model_init", "quantized_model_init"]

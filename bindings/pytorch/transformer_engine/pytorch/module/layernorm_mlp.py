@@ -1,23 +1,65 @@
-"""te.LayerNormMLP: y = fc2(gelu(fc1(Norm(x))))."""
+"""te.LayerNormMLP: y = fc2(act(fc1(Norm(x)))).
+
+Activations are the library's (activation.h): elementwise gelu (tanh form, fused into fc1's GEMM
+epilogue), relu, qgelu, srelu, silu, and the gated units geglu, reglu, swiglu, qgeglu, sreglu, for
+which fc1 produces 2 * ffn_hidden_size features, act(first half) * second half."""
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import torch
 
+from transformer_engine import _nvte
+
+from .. import _ops
 from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
 from ._linear_fn import LinearCfg, linear_fn
 from .layernorm import check_normalization, layernorm_fn, rmsnorm_fn
 from .linear import check_unsupported
 
-__all__ = ["LayerNormMLP"]
+__all__ = ["LayerNormMLP", "ACTIVATIONS", "GATED_ACTIVATIONS"]
+
+# name -> library function name; the backward is "d" + name.
+_ELEMENTWISE = ("gelu", "relu", "qgelu", "srelu", "silu")
+GATED_ACTIVATIONS = ("geglu", "reglu", "swiglu", "qgeglu", "sreglu")
+ACTIVATIONS = _ELEMENTWISE + GATED_ACTIVATIONS
+
+
+class _ActFn(torch.autograd.Function):
+    """y = act(x) through the library's activation kernels (one _nvte call each way)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, name: str):
+        x = x.contiguous()
+        gated = name in GATED_ACTIVATIONS
+        cols = x.shape[-1] // 2 if gated else x.shape[-1]
+        out = torch.empty(x.shape[:-1] + (cols,), dtype=x.dtype, device=x.device)
+        getattr(_nvte, name)(_ops._tensor(x), _ops._tensor(out), _ops._stream(x))
+        ctx.name = name
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        g = grad.to(x.dtype).contiguous()
+        dx = torch.empty_like(x)
+        getattr(_nvte, "d" + ctx.name)(_ops._tensor(g), _ops._tensor(x), _ops._tensor(dx), _ops._stream(x))
+        return dx, None
+
+
+def activation_fn(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The library activation `name` applied to x ([tokens, features]); gated ones halve the features."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; expected one of {list(ACTIVATIONS)}")
+    return _ActFn.apply(x, name)
 
 
 class LayerNormMLP(TransformerEngineBaseModule):
     """Parameters `layer_norm_weight`, `layer_norm_bias` (LayerNorm only) [hidden_size],
     `fc1_weight` [ffn_hidden_size, hidden_size], `fc1_bias`, `fc2_weight` [hidden_size,
-    ffn_hidden_size], `fc2_bias`. activation: 'gelu' (tanh approximation, fused into the fc1
-    GEMM's epilogue). Both GEMMs run in FP8 under fp8_autocast; the norm in high precision."""
+    ffn_hidden_size], `fc2_bias`. activation: one of ACTIVATIONS ('gelu' is the tanh approximation,
+    fused into the fc1 GEMM's epilogue); for the gated ones fc1_weight is [2 * ffn_hidden_size, hidden_size]. Both GEMMs run in FP8 under fp8_autocast; the norm in high precision."""
 
     # forward slots: fc1 input, fc1 weight, fc1 output, fc2 input, fc2 weight, fc2 output
     _num_fp8_fwd = 6
@@ -35,8 +77,9 @@ class LayerNormMLP(TransformerEngineBaseModule):
                  zero_centered_gamma: bool = False, device=None, name: Optional[str] = None, **kwargs):
         check_unsupported("LayerNormMLP", tp_size, fuse_wgrad_accumulation, set_parallel_mode=set_parallel_mode,
                           **kwargs)
-        if activation != "gelu":
-            raise NotImplementedError(f"LayerNormMLP: activation {activation!r} is not implemented (only 'gelu')")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"LayerNormMLP: activation {activation!r} is not supported; "
+                             f"expected one of {list(ACTIVATIONS)}")
         super().__init__(device, params_dtype)
         if hidden_size <= 0 or ffn_hidden_size <= 0:
             raise ValueError(f"LayerNormMLP: sizes must be positive, got {hidden_size}, {ffn_hidden_size}")
@@ -54,10 +97,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
             self.layer_norm_bias = self._new_param(h)
         else:
             self.register_parameter("layer_norm_bias", None)
-        self.fc1_weight = self._new_param(f, h)
+        f1 = 2 * f if activation in GATED_ACTIVATIONS else f
+        self.fc1_weight = self._new_param(f1, h)
         self.fc2_weight = self._new_param(h, f)
         if self.use_bias:
-            self.fc1_bias = self._new_param(f)
+            self.fc1_bias = self._new_param(f1)
             self.fc2_bias = self._new_param(h)
         else:
             self.register_parameter("fc1_bias", None)
@@ -87,9 +131,12 @@ class LayerNormMLP(TransformerEngineBaseModule):
             ln = rmsnorm_fn(x2, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
         fp8, calibrating = self._fp8_mode(self.fc1_weight.device)
         # fc2's backward runs first: it performs the backward delayed-scaling step for the module
-        cfg1 = LinearCfg(self.fp8_meta, fp8, calibrating, fwd_slot=0, bwd_slot=0, update_bwd=False, gelu=True)
+        cfg1 = LinearCfg(self.fp8_meta, fp8, calibrating, fwd_slot=0, bwd_slot=0, update_bwd=False,
+                         gelu=self.activation == "gelu")
         cfg2 = LinearCfg(self.fp8_meta, fp8, calibrating, fwd_slot=3, bwd_slot=2, update_bwd=True)
         act = linear_fn(ln, self.fc1_weight, self.fc1_bias, cfg1)
+        if self.activation != "gelu":
+            act = activation_fn(act, self.activation)
         out = linear_fn(act, self.fc2_weight, None if self.return_bias else self.fc2_bias, cfg2)
         out = out.view(inp.shape)
         res = [out]

@@ -1,0 +1,533 @@
+"""te.DotProductAttention and te.MultiheadAttention (unfused attention path).
+
+DotProductAttention computes softmax(scale * q k^T, masked) v. The softmax (with its scale and
+mask) is always one call into the library's fused softmax kernels (softmax.h), forward and
+backward, through `_FusedSoftmaxFn`. The two batched products q k^T and p v are torch batched
+matmuls: the library's GEMM (_ops.gemm) is a single 2D GEMM, so there is no library op for a
+[batch * heads] batched product yet. The fused attention backend comes later.
+
+Masks follow TE: `attention_mask` is boolean with True = masked out. For "padding" types it is a
+[b, 1, 1, s] tensor (self attention) or a pair ([b, 1, 1, sq], [b, 1, 1, skv]); for "arbitrary" it
+broadcasts to [b, h, sq, skv].
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import _ops
+from .module._linear_fn import LinearCfg, linear_fn
+from .module.base import as_2d, check_input, check_same_device
+from .module.layernorm import layernorm_fn, rmsnorm_fn
+from .module.layernorm_linear import LayerNormLinear
+from .module.linear import Linear
+
+_nvte = _ops._nvte
+
+__all__ = ["DotProductAttention", "MultiheadAttention"]
+
+MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+              "padding_causal_bottom_right", "arbitrary")
+QKV_FORMATS = ("sbhd", "bshd")
+
+
+# ---------------------------------------------------------------- softmax
+class _FusedSoftmaxFn(torch.autograd.Function):
+    """y = softmax(scale * x) over the last dim with the library's fused kernels.
+
+    kind: "scaled" (no mask), "upper_triang" (top-left causal, square), "aligned_causal"
+    (bottom-right causal), "masked" (explicit uint8 mask, 1 = masked; TE's -10000 fill)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, kind: str, scale: float, mask: Optional[torch.Tensor]):
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        stream = _ops._stream(x)
+        if kind == "scaled":
+            _nvte.scaled_softmax_forward(_ops._tensor(x), _ops._tensor(y), scale, stream)
+        elif kind == "upper_triang":
+            shape3 = (-1, x.shape[-2], x.shape[-1])
+            _nvte.scaled_upper_triang_masked_softmax_forward(_ops._tensor(x.view(shape3)), _ops._tensor(y.view(shape3)),
+                                                             scale, stream)
+        elif kind == "aligned_causal":
+            _nvte.scaled_aligned_causal_masked_softmax_forward(_ops._tensor(x), _ops._tensor(y), scale, stream)
+        elif kind == "masked":
+            _nvte.scaled_masked_softmax_forward(_ops._tensor(x), _ops._tensor(mask), _ops._tensor(y), scale, stream)
+        else:  # pragma: no cover - internal
+            raise ValueError(f"unknown softmax kind {kind}")
+        ctx.kind, ctx.scale = kind, scale
+        ctx.save_for_backward(y, mask)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        y, mask = ctx.saved_tensors
+        dy = dy.contiguous()
+        if dy.dtype != y.dtype:
+            dy = dy.to(y.dtype)
+        dx = torch.empty_like(y)
+        stream = _ops._stream(y)
+        kind, scale = ctx.kind, ctx.scale
+        if kind == "scaled":
+            _nvte.scaled_softmax_backward(_ops._tensor(dy), _ops._tensor(y), _ops._tensor(dx), scale, stream)
+        elif kind == "upper_triang":
+            s3 = (-1, y.shape[-2], y.shape[-1])
+            _nvte.scaled_upper_triang_masked_softmax_backward(_ops._tensor(dy.view(s3)), _ops._tensor(y.view(s3)),
+                                                              _ops._tensor(dx.view(s3)), scale, stream)
+        elif kind == "aligned_causal":
+            _nvte.scaled_aligned_causal_masked_softmax_backward(_ops._tensor(dy), _ops._tensor(y), _ops._tensor(dx),
+                                                                scale, stream)
+        else:
+            _nvte.scaled_masked_softmax_backward(_ops._tensor(dy), _ops._tensor(y), _ops._tensor(dx), scale, stream)
+            # Masked logits are replaced by a constant: their gradient is exactly zero (this matters
+            # for fully masked rows, whose probabilities are uniform rather than zero).
+            dx.masked_fill_(mask.bool(), 0.0)
+        return dx, None, None, None
+
+
+def fused_scale_mask_softmax(scores: torch.Tensor, kind: str, scale: float,
+                             mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """scores: [b, h, sq, sk] in float32/float16/bfloat16. mask (kind "masked"): bool broadcastable
+    to [b, h, sq, sk], True = masked."""
+    if scores.dtype not in _ops.HIGH_PRECISION:
+        raise TypeError(f"DotProductAttention: dtype {scores.dtype} is not supported by the fused softmax "
+                        f"(float32, float16, bfloat16)")
+    if kind != "masked":
+        return _FusedSoftmaxFn.apply(scores, kind, float(scale), None)
+    b, h, sq, sk = scores.shape
+    if mask.dim() != 4:
+        raise ValueError(f"attention mask must be 4D (broadcastable to [b, h, sq, sk]), got {tuple(mask.shape)}")
+    mb, mh = mask.shape[0], mask.shape[1]
+    if mb not in (1, b) or mh not in (1, h):
+        raise ValueError(f"attention mask of shape {tuple(mask.shape)} does not broadcast to {(b, h, sq, sk)}")
+    if mh == 1:  # the kernel's own layout: [b or 1, 1, sq, sk]
+        m = mask.expand(mb, 1, sq, sk).to(torch.uint8).contiguous()
+        return _FusedSoftmaxFn.apply(scores, kind, float(scale), m)
+    # per-head mask: fold heads into the batch so the kernel sees [b*h, 1, sq, sk]
+    m = mask.expand(b, h, sq, sk).to(torch.uint8).reshape(b * h, 1, sq, sk).contiguous()
+    y = _FusedSoftmaxFn.apply(scores.reshape(b * h, 1, sq, sk), kind, float(scale), m)
+    return y.view(b, h, sq, sk)
+
+
+# ------------------------------------------------------------ mask helpers
+def _causal_mask(sq: int, sk: int, bottom_right: bool, device) -> torch.Tensor:
+    """[1, 1, sq, sk] bool, True where key j is after query i (aligned top-left or bottom-right)."""
+    i = torch.arange(sq, device=device).view(sq, 1)
+    j = torch.arange(sk, device=device).view(1, sk)
+    off = (sk - sq) if bottom_right else 0
+    return (j > i + off).view(1, 1, sq, sk)
+
+
+def _window_mask(sq: int, sk: int, window: Tuple[int, int], device) -> torch.Tensor:
+    """[1, 1, sq, sk] bool, True outside [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded)."""
+    i = torch.arange(sq, device=device).view(sq, 1) + (sk - sq)
+    j = torch.arange(sk, device=device).view(1, sk)
+    m = torch.zeros(sq, sk, dtype=torch.bool, device=device)
+    if window[0] >= 0:
+        m |= j < i - window[0]
+    if window[1] >= 0:
+        m |= j > i + window[1]
+    return m.view(1, 1, sq, sk)
+
+
+def _padding_mask(attention_mask, b: int, sq: int, sk: int) -> torch.Tensor:
+    """[b, 1, sq, sk] bool from a [b, 1, 1, s] mask or a (q_mask, kv_mask) pair."""
+    if attention_mask is None:
+        raise ValueError("padding mask types need attention_mask ([b, 1, 1, s] bool, True = padded)")
+    if isinstance(attention_mask, (tuple, list)):
+        if len(attention_mask) != 2:
+            raise ValueError("a padding attention_mask pair must be (q_mask, kv_mask)")
+        qm, km = attention_mask
+    else:
+        qm = km = attention_mask
+    qm, km = qm.bool(), km.bool()
+    if qm.numel() != b * sq or km.numel() != b * sk:
+        raise ValueError(f"padding masks must be [b, 1, 1, s]: got {tuple(qm.shape)} / {tuple(km.shape)} for "
+                         f"b={b}, sq={sq}, skv={sk}")
+    return qm.reshape(b, 1, sq, 1) | km.reshape(b, 1, 1, sk)
+
+
+def _normalize_window(window_size, mask_type: str) -> Optional[Tuple[int, int]]:
+    """None when no sliding window applies beyond the mask type itself."""
+    if window_size is None:
+        return None
+    w = (int(window_size[0]), int(window_size[1]))
+    if w == (-1, -1) or ("causal" in mask_type and w == (-1, 0)):
+        return None
+    return w
+
+
+# ------------------------------------------------------------- DotProductAttention
+class DotProductAttention(torch.nn.Module):
+    """Scaled dot-product attention over [s, b, h, d] ("sbhd") or [b, s, h, d] ("bshd") inputs.
+
+    Returns [s, b, h * d_v] (sbhd) or [b, s, h * d_v] (bshd). num_gqa_groups < heads shares each
+    key/value head among heads / groups consecutive query heads. Dropout applies to the softmax
+    probabilities in training mode."""
+
+    def __init__(self, num_attention_heads: int, kv_channels: Union[int, Tuple[int, int]],
+                 num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0, qkv_format: str = "sbhd",
+                 attn_mask_type: str = "causal", window_size: Optional[Tuple[int, int]] = None,
+                 sequence_parallel: bool = False, tp_size: int = 1, get_rng_state_tracker: Optional[Callable] = None,
+                 tp_group=None, layer_number: Optional[int] = None, attention_type: str = "self",
+                 cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p",
+                 softmax_scale: Optional[float] = None, **kwargs):
+        super().__init__()
+        if tp_size != 1:
+            raise NotImplementedError(f"DotProductAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
+        if cp_group is not None:
+            raise NotImplementedError("DotProductAttention: context parallelism is not implemented")
+        on = [k for k, v in kwargs.items() if v]
+        if on:
+            raise NotImplementedError(f"DotProductAttention: options not implemented in this adapter: {on}")
+        self.num_attention_heads = int(num_attention_heads)
+        if isinstance(kv_channels, (tuple, list)):
+            self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = map(int, kv_channels)
+        else:
+            self.hidden_size_per_attention_head_k = self.hidden_size_per_attention_head_v = int(kv_channels)
+        self.kv_channels = kv_channels
+        self.num_gqa_groups = self.num_attention_heads if num_gqa_groups is None else int(num_gqa_groups)
+        if self.num_gqa_groups <= 0 or self.num_attention_heads % self.num_gqa_groups:
+            raise ValueError(f"DotProductAttention: num_attention_heads ({self.num_attention_heads}) must be a "
+                             f"multiple of num_gqa_groups ({self.num_gqa_groups})")
+        self.attention_dropout = float(attention_dropout)
+        self.qkv_format = self._check_format(qkv_format)
+        self.attn_mask_type = self._check_mask_type(attn_mask_type)
+        self.window_size = window_size
+        self.layer_number = layer_number
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"attention_type must be 'self' or 'cross', got {attention_type!r}")
+        self.attention_type = attention_type
+        self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head_k) if softmax_scale is None
+                              else float(softmax_scale))
+        self.sequence_parallel, self.get_rng_state_tracker, self.tp_group = (
+            sequence_parallel, get_rng_state_tracker, tp_group)
+
+    @staticmethod
+    def _check_format(fmt: str) -> str:
+        if fmt not in QKV_FORMATS:
+            if fmt == "thd":
+                raise NotImplementedError("DotProductAttention: qkv_format 'thd' is not implemented")
+            raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {fmt!r}")
+        return fmt
+
+    @staticmethod
+    def _check_mask_type(mt: str) -> str:
+        if mt not in MASK_TYPES:
+            raise ValueError(f"attn_mask_type must be one of {MASK_TYPES}, got {mt!r}")
+        return mt
+
+    def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
+                attention_mask=None, qkv_format: Optional[str] = None, cu_seqlens_q=None, cu_seqlens_kv=None,
+                cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None, max_seqlen_kv=None,
+                attn_mask_type: Optional[str] = None, window_size: Optional[Tuple[int, int]] = None,
+                checkpoint_core_attention: bool = False, core_attention_bias_type: str = "no_bias",
+                core_attention_bias=None, alibi_slopes=None, fast_zero_fill: bool = True,
+                inference_params=None, pad_between_seqs=None, **kwargs) -> torch.Tensor:
+        fmt = self._check_format(qkv_format or self.qkv_format)
+        mask_type = self._check_mask_type(attn_mask_type or self.attn_mask_type)
+        if core_attention_bias_type != "no_bias" or core_attention_bias is not None or alibi_slopes is not None:
+            raise NotImplementedError("DotProductAttention: attention bias / ALiBi is not implemented")
+        if inference_params is not None:
+            raise NotImplementedError("DotProductAttention: inference_params (KV cache) is not implemented")
+        if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+            raise NotImplementedError("DotProductAttention: cu_seqlens inputs are not implemented; "
+                                      "use attention_mask with a padding mask type")
+        window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
+        for name, t in (("query_layer", query_layer), ("key_layer", key_layer), ("value_layer", value_layer)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"DotProductAttention: {name} must be a 4D tensor in {fmt} format")
+        h, g = self.num_attention_heads, self.num_gqa_groups
+        if query_layer.shape[2] != h or key_layer.shape[2] != g or value_layer.shape[2] != g:
+            raise ValueError(f"DotProductAttention: expected {h} query heads and {g} key/value heads, got shapes "
+                             f"{tuple(query_layer.shape)}, {tuple(key_layer.shape)}, {tuple(value_layer.shape)}")
+        # -> [b, h, s, d]
+        perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
+        q, k, v = (t.permute(*perm) for t in (query_layer, key_layer, value_layer))
+        b, _, sq, _ = q.shape
+        sk = k.shape[2]
+        if k.shape[0] != b or v.shape[0] != b or v.shape[2] != sk:
+            raise ValueError("DotProductAttention: query/key/value batch or key/value sequence sizes differ")
+        if g != h:
+            rep = h // g
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2))  # [b, h, sq, sk], unscaled
+
+        kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device)
+        probs = fused_scale_mask_softmax(scores, kind, self.softmax_scale, mask)
+        if self.training and self.attention_dropout > 0.0:
+            probs = torch.nn.functional.dropout(probs, p=self.attention_dropout, training=True)
+        ctx = torch.matmul(probs, v)  # [b, h, sq, dv]
+        if fmt == "sbhd":
+            ctx = ctx.permute(2, 0, 1, 3)
+        else:
+            ctx = ctx.permute(0, 2, 1, 3)
+        return ctx.reshape(ctx.shape[0], ctx.shape[1], -1)
+
+    @staticmethod
+    def _softmax_plan(mask_type, attention_mask, window, b, sq, sk, device):
+        """(softmax kernel family, bool mask or None) for this mask type."""
+        if window is None:
+            if mask_type == "no_mask":
+                return "scaled", None
+            if mask_type == "causal" and sq == sk:
+                return "upper_triang", None
+            if mask_type == "causal_bottom_right" or (mask_type == "causal" and sq == sk):
+                return "aligned_causal", None
+        mask = None
+        if "padding" in mask_type:
+            mask = _padding_mask(attention_mask, b, sq, sk)
+        elif mask_type == "arbitrary":
+            if attention_mask is None:
+                raise ValueError("attn_mask_type 'arbitrary' needs attention_mask (bool, True = masked out)")
+            mask = attention_mask.bool()
+            if mask.dim() == 2:
+                mask = mask.view(1, 1, *mask.shape)
+        if "causal" in mask_type:
+            c = _causal_mask(sq, sk, mask_type.endswith("bottom_right"), device)
+            mask = c if mask is None else (mask | c)
+        if window is not None:
+            w = _window_mask(sq, sk, window, device)
+            mask = w if mask is None else (mask | w)
+        if mask is None:
+            return "scaled", None
+        return "masked", mask.to(device)
+
+
+# ------------------------------------------------------------- split-parameter projections
+class _SplitParams:
+    """Mixin: replaces the fused `weight`/`bias` of a Linear-like module with one Parameter per
+    named split (`<name>_weight`, `<name>_bias`); the forward concatenates the current Parameters."""
+
+    def _split(self, splits: Sequence[Tuple[str, int]]) -> None:
+        self._splits = list(splits)
+        w, b = self.weight, self.bias
+        del self._parameters["weight"]
+        del self._parameters["bias"]
+        start = 0
+        for name, n in self._splits:
+            self.register_parameter(f"{name}_weight", torch.nn.Parameter(w.detach()[start:start + n].clone()))
+            self.register_parameter(f"{name}_bias", None if b is None else
+                                    torch.nn.Parameter(b.detach()[start:start + n].clone()))
+            start += n
+
+    def _init_parameters(self) -> None:
+        if not getattr(self, "_splits", None):
+            return super()._init_parameters()
+        for name, _ in self._splits:
+            self.init_method(getattr(self, f"{name}_weight"))
+            bias = getattr(self, f"{name}_bias")
+            if bias is not None:
+                bias.zero_()
+        if hasattr(self, "layer_norm_weight"):
+            self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if self.layer_norm_bias is not None:
+                self.layer_norm_bias.zero_()
+
+    def _full_params(self):
+        ws = [getattr(self, f"{n}_weight") for n, _ in self._splits]
+        bs = [getattr(self, f"{n}_bias") for n, _ in self._splits]
+        w = ws[0] if len(ws) == 1 else torch.cat(ws, 0)
+        b = None if bs[0] is None else (bs[0] if len(bs) == 1 else torch.cat(bs, 0))
+        return w, b
+
+
+class _SplitLinear(_SplitParams, Linear):
+    def __init__(self, in_features, out_features, splits, **kwargs):
+        Linear.__init__(self, in_features, out_features, **kwargs)
+        self._split(splits)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        check_input(inp, self.in_features, "Linear")
+        weight, bias = self._full_params()
+        check_same_device(inp, (weight, bias), "Linear")
+        fp8, calibrating = self._fp8_mode(weight.device)
+        cfg = LinearCfg(self.fp8_meta, fp8, calibrating, fwd_slot=0, bwd_slot=0)
+        out = linear_fn(as_2d(inp, weight.dtype), weight, None if self.return_bias else bias, cfg)
+        out = out.view(*inp.shape[:-1], self.out_features)
+        return (out, bias) if self.return_bias else out
+
+
+class _SplitLayerNormLinear(_SplitParams, LayerNormLinear):
+    def __init__(self, in_features, out_features, splits, **kwargs):
+        LayerNormLinear.__init__(self, in_features, out_features, **kwargs)
+        self._split(splits)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        check_input(inp, self.in_features, "LayerNormLinear")
+        weight, bias = self._full_params()
+        check_same_device(inp, (self.layer_norm_weight, self.layer_norm_bias, weight, bias), "LayerNormLinear")
+        x2 = as_2d(inp, weight.dtype)
+        if self.normalization == "LayerNorm":
+            ln = layernorm_fn(x2, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+        else:
+            ln = rmsnorm_fn(x2, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
+        fp8, calibrating = self._fp8_mode(weight.device)
+        cfg = LinearCfg(self.fp8_meta, fp8, calibrating)
+        out = linear_fn(ln, weight, None if self.return_bias else bias, cfg)
+        out = out.view(*inp.shape[:-1], self.out_features)
+        res = [out]
+        if self.return_bias:
+            res.append(bias)
+        if self.return_layernorm_output:
+            res.append(ln.view(inp.shape))
+        return res[0] if len(res) == 1 else tuple(res)
+
+
+# ------------------------------------------------------------- MultiheadAttention
+class MultiheadAttention(torch.nn.Module):
+    """Multi-head attention: QKV projection (optionally with the input norm fused in), the core
+    DotProductAttention, and the output projection `proj`.
+
+    Submodules: self attention -> `layernorm_qkv` (input_layernorm=True, a LayerNormLinear) or `qkv`
+    (a Linear); cross attention -> `layernorm_query` / `query_layer` plus `key_value`; then
+    `core_attention` and `proj`. With fuse_qkv_params=False (default) the QKV submodule holds
+    query_weight/key_weight/value_weight (+ _bias); with True one `weight`/`bias` whose rows are
+    interleaved per GQA group [q heads of the group | k | v] when qkv_weight_interleaved, else
+    blocked [all q | all k | all v]."""
+
+    def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
+                 attention_dropout: float = 0.1, layernorm_epsilon: float = 1e-5,
+                 init_method: Optional[Callable] = None, output_layer_init_method: Optional[Callable] = None,
+                 layer_number: Optional[int] = None, attn_mask_type: str = "causal",
+                 window_size: Optional[Tuple[int, int]] = None, tp_group=None, tp_size: int = 1,
+                 num_gqa_groups: Optional[int] = None, fuse_wgrad_accumulation: bool = False,
+                 get_rng_state_tracker: Optional[Callable] = None, sequence_parallel: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, return_bias: bool = False,
+                 return_layernorm_output: bool = False, input_layernorm: bool = False, attention_type: str = "self",
+                 set_parallel_mode: bool = False, fuse_qkv_params: bool = False, zero_centered_gamma: bool = False,
+                 qkv_weight_interleaved: bool = True, bias: bool = True, normalization: str = "LayerNorm",
+                 device=None, qkv_format: str = "sbhd", name: Optional[str] = None,
+                 softmax_scale: Optional[float] = None, **kwargs):
+        super().__init__()
+        if tp_size != 1:
+            raise NotImplementedError(f"MultiheadAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
+        if fuse_wgrad_accumulation:
+            raise NotImplementedError("MultiheadAttention: fuse_wgrad_accumulation is not implemented")
+        on = [k for k, v in kwargs.items() if v and not k.startswith("ub_")]
+        if on:
+            raise NotImplementedError(f"MultiheadAttention: options not implemented in this adapter: {on}")
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"attention_type must be 'self' or 'cross', got {attention_type!r}")
+        self.hidden_size = int(hidden_size)
+        self.num_attention_heads = int(num_attention_heads)
+        self.hidden_size_per_attention_head = (self.hidden_size // self.num_attention_heads if kv_channels is None
+                                               else int(kv_channels))
+        self.num_gqa_groups = self.num_attention_heads if num_gqa_groups is None else int(num_gqa_groups)
+        if self.num_gqa_groups <= 0 or self.num_attention_heads % self.num_gqa_groups:
+            raise ValueError(f"MultiheadAttention: num_attention_heads ({self.num_attention_heads}) must be a "
+                             f"multiple of num_gqa_groups ({self.num_gqa_groups})")
+        self.attention_type = attention_type
+        self.attn_mask_type = DotProductAttention._check_mask_type(attn_mask_type)
+        self.window_size = window_size
+        self.layer_number = layer_number
+        self.input_layernorm = bool(input_layernorm)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        self.return_bias = bool(return_bias)
+        self.fuse_qkv_params = bool(fuse_qkv_params)
+        self.qkv_weight_interleaved = bool(qkv_weight_interleaved) and self.fuse_qkv_params
+        self.qkv_format = DotProductAttention._check_format(qkv_format)
+        self.name = name
+
+        kv = self.hidden_size_per_attention_head
+        q_out = self.num_attention_heads * kv
+        kv_out = self.num_gqa_groups * kv
+        common = dict(init_method=init_method, bias=bias, params_dtype=params_dtype, device=device,
+                      sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker)
+        ln_args = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
+                       return_layernorm_output=return_layernorm_output)
+
+        def make(linear_cls, in_f, splits, **extra):
+            out_f = sum(n for _, n in splits)
+            if self.fuse_qkv_params:
+                return linear_cls(in_f, out_f, **common, **extra)
+            split_cls = _SplitLayerNormLinear if linear_cls is LayerNormLinear else _SplitLinear
+            return split_cls(in_f, out_f, splits, **common, **extra)
+
+        if attention_type == "self":
+            splits = [("query", q_out), ("key", kv_out), ("value", kv_out)]
+            if self.input_layernorm:
+                self.layernorm_qkv = make(LayerNormLinear, self.hidden_size, splits, **ln_args)
+            else:
+                self.qkv = make(Linear, self.hidden_size, splits)
+        else:
+            if self.input_layernorm:
+                self.layernorm_query = make(LayerNormLinear, self.hidden_size, [("query", q_out)], **ln_args)
+            else:
+                self.query_layer = make(Linear, self.hidden_size, [("query", q_out)])
+            self.key_value = make(Linear, self.hidden_size, [("key", kv_out), ("value", kv_out)])
+
+        self.core_attention = DotProductAttention(
+            self.num_attention_heads, kv, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
+            qkv_format=self.qkv_format, attn_mask_type=self.attn_mask_type, window_size=window_size,
+            layer_number=layer_number, attention_type=attention_type, softmax_scale=softmax_scale,
+            sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group)
+        self.proj = Linear(q_out, self.hidden_size, init_method=output_layer_init_method, bias=bias,
+                           return_bias=self.return_bias, params_dtype=params_dtype, device=device,
+                           sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker)
+
+    # -------------------------------------------------------------- helpers
+    def _split_qkv(self, mixed: torch.Tensor):
+        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.hidden_size_per_attention_head
+        lead = mixed.shape[:-1]
+        if self.qkv_weight_interleaved:
+            per = h // g
+            x = mixed.view(*lead, g, per + 2, d)
+            q = x[..., :per, :].reshape(*lead, h, d)
+            k = x[..., per, :]
+            v = x[..., per + 1, :]
+        else:
+            q, k, v = torch.split(mixed, [h * d, g * d, g * d], dim=-1)
+            q, k, v = q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
+        return q, k, v
+
+    def _split_kv(self, mixed: torch.Tensor):
+        g, d = self.num_gqa_groups, self.hidden_size_per_attention_head
+        lead = mixed.shape[:-1]
+        if self.qkv_weight_interleaved:
+            x = mixed.view(*lead, g, 2, d)
+            return x[..., 0, :], x[..., 1, :]
+        k, v = torch.split(mixed, [g * d, g * d], dim=-1)
+        return k.reshape(*lead, g, d), v.reshape(*lead, g, d)
+
+    def _project_in(self, module, x):
+        """(output, layernorm output or None) of a QKV / query projection."""
+        res = module(x)
+        if self.input_layernorm and self.return_layernorm_output:
+            return res[0], res[1]
+        return res, None
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_output: Optional[torch.Tensor] = None,
+                attn_mask_type: Optional[str] = None, window_size: Optional[Tuple[int, int]] = None,
+                is_first_microbatch: Optional[bool] = None, checkpoint_core_attention: bool = False,
+                inference_params=None, rotary_pos_emb=None, core_attention_bias_type: str = "no_bias",
+                core_attention_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None,
+                max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill: bool = True, **kwargs):
+        if rotary_pos_emb is not None:
+            raise NotImplementedError("MultiheadAttention: rotary_pos_emb is not implemented")
+        if inference_params is not None:
+            raise NotImplementedError("MultiheadAttention: inference_params (KV cache) is not implemented")
+        ln_out = None
+        if self.attention_type == "self":
+            mod = self.layernorm_qkv if self.input_layernorm else self.qkv
+            mixed, ln_out = self._project_in(mod, hidden_states)
+            q, k, v = self._split_qkv(mixed)
+        else:
+            if encoder_output is None:
+                raise ValueError("MultiheadAttention: cross attention needs encoder_output")
+            mod = self.layernorm_query if self.input_layernorm else self.query_layer
+            qo, ln_out = self._project_in(mod, hidden_states)
+            q = qo.view(*qo.shape[:-1], self.num_attention_heads, self.hidden_size_per_attention_head)
+            k, v = self._split_kv(self.key_value(encoder_output))
+        ctx = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type,
+                                  window_size=window_size, core_attention_bias_type=core_attention_bias_type,
+                                  core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
+                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
+        res = self.proj(ctx)
+        out = list(res) if self.return_bias else [res]
+        if self.input_layernorm and self.return_layernorm_output:
+            out.append(ln_out)
+        return out[0] if len(out) == 1 else tuple(out)

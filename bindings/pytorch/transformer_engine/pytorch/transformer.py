@@ -1,0 +1,204 @@
+"""te.TransformerLayer: one pre-norm transformer block built from TE modules.
+
+    x  -> self_attention (its own input norm)  -> dropout -> drop_path -> + residual
+       -> [decoder: inter_attention over encoder_output, same residual step]
+       -> layernorm_mlp (its own input norm)   -> dropout -> drop_path -> + residual
+       -> [output_layernorm: layernorm]
+
+The attention and MLP numerics live in MultiheadAttention and LayerNormMLP (library calls); the
+residual additions, dropout and drop-path here are plain torch ops, so they follow torch.no_grad(),
+module.train()/eval() and torch.autocast like any other PyTorch code.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .module import LayerNorm, LayerNormMLP, RMSNorm
+from .module.base import default_init_method
+from .module.linear import check_unsupported
+
+try:  # written alongside this module; TransformerLayer needs it only when it is built
+    from .attention import MultiheadAttention
+except ModuleNotFoundError as _err:  # pragma: no cover - only while attention.py does not exist
+    if _err.name != __name__.rsplit(".", 1)[0] + ".attention":
+        raise
+    MultiheadAttention = None
+
+__all__ = ["TransformerLayer", "DropPath"]
+
+_LAYER_TYPES = ("encoder", "decoder")
+_INPUT_FORMATS = ("sbhd", "bshd")
+
+
+class DropPath(torch.nn.Module):
+    """Stochastic depth: in training, zeroes whole samples with probability `drop_prob` and rescales the
+    kept ones by 1 / (1 - drop_prob). `batch_dim` is the axis that indexes samples."""
+
+    def __init__(self, drop_prob: float = 0.0, batch_dim: int = 1):
+        super().__init__()
+        if not 0.0 <= drop_prob < 1.0:
+            raise ValueError(f"DropPath: drop_prob must be in [0, 1), got {drop_prob}")
+        self.drop_prob, self.batch_dim = float(drop_prob), int(batch_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.drop_prob
+        shape = [1] * x.dim()
+        shape[self.batch_dim] = x.shape[self.batch_dim]
+        mask = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
+        return x * mask / keep
+
+
+def _split_ln_output(res):
+    """(output, layernorm output or None) from a module that may return a tuple."""
+    if isinstance(res, (tuple, list)):
+        return res[0], (res[-1] if len(res) > 1 else None)
+    return res, None
+
+
+class TransformerLayer(torch.nn.Module):
+    """A transformer encoder (or decoder) layer with TE's constructor and submodule names:
+    `self_attention` (MultiheadAttention with its input norm, submodules layernorm_qkv / proj),
+    `inter_attention` (layer_type="decoder": cross attention over encoder_output), `layernorm_mlp`
+    (LayerNormMLP) and `layernorm` (output_layernorm=True).
+
+    Inputs are [seq, batch, hidden] (attn_input_format="sbhd", the default) or [batch, seq, hidden]
+    ("bshd"). hidden_dropout applies to each block's output before the residual addition,
+    attention_dropout to the attention probabilities. With output_layernorm=True the attention block
+    gets no input norm and the layer's output is normalised instead (post-norm)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+                 num_gqa_groups: Optional[int] = None, layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.1,
+                 attention_dropout: float = 0.1, init_method: Optional[Callable] = None,
+                 output_layer_init_method: Optional[Callable] = None, layer_number: Optional[int] = None,
+                 kv_channels: Optional[int] = None, self_attn_mask_type: str = "causal", window_size=None,
+                 enc_dec_attn_mask_type: str = "no_mask", enc_dec_window_size=None, tp_group=None, tp_size: int = 1,
+                 params_dtype: Optional[torch.dtype] = None, get_rng_state_tracker: Optional[Callable] = None,
+                 fuse_wgrad_accumulation: bool = False, seq_length: Optional[int] = None,
+                 micro_batch_size: Optional[int] = None, sequence_parallel: bool = False,
+                 apply_residual_connection_post_layernorm: bool = False, output_layernorm: bool = False,
+                 layer_type: str = "encoder", drop_path_rate: float = 0.0, set_parallel_mode: bool = False,
+                 fuse_qkv_params: bool = False, zero_centered_gamma: bool = False,
+                 qkv_weight_interleaved: bool = True, bias: bool = True, activation: str = "gelu",
+                 normalization: str = "LayerNorm", device=None, attn_input_format: str = "sbhd",
+                 name: Optional[str] = None, **kwargs):
+        super().__init__()
+        check_unsupported("TransformerLayer", tp_size, fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
+                          set_parallel_mode=set_parallel_mode,
+                          **{k: v for k, v in kwargs.items() if k.startswith("ub_")})
+        if MultiheadAttention is None:
+            raise NotImplementedError("TransformerLayer needs transformer_engine.pytorch.attention.MultiheadAttention, "
+                                      "which this build does not provide")
+        if layer_type not in _LAYER_TYPES:
+            raise ValueError(f"TransformerLayer: layer_type must be one of {_LAYER_TYPES}, got {layer_type!r}")
+        if attn_input_format not in _INPUT_FORMATS:
+            raise ValueError(f"TransformerLayer: attn_input_format must be one of {_INPUT_FORMATS}, "
+                             f"got {attn_input_format!r}")
+        for n, p in (("hidden_dropout", hidden_dropout), ("attention_dropout", attention_dropout)):
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"TransformerLayer: {n} must be in [0, 1], got {p}")
+        if hidden_size % num_attention_heads and kv_channels is None:
+            raise ValueError(f"TransformerLayer: hidden_size {hidden_size} is not divisible by "
+                             f"num_attention_heads {num_attention_heads}; pass kv_channels")
+        self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
+        self.num_attention_heads = int(num_attention_heads)
+        self.kv_channels = int(kv_channels) if kv_channels is not None else hidden_size // num_attention_heads
+        self.layer_type, self.layer_number = layer_type, layer_number
+        self.self_attn_mask_type, self.window_size = self_attn_mask_type, window_size
+        self.enc_dec_attn_mask_type, self.enc_dec_window_size = enc_dec_attn_mask_type, enc_dec_window_size
+        self.hidden_dropout = float(hidden_dropout)
+        self.apply_residual_connection_post_layernorm = bool(apply_residual_connection_post_layernorm)
+        self.output_layernorm = bool(output_layernorm)
+        self.attn_input_format, self.name = attn_input_format, name
+        init_method = init_method if init_method is not None else default_init_method()
+        output_layer_init_method = output_layer_init_method if output_layer_init_method is not None \
+            else default_init_method()
+
+        attn_args = dict(kv_channels=self.kv_channels, attention_dropout=attention_dropout,
+                         layernorm_epsilon=layernorm_epsilon, init_method=init_method,
+                         output_layer_init_method=output_layer_init_method, layer_number=layer_number,
+                         num_gqa_groups=num_gqa_groups,
+                         return_layernorm_output=self.apply_residual_connection_post_layernorm,
+                         input_layernorm=not self.output_layernorm, zero_centered_gamma=zero_centered_gamma,
+                         qkv_weight_interleaved=qkv_weight_interleaved, bias=bias, normalization=normalization,
+                         device=device, qkv_format=attn_input_format, params_dtype=params_dtype,
+                         fuse_qkv_params=fuse_qkv_params)
+        self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type,
+                                                 window_size=window_size, attention_type="self", **attn_args)
+        if layer_type == "decoder":
+            self.inter_attention = MultiheadAttention(hidden_size, num_attention_heads,
+                                                      attn_mask_type=enc_dec_attn_mask_type,
+                                                      window_size=enc_dec_window_size, attention_type="cross",
+                                                      **attn_args)
+        self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon, init_method=init_method,
+                                          bias=bias, normalization=normalization, activation=activation,
+                                          output_layer_init_method=output_layer_init_method,
+                                          params_dtype=params_dtype,
+                                          return_layernorm_output=self.apply_residual_connection_post_layernorm,
+                                          zero_centered_gamma=zero_centered_gamma, device=device)
+        batch_dim = 1 if attn_input_format == "sbhd" else 0
+        self.drop_path = DropPath(drop_path_rate, batch_dim) if drop_path_rate > 0.0 else None
+        if self.output_layernorm:
+            norm_cls = LayerNorm if normalization == "LayerNorm" else RMSNorm
+            self.layernorm = norm_cls(hidden_size, eps=layernorm_epsilon, params_dtype=params_dtype,
+                                      zero_centered_gamma=zero_centered_gamma, device=device)
+
+    # ---------------------------------------------------------------- helpers
+    def _residual(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + drop_path(dropout(out)), in plain torch ops."""
+        out = torch.nn.functional.dropout(out, p=self.hidden_dropout, training=self.training)
+        if self.drop_path is not None:
+            out = self.drop_path(out)
+        return residual + out
+
+    @staticmethod
+    def _attn_kwargs(**kw):
+        """Optional attention arguments, passed on only when given."""
+        return {k: v for k, v in kw.items() if v is not None}
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                self_attn_mask_type: Optional[str] = None, window_size=None,
+                encoder_output: Optional[torch.Tensor] = None, enc_dec_attn_mask: Optional[torch.Tensor] = None,
+                enc_dec_attn_mask_type: Optional[str] = None, enc_dec_window_size=None,
+                is_first_microbatch: Optional[bool] = None, inference_params=None, rotary_pos_emb=None,
+                core_attention_bias_type: str = "no_bias", core_attention_bias: Optional[torch.Tensor] = None,
+                **kwargs) -> torch.Tensor:
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"TransformerLayer: hidden_states must be a torch.Tensor, "
+                            f"got {type(hidden_states).__name__}")
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"TransformerLayer: hidden_states must be 3D with last dimension {self.hidden_size} "
+                             f"({self.attn_input_format}), got shape {tuple(hidden_states.shape)}")
+        if self.layer_type == "decoder" and encoder_output is None:
+            raise ValueError("TransformerLayer: layer_type='decoder' needs encoder_output")
+        if core_attention_bias_type != "no_bias" or core_attention_bias is not None:
+            raise NotImplementedError("TransformerLayer: core attention bias is not implemented")
+        mask_type = self_attn_mask_type if self_attn_mask_type is not None else self.self_attn_mask_type
+        extra = self._attn_kwargs(window_size=window_size, inference_params=inference_params,
+                                  rotary_pos_emb=rotary_pos_emb, is_first_microbatch=is_first_microbatch, **kwargs)
+
+        res = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=mask_type, **extra)
+        attn_out, ln_out = _split_ln_output(res)
+        residual = ln_out if self.apply_residual_connection_post_layernorm and ln_out is not None else hidden_states
+        x = self._residual(attn_out, residual)
+
+        if self.layer_type == "decoder":
+            cross_type = enc_dec_attn_mask_type if enc_dec_attn_mask_type is not None else self.enc_dec_attn_mask_type
+            extra_x = self._attn_kwargs(window_size=enc_dec_window_size, is_first_microbatch=is_first_microbatch)
+            res = self.inter_attention(x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
+                                       attn_mask_type=cross_type, **extra_x)
+            cross_out, ln_out = _split_ln_output(res)
+            residual = ln_out if self.apply_residual_connection_post_layernorm and ln_out is not None else x
+            x = self._residual(cross_out, residual)
+
+        res = self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch)
+        mlp_out, ln_out = _split_ln_output(res)
+        residual = ln_out if self.apply_residual_connection_post_layernorm and ln_out is not None else x
+        out = self._residual(mlp_out, residual)
+
+        if self.output_layernorm:
+            out = self.layernorm(out)
+        return out

@@ -1,0 +1,454 @@
+"""DotProductAttention / MultiheadAttention (unfused path, library fused softmax) on the CPU backend,
+against float64 references written in plain torch."""
+import math
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch.attention import DotProductAttention, MultiheadAttention
+
+from _util import rel_err
+
+TOL = 2e-5
+
+
+# ------------------------------------------------------------------ references
+def ref_mask(mask_type, b, sq, sk, attention_mask=None, window=None):
+    """[b or 1, h or 1, sq, sk] bool (True = masked) or None."""
+    m = None
+    if "padding" in mask_type:
+        if isinstance(attention_mask, tuple):
+            qm, km = attention_mask
+        else:
+            qm = km = attention_mask
+        m = qm.reshape(b, 1, sq, 1) | km.reshape(b, 1, 1, sk)
+    elif mask_type == "arbitrary":
+        m = attention_mask
+    if "causal" in mask_type:
+        off = sk - sq if mask_type.endswith("bottom_right") else 0
+        c = torch.ones(sq, sk, dtype=torch.bool).triu(1 + off).view(1, 1, sq, sk)
+        m = c if m is None else m | c
+    if window is not None:
+        i = torch.arange(sq).view(sq, 1) + (sk - sq)
+        j = torch.arange(sk).view(1, sk)
+        w = torch.zeros(sq, sk, dtype=torch.bool)
+        if window[0] >= 0:
+            w |= j < i - window[0]
+        if window[1] >= 0:
+            w |= j > i + window[1]
+        w = w.view(1, 1, sq, sk)
+        m = w if m is None else m | w
+    return m
+
+
+def ref_attention(q, k, v, fmt, scale, mask):
+    """float64 softmax(scale q k^T, masked with TE's -10000 fill) v; inputs in `fmt`, GQA by repetition."""
+    perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
+    q, k, v = (t.double().permute(*perm) for t in (q, k, v))
+    h, g = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)
+    s = scale * (q @ k.transpose(-1, -2))
+    if mask is not None:
+        s = s.masked_fill(mask, -10000.0)
+    o = torch.softmax(s, -1) @ v
+    o = o.permute(2, 0, 1, 3) if fmt == "sbhd" else o.permute(0, 2, 1, 3)
+    return o.reshape(o.shape[0], o.shape[1], -1)
+
+
+def make_qkv(fmt, b, sq, sk, h, g, d, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    def mk(s, n):
+        shape = (s, b, n, d) if fmt == "sbhd" else (b, s, n, d)
+        return torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_(True)
+    return mk(sq, h), mk(sk, g), mk(sk, g)
+
+
+def padding_masks(b, sq, sk, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    lq = torch.randint(1, sq + 1, (b,), generator=gen)
+    lk = torch.randint(1, sk + 1, (b,), generator=gen)
+    lq[0], lk[0] = sq, sk
+    qm = (torch.arange(sq).view(1, sq) >= lq.view(b, 1)).view(b, 1, 1, sq)
+    km = (torch.arange(sk).view(1, sk) >= lk.view(b, 1)).view(b, 1, 1, sk)
+    return qm, km
+
+
+def check_dpa(fmt, mask_type, b, sq, sk, h, g, d, attention_mask=None, softmax_scale=None, window=None,
+              ref_m=None, seed=0):
+    dpa = DotProductAttention(h, d, num_gqa_groups=g, attention_dropout=0.0, qkv_format=fmt,
+                              attn_mask_type=mask_type, window_size=window, softmax_scale=softmax_scale)
+    q, k, v = make_qkv(fmt, b, sq, sk, h, g, d, seed)
+    out = dpa(q, k, v, attention_mask=attention_mask)
+    lead = (sq, b) if fmt == "sbhd" else (b, sq)
+    assert out.shape == (*lead, h * d) and out.dtype == torch.float32
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if ref_m is None:
+        ref_m = ref_mask(mask_type, b, sq, sk, attention_mask, window)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref = ref_attention(q64, k64, v64, fmt, scale, ref_m)
+    assert rel_err(out, ref) < TOL
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 7))
+    out.backward(dy)
+    ref.backward(dy.double())
+    for t, r in ((q, q64), (k, k64), (v, v64)):
+        assert rel_err(t.grad, r.grad) < 1e-4, (mask_type, fmt)
+
+
+# ------------------------------------------------------------------ DotProductAttention
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("mask_type,sq,sk", [
+    ("no_mask", 7, 7), ("no_mask", 5, 9),
+    ("causal", 8, 8), ("causal", 6, 9),
+    ("causal_bottom_right", 8, 8), ("causal_bottom_right", 5, 9),
+])
+@pytest.mark.parametrize("h,g", [(4, 4), (4, 2), (4, 1)])
+def test_dpa_masks_without_tensor(fmt, mask_type, sq, sk, h, g):
+    check_dpa(fmt, mask_type, 2, sq, sk, h, g, 8)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("mask_type", ["padding", "padding_causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("h,g", [(4, 4), (4, 2)])
+def test_dpa_padding_self(fmt, mask_type, h, g):
+    qm, _ = padding_masks(3, 8, 8)
+    check_dpa(fmt, mask_type, 3, 8, 8, h, g, 8, attention_mask=qm)
+
+
+@pytest.mark.parametrize("mask_type", ["padding", "padding_causal", "padding_causal_bottom_right"])
+def test_dpa_padding_pair(mask_type):
+    masks = padding_masks(3, 5, 9)
+    check_dpa("bshd", mask_type, 3, 5, 9, 4, 2, 8, attention_mask=masks)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("mshape", [(1, 1), (2, 1), (2, 4), (1, 4)])
+def test_dpa_arbitrary(fmt, mshape):
+    b, h, sq, sk = 2, 4, 6, 7
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(*mshape, sq, sk, generator=gen) < 0.3
+    check_dpa(fmt, "arbitrary", b, sq, sk, h, 2, 8, attention_mask=mask)
+
+
+def test_dpa_arbitrary_2d_mask():
+    mask = torch.rand(6, 6, generator=torch.Generator().manual_seed(4)) < 0.4
+    check_dpa("sbhd", "arbitrary", 2, 6, 6, 2, 2, 4, attention_mask=mask, ref_m=mask.view(1, 1, 6, 6))
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0])
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal", "causal_bottom_right", "padding"])
+def test_dpa_softmax_scale(scale, mask_type):
+    qm, _ = padding_masks(2, 6, 6)
+    check_dpa("sbhd", mask_type, 2, 6, 6, 2, 2, 8, attention_mask=qm, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("mask_type,window", [("no_mask", (2, 1)), ("causal", (3, 0)),
+                                              ("causal_bottom_right", (2, 0)), ("no_mask", (-1, 0))])
+def test_dpa_sliding_window(mask_type, window):
+    check_dpa("bshd", mask_type, 2, 7, 9, 2, 1, 8, window=window)
+
+
+def test_dpa_mask_type_override_and_kv_channels_tuple():
+    q, k, v = make_qkv("sbhd", 2, 6, 6, 2, 2, 8)
+    dpa = DotProductAttention(2, (8, 8), attn_mask_type="causal")
+    out = dpa(q, k, v, attn_mask_type="no_mask")
+    ref = ref_attention(q, k, v, "sbhd", 1 / math.sqrt(8), None)
+    assert rel_err(out, ref) < TOL
+
+
+def test_dpa_softmax_uses_library_kernels(monkeypatch):
+    from transformer_engine import _nvte
+    import transformer_engine.pytorch.attention as attn
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(_nvte, name)
+            def wrapped(*a, **kw):
+                calls.append(name)
+                return fn(*a, **kw)
+            return wrapped
+    monkeypatch.setattr(attn, "_nvte", Spy())
+    expected = {"no_mask": "scaled_softmax", "causal": "scaled_upper_triang_masked_softmax",
+                "causal_bottom_right": "scaled_aligned_causal_masked_softmax", "arbitrary": "scaled_masked_softmax"}
+    for mt, fam in expected.items():
+        calls.clear()
+        q, k, v = make_qkv("sbhd", 1, 4, 4, 2, 2, 4)
+        mask = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+        DotProductAttention(2, 4, attn_mask_type=mt)(q, k, v, attention_mask=mask).sum().backward()
+        assert calls == [fam + "_forward", fam + "_backward"], (mt, calls)
+
+
+def test_dpa_dropout():
+    q, k, v = make_qkv("sbhd", 2, 8, 8, 2, 2, 8)
+    dpa = DotProductAttention(2, 8, attention_dropout=0.0, attn_mask_type="no_mask")
+    dpa.train()
+    a, b2 = dpa(q, k, v), dpa(q, k, v)
+    assert torch.equal(a, b2)  # dropout 0: deterministic in training mode
+    dpa = DotProductAttention(2, 8, attention_dropout=0.5, attn_mask_type="no_mask")
+    dpa.eval()
+    e1, e2 = dpa(q, k, v), dpa(q, k, v)
+    assert torch.equal(e1, e2) and torch.equal(e1, a)  # eval: no dropout
+    dpa.train()
+    torch.manual_seed(5)
+    t1 = dpa(q, k, v)
+    torch.manual_seed(5)
+    t2 = dpa(q, k, v)
+    assert torch.equal(t1, t2) and not torch.allclose(t1, a)
+    t1.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_dpa_errors():
+    q, k, v = make_qkv("sbhd", 1, 4, 4, 2, 2, 4)
+    with pytest.raises(ValueError):
+        DotProductAttention(2, 4, attn_mask_type="bogus")
+    with pytest.raises(ValueError):
+        DotProductAttention(3, 4, num_gqa_groups=2)
+    with pytest.raises(NotImplementedError):
+        DotProductAttention(2, 4, qkv_format="thd")
+    with pytest.raises(ValueError):
+        DotProductAttention(2, 4, attn_mask_type="padding")(q, k, v)
+    with pytest.raises(ValueError):
+        DotProductAttention(2, 4, attn_mask_type="arbitrary")(q, k, v)
+    with pytest.raises(TypeError):
+        DotProductAttention(2, 4)(*(t.detach().double() for t in (q, k, v)))
+    with pytest.raises(ValueError):
+        DotProductAttention(4, 4)(q, k, v)
+
+
+# ------------------------------------------------------------------ MultiheadAttention
+def ref_mha(x, wq, bq, wk, bk, wv, bv, wo, bo, h, g, d, fmt, mask, ln=None, enc=None):
+    x = x.double()
+    if ln is not None:
+        x = torch.nn.functional.layer_norm(x, (x.shape[-1],), ln[0].double(), ln[1].double(), 1e-5)
+    kv_in = x if enc is None else enc.double()
+    lin = lambda t, w, b: t @ w.double().t() + (0 if b is None else b.double())
+    q = lin(x, wq, bq).view(*x.shape[:2], h, d)
+    k = lin(kv_in, wk, bk).view(*kv_in.shape[:2], g, d)
+    v = lin(kv_in, wv, bv).view(*kv_in.shape[:2], g, d)
+    ctx = ref_attention(q, k, v, fmt, 1 / math.sqrt(d), mask)
+    return lin(ctx, wo, bo)
+
+
+def interleaved_split(w, h, g, d):
+    """(q, k, v) row blocks of a fused per-group interleaved QKV weight/bias."""
+    per = h // g
+    x = w.view(g, per + 2, d, *w.shape[1:])
+    return (x[:, :per].reshape(h * d, *w.shape[1:]), x[:, per].reshape(g * d, *w.shape[1:]),
+            x[:, per + 1].reshape(g * d, *w.shape[1:]))
+
+
+@pytest.mark.parametrize("input_layernorm", [False, True])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_mha_parameter_names(input_layernorm, fuse):
+    m = MultiheadAttention(32, 4, input_layernorm=input_layernorm, fuse_qkv_params=fuse, device="cpu")
+    names = sorted(n for n, _ in m.named_parameters())
+    pre = "layernorm_qkv." if input_layernorm else "qkv."
+    qkv = ["weight", "bias"] if fuse else ["query_weight", "query_bias", "key_weight", "key_bias",
+                                           "value_weight", "value_bias"]
+    lnp = ["layer_norm_weight", "layer_norm_bias"] if input_layernorm else []
+    expected = sorted([pre + n for n in qkv + lnp] + ["proj.weight", "proj.bias"])
+    assert names == expected
+    assert isinstance(m.core_attention, DotProductAttention)
+    if not fuse:
+        sub = getattr(m, pre[:-1])
+        assert sub.query_weight.shape == (32, 32) and sub.key_weight.shape == (32, 32)
+
+
+def test_mha_gqa_and_cross_parameter_names():
+    m = MultiheadAttention(32, 4, num_gqa_groups=2, input_layernorm=True)
+    assert m.layernorm_qkv.key_weight.shape == (16, 32) and m.layernorm_qkv.value_bias.shape == (16,)
+    m = MultiheadAttention(32, 4, attention_type="cross", input_layernorm=True)
+    names = sorted(n for n, _ in m.named_parameters())
+    assert names == sorted(["layernorm_query.layer_norm_weight", "layernorm_query.layer_norm_bias",
+                            "layernorm_query.query_weight", "layernorm_query.query_bias",
+                            "key_value.key_weight", "key_value.key_bias", "key_value.value_weight",
+                            "key_value.value_bias", "proj.weight", "proj.bias"])
+    m = MultiheadAttention(32, 4, attention_type="cross", fuse_qkv_params=True)
+    names = sorted(n for n, _ in m.named_parameters())
+    assert names == sorted(["query_layer.weight", "query_layer.bias", "key_value.weight", "key_value.bias",
+                            "proj.weight", "proj.bias"])
+    m = MultiheadAttention(32, 4, bias=False, normalization="RMSNorm", input_layernorm=True)
+    assert sorted(n for n, _ in m.named_parameters()) == sorted(
+        ["layernorm_qkv.layer_norm_weight", "layernorm_qkv.query_weight", "layernorm_qkv.key_weight",
+         "layernorm_qkv.value_weight", "proj.weight"])
+
+
+def _randomize(m, seed=11):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("input_layernorm", [False, True])
+@pytest.mark.parametrize("g", [4, 2])
+def test_mha_self_numerics(fmt, fuse, input_layernorm, g):
+    hidden, h, d, b, s = 32, 4, 8, 2, 6
+    m = MultiheadAttention(hidden, h, num_gqa_groups=g, attention_dropout=0.0, input_layernorm=input_layernorm,
+                           fuse_qkv_params=fuse, qkv_format=fmt, attn_mask_type="causal", device="cpu")
+    _randomize(m)
+    sub = m.layernorm_qkv if input_layernorm else m.qkv
+    if fuse:
+        wq, wk, wv = interleaved_split(sub.weight, h, g, d)
+        bq, bk, bv = interleaved_split(sub.bias, h, g, d)
+    else:
+        wq, wk, wv, bq, bk, bv = (sub.query_weight, sub.key_weight, sub.value_weight, sub.query_bias,
+                                  sub.key_bias, sub.value_bias)
+    ln = (sub.layer_norm_weight.detach(), sub.layer_norm_bias.detach()) if input_layernorm else None
+    wq, wk, wv, bq, bk, bv = (t.detach() for t in (wq, wk, wv, bq, bk, bv))
+    shape = (s, b, hidden) if fmt == "sbhd" else (b, s, hidden)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    out = m(x)
+    assert out.shape == shape
+    x64 = x.detach().double().requires_grad_(True)
+    ref = ref_mha(x64, wq, bq, wk, bk, wv, bv, m.proj.weight.detach(), m.proj.bias.detach(), h, g, d, fmt,
+                  ref_mask("causal", b, s, s), ln=ln)
+    assert rel_err(out, ref) < TOL
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    out.backward(dy)
+    ref.backward(dy.double())
+    assert rel_err(x.grad, x64.grad) < 1e-4
+    # parameter gradients vs autograd of the float64 reference (same parameters, as float64 leaves)
+    params = dict(m.named_parameters())
+    p64 = {n: p.detach().double().requires_grad_(True) for n, p in params.items()}
+    pre = "layernorm_qkv." if input_layernorm else "qkv."
+    if fuse:
+        wq, wk, wv = interleaved_split(p64[pre + "weight"], h, g, d)
+        bq, bk, bv = interleaved_split(p64[pre + "bias"], h, g, d)
+    else:
+        wq, wk, wv, bq, bk, bv = (p64[pre + n] for n in ("query_weight", "key_weight", "value_weight",
+                                                          "query_bias", "key_bias", "value_bias"))
+    ln = (p64[pre + "layer_norm_weight"], p64[pre + "layer_norm_bias"]) if input_layernorm else None
+    ref2 = ref_mha(x.detach().double(), wq, bq, wk, bk, wv, bv, p64["proj.weight"], p64["proj.bias"], h, g, d,
+                   fmt, ref_mask("causal", b, s, s), ln=ln)
+    ref2.backward(dy.double())
+    for n, p in params.items():
+        assert p.grad is not None, n
+        # (key_bias has an exactly zero gradient: a per-key constant cancels in the softmax)
+        err = float((p.grad.double() - p64[n].grad).norm())
+        assert err < 1e-4 * float(p64[n].grad.norm()) + 1e-5, n
+
+
+def test_mha_fused_matches_tutorial_layout():
+    """fuse_qkv_params=True: the plain layer's [s, b, heads, 3*kv] view split along the last dim."""
+    hidden, h, s, b = 32, 4, 5, 2
+    d = hidden // h
+    m = MultiheadAttention(hidden, h, attention_dropout=0.0, input_layernorm=True, fuse_qkv_params=True,
+                           attn_mask_type="no_mask")
+    _randomize(m)
+    x = torch.randn(s, b, hidden, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        qkv = torch.nn.functional.layer_norm(x, (hidden,), m.layernorm_qkv.layer_norm_weight,
+                                             m.layernorm_qkv.layer_norm_bias, 1e-5)
+        qkv = torch.nn.functional.linear(qkv, m.layernorm_qkv.weight, m.layernorm_qkv.bias).view(s, b, h, 3 * d)
+        q, k, v = torch.split(qkv, d, dim=3)
+        ref = torch.nn.functional.linear(ref_attention(q, k, v, "sbhd", 1 / math.sqrt(d), None).float(),
+                                         m.proj.weight, m.proj.bias)
+        assert rel_err(m(x), ref) < TOL
+
+
+def test_mha_noninterleaved_fused():
+    hidden, h, g, d = 32, 4, 2, 8
+    m = MultiheadAttention(hidden, h, num_gqa_groups=g, attention_dropout=0.0, fuse_qkv_params=True,
+                           qkv_weight_interleaved=False, attn_mask_type="no_mask")
+    _randomize(m)
+    w, bb = m.qkv.weight, m.qkv.bias
+    x = torch.randn(6, 2, hidden, generator=torch.Generator().manual_seed(1))
+    sizes = [h * d, g * d, g * d]
+    wq, wk, wv = torch.split(w, sizes)
+    bq, bk, bv = torch.split(bb, sizes)
+    ref = ref_mha(x, wq, bq, wk, bk, wv, bv, m.proj.weight, m.proj.bias, h, g, d, "sbhd", None)
+    assert rel_err(m(x), ref) < TOL
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("input_layernorm", [False, True])
+def test_mha_cross(fuse, input_layernorm):
+    hidden, h, g, d, b, sq, sk = 32, 4, 2, 8, 2, 5, 7
+    m = MultiheadAttention(hidden, h, num_gqa_groups=g, attention_dropout=0.0, attention_type="cross",
+                           input_layernorm=input_layernorm, fuse_qkv_params=fuse, attn_mask_type="padding")
+    _randomize(m)
+    qmod = m.layernorm_query if input_layernorm else m.query_layer
+    if fuse:
+        wq, bq = qmod.weight, qmod.bias
+        kvw = m.key_value.weight.view(g, 2, d, hidden)
+        kvb = m.key_value.bias.view(g, 2, d)
+        wk, wv = kvw[:, 0].reshape(g * d, hidden), kvw[:, 1].reshape(g * d, hidden)
+        bk, bv = kvb[:, 0].reshape(-1), kvb[:, 1].reshape(-1)
+    else:
+        wq, bq = qmod.query_weight, qmod.query_bias
+        wk, bk, wv, bv = (m.key_value.key_weight, m.key_value.key_bias, m.key_value.value_weight,
+                          m.key_value.value_bias)
+    ln = (qmod.layer_norm_weight, qmod.layer_norm_bias) if input_layernorm else None
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(sq, b, hidden, generator=gen, requires_grad=True)
+    enc = torch.randn(sk, b, hidden, generator=gen, requires_grad=True)
+    masks = padding_masks(b, sq, sk)
+    out = m(x, attention_mask=masks, encoder_output=enc)
+    ref = ref_mha(x, wq, bq, wk, bk, wv, bv, m.proj.weight, m.proj.bias, h, g, d, "sbhd",
+                  ref_mask("padding", b, sq, sk, masks), ln=ln, enc=enc)
+    assert rel_err(out, ref) < TOL
+    out.sum().backward()
+    assert enc.grad is not None and all(p.grad is not None for p in m.parameters())
+
+
+def test_mha_return_bias_and_layernorm_output():
+    hidden = 32
+    m = MultiheadAttention(hidden, 4, attention_dropout=0.0, input_layernorm=True, return_bias=True,
+                           return_layernorm_output=True, attn_mask_type="no_mask")
+    _randomize(m)
+    x = torch.randn(5, 2, hidden, generator=torch.Generator().manual_seed(8))
+    out, bias, ln_out = m(x)
+    assert bias is m.proj.bias
+    sub = m.layernorm_qkv
+    ref_ln = torch.nn.functional.layer_norm(x, (hidden,), sub.layer_norm_weight, sub.layer_norm_bias, 1e-5)
+    assert rel_err(ln_out, ref_ln) < TOL
+    m2 = MultiheadAttention(hidden, 4, attention_dropout=0.0, input_layernorm=True, attn_mask_type="no_mask")
+    m2.load_state_dict(m.state_dict())
+    assert rel_err(out + bias, m2(x)) < TOL
+
+
+def test_mha_forward_mask_override_and_state_dict_names():
+    m = MultiheadAttention(32, 4, attention_dropout=0.0, attn_mask_type="causal")
+    _randomize(m)
+    x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(6))
+    a = m(x)
+    b_ = m(x, attn_mask_type="no_mask")
+    assert not torch.allclose(a, b_)
+    mask = torch.ones(6, 6, dtype=torch.bool).triu(1).view(1, 1, 6, 6)
+    c = m(x, attention_mask=mask, attn_mask_type="arbitrary")
+    assert rel_err(a, c) < TOL
+    keys = [k for k in m.state_dict() if not k.endswith("_extra_state")]
+    assert "qkv.query_weight" in keys and "qkv.weight" not in keys
+
+
+def test_mha_split_params_follow_assignment_and_reset():
+    m = MultiheadAttention(32, 4, attention_dropout=0.0, attn_mask_type="no_mask")
+    x = torch.randn(4, 1, 32, generator=torch.Generator().manual_seed(1))
+    before = m(x)
+    m.qkv.query_weight = torch.nn.Parameter(torch.zeros_like(m.qkv.query_weight))
+    m.qkv.query_bias = torch.nn.Parameter(torch.zeros_like(m.qkv.query_bias))
+    after = m(x)  # zero queries: uniform attention over keys
+    assert not torch.allclose(before, after)
+    with torch.no_grad():
+        m.qkv.reset_parameters()
+    assert float(m.qkv.query_weight.detach().abs().sum()) > 0 and float(m.qkv.query_bias.detach().abs().sum()) == 0
+
+
+def test_mha_meta_device():
+    m = MultiheadAttention(32, 4, device="meta", input_layernorm=True)
+    assert m.layernorm_qkv.query_weight.device.type == "meta"
+    for mod in (m.layernorm_qkv, m.proj):
+        mod.reset_parameters()
+    assert m.layernorm_qkv.query_weight.device.type != "meta"
+    assert float(m.layernorm_qkv.layer_norm_weight.detach().sum()) == 32
+    out = m(torch.randn(3, 1, 32, device=m.proj.weight.device))
+    assert out.shape == (3, 1, 32)
+
+
+def test_exports():
+    assert te.DotProductAttention is DotProductAttention and te.MultiheadAttention is MultiheadAttention

@@ -1,0 +1,317 @@
+"""te.TransformerLayer against a float64 PyTorch layer built from the same parameters.
+
+Two groups: the layer's own wiring (residuals, dropout, drop-path, decoder, post-norm options) with a
+plain-torch stand-in for MultiheadAttention, so it is tested independently of attention.py; and the
+real layer (with transformer_engine.pytorch.attention), skipped while that module is absent."""
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Format
+from transformer_engine.pytorch import transformer as te_transformer
+from _util import gelu_tanh, rel_err
+
+F = torch.nn.functional
+HERE = os.path.dirname(os.path.abspath(__file__))
+SEED_SCRIPT = os.path.normpath(os.path.join(HERE, "..", "..", "..", "shared", "acceptance", "seed_tutorial_layer.py"))
+HAS_MHA = importlib.util.find_spec("transformer_engine.pytorch.attention") is not None and \
+    te_transformer.MultiheadAttention is not None
+needs_mha = pytest.mark.skipif(not HAS_MHA, reason="transformer_engine.pytorch.attention (MultiheadAttention) "
+                                                   "is not present in this build")
+
+
+# ----------------------------------------------------------------------------- float64 reference
+_LEAVES = {}  # id(parameter) -> float64 leaf copy, while a reference runs with gradients
+
+
+def _p(t):
+    if t is None:
+        return None
+    return _LEAVES[id(t)] if id(t) in _LEAVES else t.detach().double()
+
+
+def ref_norm(x, w, b, eps, normalization="LayerNorm"):
+    if normalization == "LayerNorm":
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def ref_qkv(qkv_mod, h, heads, kv):
+    """q, k, v [s, b, heads, kv] from a layernorm_qkv holding split or fused (interleaved) weights."""
+    names = dict(qkv_mod.named_parameters())
+    if "query_weight" in names:
+        return [F.linear(h, _p(names[f"{n}_weight"]), _p(names.get(f"{n}_bias"))).view(*h.shape[:2], heads, kv)
+                for n in ("query", "key", "value")]
+    qkv = F.linear(h, _p(names["weight"]), _p(names.get("bias"))).view(*h.shape[:2], heads, 3 * kv)
+    return list(torch.split(qkv, kv, dim=3))
+
+
+def ref_attention(q, k, v, causal):
+    s = q.shape[0]
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores, -1), v)
+    return out.reshape(*out.shape[:2], -1)
+
+
+def ref_layer(layer, x, causal=True, normalization="LayerNorm"):
+    """float64 forward of `layer` ([s, b, h]) from its parameters (encoder, pre-norm)."""
+    sa, mlp = layer.self_attention, layer.layernorm_mlp
+    qkv_mod = sa.layernorm_qkv
+    eps = mlp.eps
+    h = ref_norm(x, _p(qkv_mod.layer_norm_weight), _p(getattr(qkv_mod, "layer_norm_bias", None)), eps, normalization)
+    q, k, v = ref_qkv(qkv_mod, h, layer.num_attention_heads, layer.kv_channels)
+    x = x + F.linear(ref_attention(q, k, v, causal), _p(sa.proj.weight), _p(sa.proj.bias))
+    h = ref_norm(x, _p(mlp.layer_norm_weight), _p(mlp.layer_norm_bias), eps, normalization)
+    h = gelu_tanh(F.linear(h, _p(mlp.fc1_weight), _p(mlp.fc1_bias)))
+    return x + F.linear(h, _p(mlp.fc2_weight), _p(mlp.fc2_bias))
+
+
+# ----------------------------------------------------------------------------- stand-in attention
+class _StubQKV(torch.nn.Module):
+    def __init__(self, hidden, eps, input_layernorm):
+        super().__init__()
+        self.eps, self.input_layernorm = eps, input_layernorm
+        if input_layernorm:
+            self.layer_norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden))
+            self.layer_norm_bias = torch.nn.Parameter(0.1 * torch.randn(hidden))
+        for n in ("query", "key", "value"):
+            setattr(self, f"{n}_weight", torch.nn.Parameter(0.2 * torch.randn(hidden, hidden)))
+            setattr(self, f"{n}_bias", torch.nn.Parameter(0.1 * torch.randn(hidden)))
+
+
+class StubMHA(torch.nn.Module):
+    """Plain-torch MultiheadAttention with TE's interface subset the layer uses (sbhd only)."""
+
+    def __init__(self, hidden_size, num_attention_heads, kv_channels=None, attn_mask_type="causal",
+                 return_layernorm_output=False, input_layernorm=False, attention_type="self",
+                 layernorm_epsilon=1e-5, **kwargs):
+        super().__init__()
+        self.heads, self.kv = num_attention_heads, kv_channels
+        self.attn_mask_type, self.attention_type = attn_mask_type, attention_type
+        self.return_layernorm_output = return_layernorm_output
+        self.layernorm_qkv = _StubQKV(hidden_size, layernorm_epsilon, input_layernorm)
+        self.proj = torch.nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x, attention_mask=None, encoder_output=None, attn_mask_type=None, **kw):
+        m = self.layernorm_qkv
+        h = F.layer_norm(x, (x.shape[-1],), m.layer_norm_weight, m.layer_norm_bias, m.eps) \
+            if m.input_layernorm else x
+        kv_in = encoder_output if self.attention_type == "cross" else h
+        q = F.linear(h, m.query_weight, m.query_bias).view(*h.shape[:2], self.heads, self.kv)
+        k = F.linear(kv_in, m.key_weight, m.key_bias).view(*kv_in.shape[:2], self.heads, self.kv)
+        v = F.linear(kv_in, m.value_weight, m.value_bias).view(*kv_in.shape[:2], self.heads, self.kv)
+        mask_type = attn_mask_type or self.attn_mask_type
+        out = self.proj(ref_attention(q, k, v, mask_type == "causal"))
+        return (out, h) if self.return_layernorm_output else out
+
+
+@pytest.fixture
+def stub_mha(monkeypatch):
+    monkeypatch.setattr(te_transformer, "MultiheadAttention", StubMHA)
+
+
+def _stub_layer(**kw):
+    torch.manual_seed(0)
+    args = dict(hidden_dropout=0.0, attention_dropout=0.0, device="cpu")
+    args.update(kw)
+    return te.TransformerLayer(32, 64, 4, **args)
+
+
+def test_stub_encoder_matches_reference(stub_mha):
+    layer = _stub_layer()
+    x = torch.randn(6, 2, 32, )
+    assert rel_err(layer(x), ref_layer(layer, x.double())) < 1e-5
+    assert rel_err(layer(x, self_attn_mask_type="no_mask"), ref_layer(layer, x.double(), causal=False)) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["stub", pytest.param("real", marks=needs_mha)])
+def test_layer_options(impl, monkeypatch):
+    if impl == "stub":
+        monkeypatch.setattr(te_transformer, "MultiheadAttention", StubMHA)
+    x = torch.randn(6, 2, 32)
+    # post-layernorm residuals
+    layer = _stub_layer(apply_residual_connection_post_layernorm=True)
+    sa, mlp = layer.self_attention, layer.layernorm_mlp
+    q = sa.layernorm_qkv
+    h = F.layer_norm(x, (32,), q.layer_norm_weight, q.layer_norm_bias, 1e-5)
+    y1 = h + sa(x)[0]
+    h2 = F.layer_norm(y1, (32,), mlp.layer_norm_weight, mlp.layer_norm_bias, 1e-5)
+    ref = h2 + F.linear(gelu_tanh(F.linear(h2, mlp.fc1_weight, mlp.fc1_bias)), mlp.fc2_weight, mlp.fc2_bias)
+    assert rel_err(layer(x), ref) < 1e-5
+    # output layernorm: the attention block has no input norm, the output is normalised
+    layer = _stub_layer(output_layernorm=True)
+    assert not any("layer_norm" in n for n, _ in layer.self_attention.named_parameters())
+    y1 = x + layer.self_attention(x)
+    y2 = y1 + layer.layernorm_mlp(y1)
+    ref = F.layer_norm(y2, (32,), layer.layernorm.weight, layer.layernorm.bias, 1e-5)
+    assert rel_err(layer(x), ref) < 1e-5
+    # decoder: cross attention over encoder_output between self attention and the MLP
+    layer = _stub_layer(layer_type="decoder")
+    enc = torch.randn(5, 2, 32)
+    assert layer.inter_attention.attention_type == "cross"
+    assert hasattr(layer.inter_attention, "proj")
+    y1 = x + layer.self_attention(x)
+    y2 = y1 + layer.inter_attention(y1, encoder_output=enc)
+    ref = y2 + layer.layernorm_mlp(y2)
+    assert rel_err(layer(x, encoder_output=enc), ref) < 1e-5
+    with pytest.raises(ValueError, match="encoder_output"):
+        layer(x)
+
+
+def test_stub_dropout_drop_path_and_no_grad(stub_mha):
+    x = torch.randn(6, 4, 32, requires_grad=True)
+    layer = _stub_layer(hidden_dropout=0.5, drop_path_rate=0.5)
+    y_train = layer(x)
+    layer.eval()
+    y_eval = layer(x)
+    assert rel_err(y_eval, ref_layer(layer, x.detach().double())) < 1e-5
+    assert rel_err(y_train, y_eval) > 1e-3  # dropout / drop-path active in training only
+    layer.train()
+    with torch.no_grad():
+        y = layer(x)
+    assert not y.requires_grad
+    y = layer(x)
+    y.sum().backward()
+    assert x.grad is not None and layer.layernorm_mlp.fc1_weight.grad is not None
+
+
+def test_drop_path_module():
+    torch.manual_seed(0)
+    dp = te_transformer.DropPath(0.5, batch_dim=1)
+    x = torch.ones(3, 64, 2)
+    y = dp(x)
+    per_sample = y[0, :, 0]
+    assert set(per_sample.tolist()) == {0.0, 2.0} and (y == y[0:1, :, 0:1]).all()
+    dp.eval()
+    assert torch.equal(dp(x), x)
+    with pytest.raises(ValueError):
+        te_transformer.DropPath(1.0)
+
+
+def test_bad_arguments(stub_mha):
+    with pytest.raises(ValueError, match="layer_type"):
+        te.TransformerLayer(32, 64, 4, layer_type="bogus", device="cpu")
+    with pytest.raises(ValueError, match="attn_input_format"):
+        te.TransformerLayer(32, 64, 4, attn_input_format="thd_x", device="cpu")
+    with pytest.raises(NotImplementedError):
+        te.TransformerLayer(32, 64, 4, tp_size=2, device="cpu")
+    layer = te.TransformerLayer(32, 64, 4, device="cpu")
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer(torch.randn(4, 32))
+
+
+def test_module_paths():
+    assert te.TransformerLayer is te.transformer.TransformerLayer
+    assert "TransformerLayer" in te.__all__
+
+
+# ----------------------------------------------------------------------------- the real layer
+def _real_layer(**kw):
+    torch.manual_seed(0)
+    args = dict(hidden_dropout=0.0, attention_dropout=0.0, device="cpu")
+    args.update(kw)
+    return te.TransformerLayer(64, 128, 4, **args)
+
+
+@needs_mha
+def test_default_parameter_names():
+    layer = te.TransformerLayer(64, 256, 4, device="cpu")
+    names = sorted(n for n, _ in layer.self_attention.layernorm_qkv.named_parameters())
+    assert names == sorted(["layer_norm_weight", "layer_norm_bias", "query_weight", "query_bias", "key_weight",
+                            "key_bias", "value_weight", "value_bias"])
+    assert {"weight", "bias"} <= {n for n, _ in layer.self_attention.proj.named_parameters()}
+    assert sorted(n for n, _ in layer.layernorm_mlp.named_parameters()) == sorted(
+        ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"])
+    assert not hasattr(layer, "inter_attention") and not hasattr(layer, "layernorm")
+    fused = te.TransformerLayer(64, 256, 4, fuse_qkv_params=True, device="cpu")
+    assert {"weight", "bias"} <= {n for n, _ in fused.self_attention.layernorm_qkv.named_parameters()}
+
+
+@needs_mha
+@pytest.mark.parametrize("fuse_qkv_params", [False, True])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+def test_real_layer_matches_reference(fuse_qkv_params, mask):
+    layer = _real_layer(fuse_qkv_params=fuse_qkv_params, self_attn_mask_type=mask)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    x = torch.randn(8, 2, 64, requires_grad=True)
+    y = layer(x)
+    xr = x.detach().double()
+    assert rel_err(y, ref_layer(layer, xr, causal=mask == "causal")) < 1e-4
+    # forward-time mask override
+    other = "no_mask" if mask == "causal" else "causal"
+    assert rel_err(layer(x, self_attn_mask_type=other), ref_layer(layer, xr, causal=other == "causal")) < 1e-4
+    # gradients against autograd of the reference run on float64 leaf copies of the parameters
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    params = dict(layer.named_parameters())
+    _LEAVES.update({id(p): p.detach().double().clone().requires_grad_(True) for p in params.values()})
+    try:
+        xr = xr.clone().requires_grad_(True)
+        ref_layer(layer, xr, causal=mask == "causal").backward(dy.double())
+        assert rel_err(x.grad, xr.grad) < 1e-4
+        for n, p in params.items():
+            ref = _LEAVES[id(p)].grad
+            # key biases get a zero gradient (softmax ignores a per-query constant): compare absolutely there
+            ok = rel_err(p.grad, ref) < 1e-4 or float((p.grad.double() - ref).abs().max()) < 1e-6
+            assert ok, n
+    finally:
+        _LEAVES.clear()
+
+
+@needs_mha
+def test_real_layer_bshd():
+    sb = _real_layer()
+    bs = _real_layer(attn_input_format="bshd")
+    bs.load_state_dict(sb.state_dict())
+    x = torch.randn(8, 2, 64)
+    assert rel_err(bs(x.transpose(0, 1)).transpose(0, 1), sb(x)) < 1e-5
+
+
+@needs_mha
+def test_real_layer_no_grad_and_backward():
+    layer = _real_layer()
+    x = torch.randn(8, 2, 64, requires_grad=True)
+    with torch.no_grad():
+        y = layer(x)
+    assert not y.requires_grad
+    layer(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for n, p in layer.named_parameters():
+        assert p.grad is not None, n
+
+
+@needs_mha
+def test_real_layer_fp8():
+    layer = _real_layer()
+    x = torch.randn(16, 2, 64, requires_grad=True)
+    with torch.no_grad():
+        y_hp = layer(x)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
+    for _ in range(3):
+        with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            y = layer(x)
+        y.sum().backward()
+    e = rel_err(y, y_hp)
+    assert 1e-5 < e < 0.1
+
+
+@needs_mha
+@pytest.mark.skipif(not os.path.exists(SEED_SCRIPT), reason=f"acceptance script not present at {SEED_SCRIPT}")
+def test_seed_tutorial_layer_cpu():
+    import transformer_engine
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(transformer_engine.__file__)))
+    env = dict(os.environ, ACCEPT_DEVICE="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root, os.path.dirname(SEED_SCRIPT), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, os.path.basename(SEED_SCRIPT)], cwd=os.path.dirname(SEED_SCRIPT), env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
