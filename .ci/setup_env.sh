@@ -33,6 +33,12 @@ if ! python -c "import torch" 2>/dev/null; then
   pip_q "torch==2.13.0"
 fi
 
+# The quickstart's progress bar and loss-curve plot.
+if ! python -c "import matplotlib, tqdm" 2>/dev/null; then
+  echo "[setup] installing matplotlib and tqdm (quickstart)"
+  pip_q matplotlib tqdm
+fi
+
 echo "[setup] building and installing transformer_engine (NVTE_FRAMEWORK=${NVTE_FRAMEWORK-<installed>})"
 pip_q --no-build-isolation --no-deps "$NVTE_ROOT"
 python -c "import transformer_engine as te; print('[setup] transformer_engine', te.__version__, 'from', te.__file__)"

@@ -170,6 +170,7 @@ def save_plot(curves: dict, path: str) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"loss curves written to {path}")
 
@@ -235,14 +236,15 @@ def generate(model, data, device, use_fp8, recipe, seq, n=60):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is present)")
     p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=512)
+    # Sizes default per device: small enough for a few minutes on 2 CPU cores, larger on a GPU.
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -250,9 +252,17 @@ def main(argv=None):
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--untied-head", action="store_true", help="separate te.Linear output head")
     p.add_argument("--no-sample", dest="sample", action="store_false", help="skip the generated text")
-    p.add_argument("--plot", default="quickstart_loss.png", help="PNG path for the loss curves")
+    p.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "quickstart_loss.png"),
+                   help="PNG path for the loss curves (default examples/out/quickstart_loss.png)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes = (dict(batch=16, seq=64, hidden=128, heads=4, layers=2, ffn=512) if args.device == "cpu"
+             else dict(batch=32, seq=256, hidden=1024, heads=16, layers=8, ffn=4096))
+    for k, v in sizes.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
