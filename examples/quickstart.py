@@ -235,6 +235,7 @@ def generate(model, data, device, use_fp8, recipe, seq, n=60):
 
 
 def main(argv=None):
+    """Runs both trainings; returns {run name: (losses, step times, val loss, sample)}."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is present)")
     p.add_argument("--steps", type=int, default=500)
@@ -301,6 +302,7 @@ def main(argv=None):
             print(f"{name} sample (prompt tail | greedy continuation): {sample!r}")
     print()
     save_plot({name: r[0] for name, r in results.items()}, args.plot)
+    return results
 
 
 if __name__ == "__main__":
