@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
+
+#include "error.h"
 
 #include "numeric.h"
 
@@ -56,6 +59,24 @@ NVTE_HD float dact_f(Act a, float x) {
     }
   }
   return 0.0f;
+}
+
+// Runs f(std::integral_constant<Act, a>{}) so loops and kernels are specialised per activation
+// instead of switching on every element. kWithSigmoid = false skips instantiating the Sigmoid
+// case (it only occurs inside glu), which saves code in callers that never take it.
+template <bool kWithSigmoid = true, class F>
+void with_act(Act a, F &&f) {
+  switch (a) {
+    case Act::GELU: return f(std::integral_constant<Act, Act::GELU>{});
+    case Act::ReLU: return f(std::integral_constant<Act, Act::ReLU>{});
+    case Act::SiLU: return f(std::integral_constant<Act, Act::SiLU>{});
+    case Act::QGELU: return f(std::integral_constant<Act, Act::QGELU>{});
+    case Act::SReLU: return f(std::integral_constant<Act, Act::SReLU>{});
+    case Act::Sigmoid:
+      if constexpr (kWithSigmoid) return f(std::integral_constant<Act, Act::Sigmoid>{});
+      break;
+  }
+  NVTE_FAIL(NVTE_ERROR_INTERNAL, "unsupported activation ", static_cast<int>(a));
 }
 
 }  // namespace nvte

@@ -12,21 +12,6 @@
 namespace nvte::cpu {
 namespace {
 
-// Runs f with the activation as a compile-time constant, so the inner loops are specialised
-// per activation instead of switching on every element.
-template <class F>
-void with_act(Act a, F &&f) {
-  switch (a) {
-    case Act::GELU: return f(std::integral_constant<Act, Act::GELU>{});
-    case Act::ReLU: return f(std::integral_constant<Act, Act::ReLU>{});
-    case Act::SiLU: return f(std::integral_constant<Act, Act::SiLU>{});
-    case Act::QGELU: return f(std::integral_constant<Act, Act::QGELU>{});
-    case Act::SReLU: return f(std::integral_constant<Act, Act::SReLU>{});
-    case Act::Sigmoid: return f(std::integral_constant<Act, Act::Sigmoid>{});
-  }
-  NVTE_FAIL(NVTE_ERROR_INTERNAL, "unknown activation ", static_cast<int>(a));
-}
-
 // Rows per parallel chunk: roughly 16K elements of work each.
 size_t grain_rows(size_t cols) { return cols ? (16384 + cols - 1) / cols : 1024; }
 

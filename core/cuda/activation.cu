@@ -250,23 +250,6 @@ void with_hp_dtype(NVTEDType t, F &&f) {
   }
 }
 
-// Activation as a compile-time constant; the elementwise entry points never use Sigmoid,
-// so it is only instantiated for the gated kernel.
-template <bool kWithSigmoid, class F>
-void with_act(Act a, F &&f) {
-  switch (a) {
-    case Act::GELU: return f(std::integral_constant<Act, Act::GELU>{});
-    case Act::ReLU: return f(std::integral_constant<Act, Act::ReLU>{});
-    case Act::SiLU: return f(std::integral_constant<Act, Act::SiLU>{});
-    case Act::QGELU: return f(std::integral_constant<Act, Act::QGELU>{});
-    case Act::SReLU: return f(std::integral_constant<Act, Act::SReLU>{});
-    case Act::Sigmoid:
-      if constexpr (kWithSigmoid) return f(std::integral_constant<Act, Act::Sigmoid>{});
-      break;
-  }
-  NVTE_FAIL(NVTE_ERROR_INTERNAL, "unsupported activation ", static_cast<int>(a));
-}
-
 const void *input_data(const Tensor &t, const char *name) {
   const NVTEBasicTensor &b = t.params[kNVTERowwiseData];
   NVTE_CHECK(buffer_set(b), name, " needs rowwise data");

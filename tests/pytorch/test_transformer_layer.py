@@ -6,8 +6,6 @@ real layer (with transformer_engine.pytorch.attention), skipped while that modul
 import importlib.util
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,6 @@ from _util import gelu_tanh, rel_err
 
 F = torch.nn.functional
 HERE = os.path.dirname(os.path.abspath(__file__))
-SEED_SCRIPT = os.path.normpath(os.path.join(HERE, "..", "..", "..", "shared", "acceptance", "seed_tutorial_layer.py"))
 HAS_MHA = importlib.util.find_spec("transformer_engine.pytorch.attention") is not None and \
     te_transformer.MultiheadAttention is not None
 needs_mha = pytest.mark.skipif(not HAS_MHA, reason="transformer_engine.pytorch.attention (MultiheadAttention) "
@@ -303,15 +300,3 @@ def test_real_layer_fp8():
         y.sum().backward()
     e = rel_err(y, y_hp)
     assert 1e-5 < e < 0.1
-
-
-@needs_mha
-@pytest.mark.skipif(not os.path.exists(SEED_SCRIPT), reason=f"acceptance script not present at {SEED_SCRIPT}")
-def test_seed_tutorial_layer_cpu():
-    import transformer_engine
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(transformer_engine.__file__)))
-    env = dict(os.environ, ACCEPT_DEVICE="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root, os.path.dirname(SEED_SCRIPT), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, os.path.basename(SEED_SCRIPT)], cwd=os.path.dirname(SEED_SCRIPT), env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
