@@ -16,7 +16,6 @@ from transformer_engine.pytorch import transformer as te_transformer
 from _util import gelu_tanh, rel_err
 
 F = torch.nn.functional
-HERE = os.path.dirname(os.path.abspath(__file__))
 HAS_MHA = importlib.util.find_spec("transformer_engine.pytorch.attention") is not None and \
     te_transformer.MultiheadAttention is not None
 needs_mha = pytest.mark.skipif(not HAS_MHA, reason="transformer_engine.pytorch.attention (MultiheadAttention) "
