@@ -8,21 +8,26 @@ import torch
 from transformer_engine import _nvte as nvte  # noqa: F401  (fail early if the build is missing)
 
 
-def time_ms(fn, iters=50, warmup=10):
-    """Median milliseconds of fn() over iters runs (CUDA events around each run).
-    fn may take the iteration index (to rotate among input sets)."""
+def time_ms(fn, iters=30, warmup=10, inner=8):
+    """Median milliseconds per fn() call: `iters` samples, each a batch of `inner` back-to-back
+    calls between two CUDA events (per call = batch time / inner). Back-to-back calls keep the
+    GPU's queue filled, as in a training step, so the host-side cost of a call (Python, handle
+    wrapping) is hidden whenever it is shorter than the kernel; one call between events with a
+    synchronisation after each would add that host latency to every kernel's time.
+    fn may take the call index (to rotate among input sets)."""
     takes_index = fn.__code__.co_argcount >= 1
     for i in range(warmup):
         fn(i) if takes_index else fn()
     torch.cuda.synchronize()
     times = []
-    for i in range(iters):
+    for r in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn(i) if takes_index else fn()
+        for j in range(inner):
+            fn(r * inner + j) if takes_index else fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / inner)
     return statistics.median(times)
 
 

@@ -2,7 +2,8 @@
 # On the lent GPU machine: build the library with the CUDA backend, run the GPU test suite
 # (CUDA vs the CPU oracle), compute-sanitizer memcheck over it, and the GPU benchmarks.
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
-#   tests/gpu/run_on_device.sh [build] [test] [sanitize] [bench] [cpu]   (default: build test bench)
+#   tests/gpu/run_on_device.sh [build] [test] [sanitize] [bench] [profile] [cpu]   (default: build test bench)
+# profile: Nsight Compute over one call of each memory-bound kernel (clocks left alone).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/nvte_out}
@@ -44,7 +45,14 @@ if [[ " $steps " == *" sanitize "* ]]; then
 fi
 
 if [[ " $steps " == *" bench "* ]]; then
-  $PY benchmarks/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
+  $PY benchmarks/gpu_bench.py --out "$OUT" ${BENCH_ONLY:+--only $BENCH_ONLY} 2>&1 | tee "$OUT/bench.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $steps " == *" profile "* ]]; then
+  ncu --clock-control none -k "regex:tile_kernel|norm_fwd|norm_bwd_vec|act_kernel" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis $PY benchmarks/gpu_profile_memory.py >"$OUT/ncu.txt" 2>&1 || rc=1
+  grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots|No Eligible|Stall" \
+    "$OUT/ncu.txt" | head -80
 fi
 exit $rc
