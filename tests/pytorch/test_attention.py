@@ -168,7 +168,7 @@ def test_dpa_softmax_uses_library_kernels(monkeypatch):
                 calls.append(name)
                 return fn(*a, **kw)
             return wrapped
-    monkeypatch.setattr(attn, "_nvte", Spy())
+    monkeypatch.setattr(attn._ops, "_nvte", Spy())  # the adapter's library calls all go through _ops
     expected = {"no_mask": "scaled_softmax", "causal": "scaled_upper_triang_masked_softmax",
                 "causal_bottom_right": "scaled_aligned_causal_masked_softmax", "arbitrary": "scaled_masked_softmax"}
     for mt, fam in expected.items():
@@ -176,7 +176,7 @@ def test_dpa_softmax_uses_library_kernels(monkeypatch):
         q, k, v = make_qkv("sbhd", 1, 4, 4, 2, 2, 4)
         mask = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
         DotProductAttention(2, 4, attn_mask_type=mt)(q, k, v, attention_mask=mask).sum().backward()
-        assert calls == [fam + "_forward", fam + "_backward"], (mt, calls)
+        assert [c for c in calls if "softmax" in c] == [fam + "_forward", fam + "_backward"], (mt, calls)
 
 
 def test_dpa_dropout():

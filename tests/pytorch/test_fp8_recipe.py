@@ -121,7 +121,7 @@ def test_unsupported_features_raise():
             pass
     m = te.Linear(8, 8, device="cpu")
     with pytest.raises(NotImplementedError, match="DelayedScaling"):
-        with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        with te.fp8_autocast(fp8_recipe=recipe.MXFP8BlockScaling()):
             m(torch.randn(2, 8))
 
 

@@ -4,11 +4,15 @@ The adapter holds no numerics of its own: every cast, GEMM, norm and scale updat
 into libtransformer_engine (through transformer_engine._nvte), on the CPU backend for CPU
 tensors and on the CUDA backend for CUDA tensors."""
 from .fp8 import (autocast, fp8_autocast, fp8_model_init, is_fp8_available, quantized_model_init)
-from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, TransformerEngineBaseModule
+from .module import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, TransformerEngineBaseModule
 from .attention import DotProductAttention, MultiheadAttention
 from . import transformer
 from .transformer import TransformerLayer
+from . import distributed
+from .distributed import checkpoint
+from .graph import make_graphed_callables
 
-__all__ = ["Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "TransformerEngineBaseModule",
+__all__ = ["Linear", "GroupedLinear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "TransformerEngineBaseModule",
            "TransformerLayer", "DotProductAttention", "MultiheadAttention",
-           "fp8_autocast", "autocast", "is_fp8_available", "fp8_model_init", "quantized_model_init"]
+           "fp8_autocast", "autocast", "is_fp8_available", "fp8_model_init", "quantized_model_init", "checkpoint",
+           "distributed", "make_graphed_callables"]

@@ -184,6 +184,39 @@ def quantize_dbias(grad: torch.Tensor, scale: torch.Tensor, amax: Optional[torch
     return out, dbias
 
 
+def quantize_current_scaling(x: torch.Tensor, fp8_dtype, rowwise: bool = True, columnwise: bool = False,
+                             force_pow2_scales: bool = False, amax_epsilon: float = 0.0,
+                             dbias: bool = False):
+    """Current scaling (Float8CurrentScaling): FP8 cast of x with a scale derived from x's own amax.
+
+    Three library calls on one output handle: nvte_compute_amax (amax = max|x|),
+    nvte_compute_scale_from_amax (scale = fp8_max / max(amax, eps), optionally a power of 2),
+    then the cast (which writes scale_inv). With dbias, the cast also returns the column sums.
+    Returns the FP8Tensor (and the bias gradient when dbias)."""
+    _check(x, "input", HIGH_PRECISION)
+    rows, cols = _as2d_shape(x)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    out, nt = _fp8_output(rows, cols, fp8_dtype, scale, amax, rowwise, columnwise, x.device)
+    src = _tensor(x, shape=(rows, cols))
+    stream = _stream(x)
+    _nvte.compute_amax(src, nt, stream)
+    _nvte.compute_scale_from_amax(nt, bool(force_pow2_scales), float(amax_epsilon), None, stream)
+    if not dbias:
+        if rowwise and columnwise:
+            _nvte.cast_transpose(src, nt, stream)
+        else:
+            _nvte.quantize(src, nt, stream)
+        return out
+    db = torch.empty(cols, dtype=x.dtype, device=x.device)
+    ws = _workspace(_nvte.quantize_dbias_workspace_size(src), x.device)
+    if rowwise and columnwise:
+        _nvte.cast_transpose_dbias(src, nt, _tensor(db), ws, stream)
+    else:
+        _nvte.quantize_dbias(src, nt, _tensor(db), ws, stream)
+    return out, db
+
+
 def dequantize(x: FP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """High-precision copy of FP8 data (float(data) * scale_inv)."""
     if dtype not in HIGH_PRECISION:
@@ -262,6 +295,42 @@ def gemm(A, B, out_dtype: torch.dtype, transa: bool, transb: bool, bias: Optiona
     if gelu and not grad:
         return out, pre_gelu
     return out
+
+
+def multi_gemm(As: Sequence, Bs: Sequence, out_dtype: torch.dtype, transa: bool, transb: bool,
+               biases: Optional[Sequence[Optional[torch.Tensor]]] = None, grad: bool = False):
+    """Independent GEMMs D_i = op(B_i) @ op(A_i) in one nvte_multi_tensor_gemm call (same flags for
+    all; operands as in gemm). biases: per GEMM, forward bias [m] (grad=False) or bias-gradient output
+    [n] (grad=True), or None. Returns the list of D_i."""
+    if len(As) != len(Bs):
+        raise ValueError(f"multi_gemm: {len(As)} A operands but {len(Bs)} B operands")
+    if out_dtype not in HIGH_PRECISION:
+        raise TypeError(f"GEMM output dtype {out_dtype} is not supported")
+    biases = [None] * len(As) if biases is None else list(biases)
+    if not As:
+        return []
+    device = As[0].device
+    a_nt, b_nt, d_nt, bias_nt, outs = [], [], [], [], []
+    for i, (A, B, bias) in enumerate(zip(As, Bs, biases)):
+        a, ashape = _operand(A, f"A[{i}]", device)
+        b, bshape = _operand(B, f"B[{i}]", device)
+        m, ka = (ashape[0], ashape[1]) if transa else (ashape[1], ashape[0])
+        n, kb = (bshape[1], bshape[0]) if transb else (bshape[0], bshape[1])
+        if ka != kb:
+            raise ValueError(f"GEMM {i}: inner dimensions differ (A {ashape}, B {bshape}, transa={transa}, "
+                             f"transb={transb})")
+        out = torch.empty((n, m), dtype=out_dtype, device=device)
+        outs.append(out)
+        a_nt.append(a)
+        b_nt.append(b)
+        d_nt.append(_tensor(out))
+        if bias is not None:
+            _check(bias, f"bias[{i}]", HIGH_PRECISION, device)
+        bias_nt.append(None if bias is None else _tensor(bias))
+    ws = _gemm_workspace(device)
+    _nvte.multi_tensor_gemm(a_nt, b_nt, d_nt, bias_nt, [None] * len(As), transa, transb, grad,
+                            None if ws is None else [ws], False, True, 0, _stream(outs[0]))
+    return outs
 
 
 # ------------------------------------------------------------- normalization
@@ -363,6 +432,76 @@ def dgelu(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     _nvte.dgelu(_tensor(grad), _tensor(x), _tensor(out), _stream(x))
     return out
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """y = act(x) for a library activation (activation.h); gated ones (geglu, swiglu, ...) halve
+    the last dimension: act(first half) * second half."""
+    _check(x, "input", HIGH_PRECISION)
+    cols = x.shape[-1] // 2 if name in GATED_ACTIVATIONS else x.shape[-1]
+    out = torch.empty(x.shape[:-1] + (cols,), dtype=x.dtype, device=x.device)
+    getattr(_nvte, name)(_tensor(x), _tensor(out), _stream(x))
+    return out
+
+
+def dactivation(name: str, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Input gradient of activation(name, x) for the output gradient `grad` (nvte_d<name>)."""
+    _check(x, "input", HIGH_PRECISION)
+    _check(grad, "grad", (x.dtype,), x.device)
+    out = torch.empty_like(x)
+    getattr(_nvte, "d" + name)(_tensor(grad), _tensor(x), _tensor(out), _stream(x))
+    return out
+
+
+ELEMENTWISE_ACTIVATIONS = ("gelu", "relu", "qgelu", "srelu", "silu")
+GATED_ACTIVATIONS = ("geglu", "reglu", "swiglu", "qgeglu", "sreglu")
+
+# ------------------------------------------------------------------- softmax
+SOFTMAX_KINDS = ("scaled", "upper_triang", "aligned_causal", "masked")
+
+
+def softmax_forward(kind: str, x: torch.Tensor, scale: float, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(scale * x) over the last dim of x [b, h, sq, sk] with the library's fused kernels.
+
+    kind: "scaled" (no mask), "upper_triang" (top-left causal, square), "aligned_causal"
+    (bottom-right causal), "masked" (uint8 mask [b or 1, 1, sq, sk], 1 = masked)."""
+    _check(x, "input", HIGH_PRECISION)
+    y = torch.empty_like(x)
+    stream = _stream(x)
+    if kind == "scaled":
+        _nvte.scaled_softmax_forward(_tensor(x), _tensor(y), scale, stream)
+    elif kind == "upper_triang":
+        s3 = (-1, x.shape[-2], x.shape[-1])
+        _nvte.scaled_upper_triang_masked_softmax_forward(_tensor(x.view(s3)), _tensor(y.view(s3)), scale, stream)
+    elif kind == "aligned_causal":
+        _nvte.scaled_aligned_causal_masked_softmax_forward(_tensor(x), _tensor(y), scale, stream)
+    elif kind == "masked":
+        _check(mask, "mask", (torch.uint8,), x.device)
+        _nvte.scaled_masked_softmax_forward(_tensor(x), _tensor(mask), _tensor(y), scale, stream)
+    else:
+        raise ValueError(f"unknown softmax kind {kind!r}; expected one of {SOFTMAX_KINDS}")
+    return y
+
+
+def softmax_backward(kind: str, dy: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    """Input gradient of softmax_forward(kind, ...) from its output y and output gradient dy."""
+    _check(y, "softmax output", HIGH_PRECISION)
+    _check(dy, "grad", (y.dtype,), y.device)
+    dx = torch.empty_like(y)
+    stream = _stream(y)
+    if kind == "scaled":
+        _nvte.scaled_softmax_backward(_tensor(dy), _tensor(y), _tensor(dx), scale, stream)
+    elif kind == "upper_triang":
+        s3 = (-1, y.shape[-2], y.shape[-1])
+        _nvte.scaled_upper_triang_masked_softmax_backward(_tensor(dy.view(s3)), _tensor(y.view(s3)),
+                                                          _tensor(dx.view(s3)), scale, stream)
+    elif kind == "aligned_causal":
+        _nvte.scaled_aligned_causal_masked_softmax_backward(_tensor(dy), _tensor(y), _tensor(dx), scale, stream)
+    elif kind == "masked":
+        _nvte.scaled_masked_softmax_backward(_tensor(dy), _tensor(y), _tensor(dx), scale, stream)
+    else:
+        raise ValueError(f"unknown softmax kind {kind!r}; expected one of {SOFTMAX_KINDS}")
+    return dx
 
 
 # -------------------------------------------------------------------- recipe

@@ -17,14 +17,9 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _ops
-from .module._linear_fn import LinearCfg, linear_fn
-from .module.base import as_2d, check_input, check_same_device
-from .module.layernorm import layernorm_fn, rmsnorm_fn
+from . import _ops, custom_ops
 from .module.layernorm_linear import LayerNormLinear
 from .module.linear import Linear
-
-_nvte = _ops._nvte
 
 __all__ = ["DotProductAttention", "MultiheadAttention"]
 
@@ -35,28 +30,14 @@ QKV_FORMATS = ("sbhd", "bshd")
 
 # ---------------------------------------------------------------- softmax
 class _FusedSoftmaxFn(torch.autograd.Function):
-    """y = softmax(scale * x) over the last dim with the library's fused kernels.
+    """y = softmax(scale * x) over the last dim with the library's fused kernels (registered ops).
 
     kind: "scaled" (no mask), "upper_triang" (top-left causal, square), "aligned_causal"
     (bottom-right causal), "masked" (explicit uint8 mask, 1 = masked; TE's -10000 fill)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, kind: str, scale: float, mask: Optional[torch.Tensor]):
-        x = x.contiguous()
-        y = torch.empty_like(x)
-        stream = _ops._stream(x)
-        if kind == "scaled":
-            _nvte.scaled_softmax_forward(_ops._tensor(x), _ops._tensor(y), scale, stream)
-        elif kind == "upper_triang":
-            shape3 = (-1, x.shape[-2], x.shape[-1])
-            _nvte.scaled_upper_triang_masked_softmax_forward(_ops._tensor(x.view(shape3)), _ops._tensor(y.view(shape3)),
-                                                             scale, stream)
-        elif kind == "aligned_causal":
-            _nvte.scaled_aligned_causal_masked_softmax_forward(_ops._tensor(x), _ops._tensor(y), scale, stream)
-        elif kind == "masked":
-            _nvte.scaled_masked_softmax_forward(_ops._tensor(x), _ops._tensor(mask), _ops._tensor(y), scale, stream)
-        else:  # pragma: no cover - internal
-            raise ValueError(f"unknown softmax kind {kind}")
+        y = custom_ops.softmax_forward(x.contiguous(), kind, scale, mask)
         ctx.kind, ctx.scale = kind, scale
         ctx.save_for_backward(y, mask)
         return y
@@ -67,23 +48,11 @@ class _FusedSoftmaxFn(torch.autograd.Function):
         dy = dy.contiguous()
         if dy.dtype != y.dtype:
             dy = dy.to(y.dtype)
-        dx = torch.empty_like(y)
-        stream = _ops._stream(y)
-        kind, scale = ctx.kind, ctx.scale
-        if kind == "scaled":
-            _nvte.scaled_softmax_backward(_ops._tensor(dy), _ops._tensor(y), _ops._tensor(dx), scale, stream)
-        elif kind == "upper_triang":
-            s3 = (-1, y.shape[-2], y.shape[-1])
-            _nvte.scaled_upper_triang_masked_softmax_backward(_ops._tensor(dy.view(s3)), _ops._tensor(y.view(s3)),
-                                                              _ops._tensor(dx.view(s3)), scale, stream)
-        elif kind == "aligned_causal":
-            _nvte.scaled_aligned_causal_masked_softmax_backward(_ops._tensor(dy), _ops._tensor(y), _ops._tensor(dx),
-                                                                scale, stream)
-        else:
-            _nvte.scaled_masked_softmax_backward(_ops._tensor(dy), _ops._tensor(y), _ops._tensor(dx), scale, stream)
+        dx = custom_ops.softmax_backward(dy, y, ctx.kind, ctx.scale)
+        if ctx.kind == "masked":
             # Masked logits are replaced by a constant: their gradient is exactly zero (this matters
             # for fully masked rows, whose probabilities are uniform rather than zero).
-            dx.masked_fill_(mask.bool(), 0.0)
+            dx = dx.masked_fill(mask.bool(), 0.0)
         return dx, None, None, None
 
 
@@ -327,7 +296,7 @@ class _SplitParams:
             if self.layer_norm_bias is not None:
                 self.layer_norm_bias.zero_()
 
-    def _full_params(self):
+    def _weight_and_bias(self):
         ws = [getattr(self, f"{n}_weight") for n, _ in self._splits]
         bs = [getattr(self, f"{n}_bias") for n, _ in self._splits]
         w = ws[0] if len(ws) == 1 else torch.cat(ws, 0)
@@ -340,41 +309,11 @@ class _SplitLinear(_SplitParams, Linear):
         Linear.__init__(self, in_features, out_features, **kwargs)
         self._split(splits)
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        check_input(inp, self.in_features, "Linear")
-        weight, bias = self._full_params()
-        check_same_device(inp, (weight, bias), "Linear")
-        fp8, calibrating = self._fp8_mode(weight.device)
-        cfg = LinearCfg(self.fp8_meta, fp8, calibrating, fwd_slot=0, bwd_slot=0)
-        out = linear_fn(as_2d(inp, weight.dtype), weight, None if self.return_bias else bias, cfg)
-        out = out.view(*inp.shape[:-1], self.out_features)
-        return (out, bias) if self.return_bias else out
-
 
 class _SplitLayerNormLinear(_SplitParams, LayerNormLinear):
     def __init__(self, in_features, out_features, splits, **kwargs):
         LayerNormLinear.__init__(self, in_features, out_features, **kwargs)
         self._split(splits)
-
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        check_input(inp, self.in_features, "LayerNormLinear")
-        weight, bias = self._full_params()
-        check_same_device(inp, (self.layer_norm_weight, self.layer_norm_bias, weight, bias), "LayerNormLinear")
-        x2 = as_2d(inp, weight.dtype)
-        if self.normalization == "LayerNorm":
-            ln = layernorm_fn(x2, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
-        else:
-            ln = rmsnorm_fn(x2, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
-        fp8, calibrating = self._fp8_mode(weight.device)
-        cfg = LinearCfg(self.fp8_meta, fp8, calibrating)
-        out = linear_fn(ln, weight, None if self.return_bias else bias, cfg)
-        out = out.view(*inp.shape[:-1], self.out_features)
-        res = [out]
-        if self.return_bias:
-            res.append(bias)
-        if self.return_layernorm_output:
-            res.append(ln.view(inp.shape))
-        return res[0] if len(res) == 1 else tuple(res)
 
 
 # ------------------------------------------------------------- MultiheadAttention
@@ -493,9 +432,9 @@ class MultiheadAttention(torch.nn.Module):
         k, v = torch.split(mixed, [g * d, g * d], dim=-1)
         return k.reshape(*lead, g, d), v.reshape(*lead, g, d)
 
-    def _project_in(self, module, x):
+    def _project_in(self, module, x, is_first_microbatch):
         """(output, layernorm output or None) of a QKV / query projection."""
-        res = module(x)
+        res = module(x, is_first_microbatch=is_first_microbatch)
         if self.input_layernorm and self.return_layernorm_output:
             return res[0], res[1]
         return res, None
@@ -513,20 +452,20 @@ class MultiheadAttention(torch.nn.Module):
         ln_out = None
         if self.attention_type == "self":
             mod = self.layernorm_qkv if self.input_layernorm else self.qkv
-            mixed, ln_out = self._project_in(mod, hidden_states)
+            mixed, ln_out = self._project_in(mod, hidden_states, is_first_microbatch)
             q, k, v = self._split_qkv(mixed)
         else:
             if encoder_output is None:
                 raise ValueError("MultiheadAttention: cross attention needs encoder_output")
             mod = self.layernorm_query if self.input_layernorm else self.query_layer
-            qo, ln_out = self._project_in(mod, hidden_states)
+            qo, ln_out = self._project_in(mod, hidden_states, is_first_microbatch)
             q = qo.view(*qo.shape[:-1], self.num_attention_heads, self.hidden_size_per_attention_head)
-            k, v = self._split_kv(self.key_value(encoder_output))
+            k, v = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch))
         ctx = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type,
                                   window_size=window_size, core_attention_bias_type=core_attention_bias_type,
                                   core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
-        res = self.proj(ctx)
+        res = self.proj(ctx, is_first_microbatch=is_first_microbatch)
         out = list(res) if self.return_bias else [res]
         if self.input_layernorm and self.return_layernorm_output:
             out.append(ln_out)

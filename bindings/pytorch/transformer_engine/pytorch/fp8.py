@@ -1,5 +1,9 @@
 """FP8 autocast state and per-module delayed-scaling metadata.
 
+Recipes: DelayedScaling (below) and Float8CurrentScaling, whose casts each take their scale from
+the tensor being cast (nvte_compute_amax + nvte_compute_scale_from_amax, see custom_ops.quantize)
+and keep no state here.
+
 Timing (as in TE for DelayedScaling): during a step, every FP8 cast max-accumulates its
 amax into row 0 of its module's amax history. Forward scales are updated (history rolled,
 scale recomputed by nvte_delayed_scaling_recipe_amax_and_scale_update) when the OUTERMOST
@@ -16,9 +20,9 @@ from typing import Optional, Tuple
 import torch
 
 from transformer_engine import _nvte
-from transformer_engine.common.recipe import DelayedScaling, Format, Recipe
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 
-from . import _ops
+from . import _ops, custom_ops
 
 __all__ = ["fp8_autocast", "autocast", "is_fp8_available", "fp8_model_init", "quantized_model_init",
            "FP8GlobalState", "FP8Meta", "get_default_recipe"]
@@ -41,52 +45,87 @@ def is_fp8_available() -> Tuple[bool, str]:
     return True, "no CUDA device: FP8 is emulated by the CPU backend of libtransformer_engine"
 
 
-def _fwd_bwd_dtypes(recipe: DelayedScaling):
-    if recipe.fp8_format == Format.E4M3:
-        return _ops.DType.kFloat8E4M3, _ops.DType.kFloat8E4M3
-    if recipe.fp8_format == Format.E5M2:
-        return _ops.DType.kFloat8E5M2, _ops.DType.kFloat8E5M2
-    return _ops.DType.kFloat8E4M3, _ops.DType.kFloat8E5M2  # HYBRID
+_E4M3, _E5M2 = int(_ops.DType.kFloat8E4M3), int(_ops.DType.kFloat8E5M2)
+# (forward, backward) FP8 DType values per format, as plain ints: torch.compile traces int
+# lookups, not conversions of the binding's enum
+FORMAT_DTYPES = {Format.E4M3: (_E4M3, _E4M3), Format.E5M2: (_E5M2, _E5M2), Format.HYBRID: (_E4M3, _E5M2)}
+
+
+def _fwd_bwd_dtypes(recipe: Recipe):
+    return FORMAT_DTYPES[recipe.fp8_format]
+
+
+def check_recipe_supported(recipe: Recipe) -> None:
+    """Raise for recipes (or recipe options) the modules cannot run."""
+    if isinstance(recipe, DelayedScaling):
+        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+            raise NotImplementedError("DelayedScaling with callable amax_compute_algo / "
+                                      "scaling_factor_compute_algo is not supported by this adapter")
+        return
+    if isinstance(recipe, Float8CurrentScaling):
+        return
+    raise NotImplementedError(f"only the DelayedScaling and Float8CurrentScaling recipes are implemented, "
+                              f"got {type(recipe).__name__}")
 
 
 class FP8Meta:
     """Delayed-scaling state of one module: for forward and backward, an amax history
-    float32 [len, n] and scales float32 [n] on the module's device."""
+    float32 [len, n] and scales float32 [n] on the module's device.
+
+    The buffers are allocated when the module is built (with the default recipe's history
+    length), not at the first FP8 forward: torch.compile cannot trace a first allocation whose
+    buffers the backward graph then updates in place. `initialized` says whether FP8 (or
+    calibration) has run, i.e. whether the buffers hold state worth saving."""
+
+    DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
 
     def __init__(self, num_fwd: int, num_bwd: int):
         self.num = {"fwd": num_fwd, "bwd": num_bwd}
         self.amax_history = {}
         self.scale = {}
-        self.recipe: Optional[DelayedScaling] = None
+        self.recipe: Optional[Recipe] = None
+        self.initialized = False
 
-    @property
-    def initialized(self) -> bool:
-        return bool(self.amax_history)
+    def allocate(self, device: torch.device, history_len: Optional[int] = None) -> None:
+        """Fresh buffers: zero histories, unit scales."""
+        n_len = self.DEFAULT_HISTORY_LEN if history_len is None else history_len
+        for key, n in self.num.items():
+            self.amax_history[key] = torch.zeros((n_len, n), dtype=torch.float32, device=device)
+            self.scale[key] = torch.ones(n, dtype=torch.float32, device=device)
 
-    def prepare(self, recipe: DelayedScaling, device: torch.device) -> None:
-        """Create the buffers (first FP8 use) or adapt them to the recipe's history length."""
+    def _needs_realloc(self, n_len: int, device: torch.device) -> bool:
+        h = self.amax_history.get("fwd")
+        return h is None or h.device != device or h.shape[0] != n_len
+
+    def prepare(self, recipe: Recipe, device: torch.device) -> None:
+        """Adopt the recipe; adapt the buffers to its history length / the module's device."""
+        check_recipe_supported(recipe)
+        if self.recipe is not recipe:
+            self.recipe = recipe
         if not isinstance(recipe, DelayedScaling):
-            raise NotImplementedError(f"only the DelayedScaling recipe is implemented, got {type(recipe).__name__}")
-        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
-            raise NotImplementedError("DelayedScaling with callable amax_compute_algo / "
-                                      "scaling_factor_compute_algo is not supported by this adapter")
-        self.recipe = recipe
+            return  # current scaling keeps no state
+        if not self.initialized:
+            self.initialized = True
         n_len = recipe.amax_history_len
+        if not self._needs_realloc(n_len, device):
+            return
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"FP8 metadata must be resized to amax_history_len={n_len} on {device} outside torch.compile "
+                "(the buffers are updated in place by the compiled backward): run one eager forward under "
+                "this recipe first, or call fp8_meta.prepare(recipe, device) before compiling")
         for key, n in self.num.items():
             h = self.amax_history.get(key)
             if h is None:
-                self.amax_history[key] = torch.zeros((n_len, n), dtype=torch.float32, device=device)
-                self.scale[key] = torch.ones(n, dtype=torch.float32, device=device)
-                continue
-            if h.device != device:
-                h = h.to(device)
-                self.scale[key] = self.scale[key].to(device)
+                self.allocate(device, n_len)
+                return
+            h, s = h.to(device), self.scale[key].to(device)
             if h.shape[0] != n_len:  # keep the most recent rows (row 0 = current step)
                 new = torch.zeros((n_len, n), dtype=torch.float32, device=device)
                 k = min(n_len, h.shape[0])
                 new[:k] = h[:k]
                 h = new
-            self.amax_history[key] = h
+            self.amax_history[key], self.scale[key] = h, s
 
     def amax(self, key: str, i: int) -> torch.Tensor:
         """View of the current-step amax slot (history row 0, column i)."""
@@ -95,21 +134,22 @@ class FP8Meta:
     def scale_of(self, key: str, i: int) -> torch.Tensor:
         return self.scale[key][i:i + 1]
 
-    def fp8_dtype(self, key: str):
+    def fp8_dtype(self, key: str) -> int:
+        """The DType value (int) of this recipe's forward or backward casts."""
         fwd, bwd = _fwd_bwd_dtypes(self.recipe)
         return fwd if key == "fwd" else bwd
 
     def update(self, key: str, group=None) -> None:
         """Reduce the current amaxes over `group` (if any) and run one delayed-scaling step."""
-        if not self.initialized:
+        if not self.initialized or not isinstance(self.recipe, DelayedScaling):
             return
         h = self.amax_history[key]
         if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             row = h[0].clone()
             torch.distributed.all_reduce(row, op=torch.distributed.ReduceOp.MAX, group=group)
             h[0].copy_(row)
-        _ops.delayed_scaling_update(h, self.scale[key], self.recipe.amax_compute_algo, self.fp8_dtype(key),
-                                    self.recipe.margin)
+        custom_ops.delayed_scaling_update(h, self.scale[key], self.recipe.amax_compute_algo,
+                                          self.fp8_dtype(key), float(self.recipe.margin))
 
     # state_dict support
     def state(self):
@@ -124,7 +164,8 @@ class FP8Meta:
 
     def load(self, state, device: torch.device) -> None:
         if state is None:
-            self.amax_history, self.scale = {}, {}
+            self.allocate(device)
+            self.initialized = False
             return
         if not isinstance(state, dict) or "amax_history_fwd" not in state:
             raise ValueError("unrecognised FP8 extra state (expected the dict written by get_extra_state)")
@@ -134,8 +175,11 @@ class FP8Meta:
             if h.dim() != 2 or h.shape[1] != self.num[key] or s.shape != (self.num[key],):
                 raise ValueError(f"FP8 extra state for {key} has shapes {tuple(h.shape)}/{tuple(s.shape)}; "
                                  f"this module needs [len, {self.num[key]}]/[{self.num[key]}]")
+        for key in ("fwd", "bwd"):
+            h, s = state[f"amax_history_{key}"], state[f"scale_{key}"]
             self.amax_history[key] = h.to(device=device, dtype=torch.float32).contiguous().clone()
             self.scale[key] = s.to(device=device, dtype=torch.float32).contiguous().clone()
+        self.initialized = True
 
 
 class FP8GlobalState:
@@ -146,23 +190,45 @@ class FP8GlobalState:
     recipe: Optional[Recipe] = None
     group = None
     depth = 0
-    pending = {}  # id(meta) -> (meta, group): metas that ran an FP8 forward in this region
+    pending = {}  # meta -> group: delayed-scaling metas that ran an FP8 forward in this region
+    # activation recomputation (distributed.checkpoint): while a checkpointed forward runs (under
+    # no_grad), checkpoint_stash collects meta -> copy of its forward scales; while its recompute
+    # runs in backward, recompute_stash is that dict (the recompute casts with those scales and
+    # records amaxes into scratch buffers, so the recipe state is touched once, as without checkpoint)
+    checkpoint_stash: Optional[dict] = None
+    recompute_stash: Optional[dict] = None
 
     @classmethod
     def register_forward(cls, meta: FP8Meta) -> None:
-        if torch.is_grad_enabled():
-            cls.pending[id(meta)] = (meta, cls.group)
+        if cls.recompute_stash is not None:
+            return
+        if cls.checkpoint_stash is not None:
+            if meta not in cls.checkpoint_stash:
+                cls.checkpoint_stash[meta] = meta.scale["fwd"].clone()
+            cls.pending[meta] = cls.group  # the checkpointed forward counts as the step's forward
+        elif torch.is_grad_enabled():
+            cls.pending[meta] = cls.group
 
     @classmethod
     def reset(cls) -> None:
         cls.enabled, cls.calibrating, cls.recipe, cls.group, cls.depth = False, False, None, None, 0
         cls.pending = {}
+        cls.checkpoint_stash = cls.recompute_stash = None
+
+    @classmethod
+    def autocast_state(cls):
+        return cls.enabled, cls.calibrating, cls.recipe, cls.group
+
+    @classmethod
+    def set_autocast_state(cls, state) -> None:
+        cls.enabled, cls.calibrating, cls.recipe, cls.group = state
 
 
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
                  fp8_group=None, _graph: bool = False):
-    """Run TE modules in FP8 inside the region (DelayedScaling; default recipe DelayedScaling()).
+    """Run TE modules in FP8 inside the region (DelayedScaling or Float8CurrentScaling; default
+    recipe DelayedScaling()).
 
     calibrating: modules run in high precision but record amaxes (so scales are ready when FP8
     is switched on). Forward scales are updated when the outermost region exits."""
@@ -186,7 +252,7 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Op
         if st.depth == 0:
             pending, st.pending = st.pending, {}
             if torch.is_grad_enabled():
-                for meta, group in pending.values():
+                for meta, group in pending.items():
                     meta.update("fwd", group)
 
 

@@ -1,110 +1,142 @@
 """The autograd function of one linear layer y = act(x W^T + b), shared by Linear,
-LayerNormLinear and LayerNormMLP. Every numeric step is one call of `_ops`.
+LayerNormLinear, LayerNormMLP and the attention projections. Every numeric step is one
+registered op of `custom_ops` (one library call), so torch.compile traces it whole.
 
-FP8 path (DelayedScaling): x and W are cast to the forward FP8 format with their delayed
-scales (rowwise for the forward GEMM, plus transposed copies kept for backward), fprop is an
-FP8 TN GEMM; in backward the output gradient is cast (with the bias gradient fused) to the
-backward format, dgrad (NN) and wgrad (NT) are FP8 GEMMs fed with the transposed copies,
-so every GEMM also runs in the TN layout Hopper's FP8 GEMMs need.
+FP8 path: x is cast to the forward FP8 format (rowwise for the forward GEMM, plus a
+transposed copy kept for wgrad); W arrives already cast (the module casts it, or reuses a kept
+copy: is_first_microbatch, FP8 parameters). fprop is an FP8 TN GEMM; in backward the output
+gradient is cast (with the bias gradient fused) to the backward format, dgrad (NN) and wgrad
+(NT) are FP8 GEMMs fed with the transposed copies, so every GEMM also runs in the TN layout
+Hopper's FP8 GEMMs need. Scales: "delayed" uses the module's FP8Meta (scale + amax history,
+updated by the library's recipe step), "current" derives each cast's scale from the tensor itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from .. import _ops
-from ..fp8 import FP8Meta
+from .. import custom_ops as ops
+
+HP = ops.HIGH_PRECISION_OPERAND
 
 
-@dataclass
+class QuantizedWeight(NamedTuple):
+    """An FP8 copy of a weight: rowwise data [out, in], transposed data [in, out] (or the empty
+    placeholder), float32 scale_inv [1] and the FP8 DType as an int."""
+    data: torch.Tensor
+    transpose: torch.Tensor
+    scale_inv: torch.Tensor
+    fp8_dtype: int
+
+
+@dataclass(frozen=True)
 class LinearCfg:
-    meta: FP8Meta
-    fp8: bool = False
-    calibrating: bool = False
-    fwd_slot: int = 0        # forward meta slots used: input = fwd_slot, weight = fwd_slot + 1
-    bwd_slot: int = 0        # backward meta slot of the output gradient
-    update_bwd: bool = True  # run the backward delayed-scaling step before casting gradients
-    gelu: bool = False       # y = gelu(x W^T + b)
-    need_dgrad: bool = True  # set by linear_fn (grad mode is off inside Function.forward)
+    """Constants of one linear layer's forward (hashable: torch.compile guards on them)."""
+    scaling: str = "none"         # "none" | "calibrate" | "delayed" | "current"
+    fwd_dtype: int = HP           # DType values of the forward / backward FP8 casts
+    bwd_dtype: int = HP
+    fwd_slot: int = 0             # delayed: forward meta slot of the input (the weight uses fwd_slot + 1)
+    bwd_slot: int = 0             # delayed: backward meta slot of the output gradient
+    update_bwd: bool = True       # delayed: run the backward recipe step before casting gradients
+    amax_compute_algo: str = "max"
+    margin: float = 0.0
+    inp_pow2: bool = False        # current scaling options of the input / gradient casts
+    inp_eps: float = 0.0
+    grad_pow2: bool = False
+    grad_eps: float = 0.0
+    gelu: bool = False            # y = gelu(x W^T + b), fused into the GEMM epilogue
+    need_dgrad: bool = True
     need_wgrad: bool = True
+
+    @property
+    def fp8(self) -> bool:
+        return self.scaling in ("delayed", "current")
 
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LinearCfg):
-        # x2: contiguous [tokens, in] in weight's dtype
-        meta = cfg.meta
-        need_dgrad, need_wgrad = cfg.need_dgrad, cfg.need_wgrad
-        w = weight.contiguous()
+    def forward(ctx, x2, weight, bias, w_data, w_transpose, w_scale_inv, fwd_scale, fwd_hist, bwd_scale, bwd_hist,
+                cfg: LinearCfg):
+        # x2: contiguous [tokens, in] in weight's dtype; w_*: the FP8 weight (FP8 modes only)
         b = bias if bias is not None and bias.numel() else None
-        xq = wq = None
+        delayed = cfg.scaling == "delayed"
         if cfg.fp8:
-            fdt = meta.fp8_dtype("fwd")
-            i, j = cfg.fwd_slot, cfg.fwd_slot + 1
-            xq = _ops.quantize(x2, meta.scale_of("fwd", i), meta.amax("fwd", i), fdt,
-                               rowwise=True, columnwise=need_wgrad)
-            wq = _ops.quantize(w, meta.scale_of("fwd", j), meta.amax("fwd", j), fdt,
-                               rowwise=True, columnwise=need_dgrad)
-            res = _ops.gemm(wq, xq, x2.dtype, transa=True, transb=False, bias=b, gelu=cfg.gelu)
-            xq.drop_rowwise()
-            wq.drop_rowwise()
+            xd, xt, x_si, _ = ops.quantize(x2, fwd_scale if delayed else None, fwd_hist if delayed else None,
+                                           cfg.fwd_slot, cfg.fwd_dtype, True, cfg.need_wgrad, False, cfg.inp_pow2,
+                                           cfg.inp_eps)
+            out, pre, _ = ops.gemm(w_data, w_transpose, w_scale_inv, cfg.fwd_dtype, xd, None, x_si, cfg.fwd_dtype,
+                                   x2.dtype, True, False, b, cfg.gelu, False)
+            # keep only the transposed copies: dgrad and wgrad read those
+            ctx.save_for_backward(xt, x_si, w_transpose, w_scale_inv, pre)
         else:
-            if cfg.calibrating:  # record amaxes only (the FP8 copies are discarded)
-                fdt = meta.fp8_dtype("fwd")
-                for k, t in ((cfg.fwd_slot, x2), (cfg.fwd_slot + 1, w)):
-                    _ops.quantize(t, meta.scale_of("fwd", k), meta.amax("fwd", k), fdt)
-            res = _ops.gemm(w, x2, x2.dtype, transa=True, transb=False, bias=b, gelu=cfg.gelu)
-        out, pre = res if cfg.gelu else (res, None)
+            if cfg.scaling == "calibrate":  # record the input's amax only (the FP8 copy is dropped)
+                ops.quantize(x2, fwd_scale, fwd_hist, cfg.fwd_slot, cfg.fwd_dtype, True, False, False, False, 0.0)
+            w = weight if weight.is_contiguous() else weight.contiguous()
+            out, pre, _ = ops.gemm(w, None, None, HP, x2, None, None, HP, x2.dtype, True, False, b, cfg.gelu, False)
+            ctx.save_for_backward(x2, w, pre)
+        # the backward meta is updated in place by the backward: kept on ctx, not saved (a saved tensor
+        # may not change between forward and backward)
+        ctx.bwd_scale, ctx.bwd_hist = bwd_scale, bwd_hist
         ctx.cfg = cfg
-        ctx.fp8 = cfg.fp8
-        ctx.xq, ctx.wq = xq, wq
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(None if cfg.fp8 else x2, None if cfg.fp8 else w, pre)
         ctx.weight_dtype = weight.dtype
+        ctx.act_dtype = x2.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x2, w, pre = ctx.saved_tensors
         cfg = ctx.cfg
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dtype = grad_out.dtype if pre is None else pre.dtype
+        dtype = ctx.act_dtype
         g = grad_out.reshape(-1, grad_out.shape[-1])
         g = (g if g.dtype == dtype else g.to(dtype)).contiguous()
-        if pre is not None:
-            g = _ops.dgelu(g, pre)
         dx = dw = db = None
-        if ctx.fp8:
-            meta = cfg.meta
-            if cfg.update_bwd:
-                meta.update("bwd")
-            k = cfg.bwd_slot
-            args = (g, meta.scale_of("bwd", k), meta.amax("bwd", k), meta.fp8_dtype("bwd"))
-            if need_db:
-                gq, db = _ops.quantize_dbias(*args, rowwise=need_dx, columnwise=need_dw or not need_dx)
-            else:
-                gq = _ops.quantize(*args, rowwise=need_dx, columnwise=need_dw)
+        if cfg.fp8:
+            xt, x_si, w_t, w_si, pre = ctx.saved_tensors
+            if cfg.gelu:
+                g = ops.dactivation(g, pre, "gelu")
+            delayed = cfg.scaling == "delayed"
+            if delayed and cfg.update_bwd:
+                ops.delayed_scaling_update(ctx.bwd_hist, ctx.bwd_scale, cfg.amax_compute_algo, cfg.bwd_dtype,
+                                           cfg.margin)
+            gd, gt, g_si, gb = ops.quantize(g, ctx.bwd_scale if delayed else None, ctx.bwd_hist if delayed else None,
+                                            cfg.bwd_slot, cfg.bwd_dtype, need_dx, need_dw or not need_dx, need_db,
+                                            cfg.grad_pow2, cfg.grad_eps)
+            none = ops.missing(g.device)
             if need_dx:
-                dx = _ops.gemm(ctx.wq, gq, dtype, transa=False, transb=False)
+                dx = ops.gemm(none, w_t, w_si, cfg.fwd_dtype, gd, None, g_si, cfg.bwd_dtype, dtype, False, False,
+                              None, False, False)[0]
             if need_dw:
-                gq_t = _ops.FP8Tensor(None, gq.transpose, gq.scale_inv, gq.fp8_dtype, gq.shape)
-                dw = _ops.gemm(ctx.xq, gq_t, ctx.weight_dtype, transa=False, transb=True)
+                dw = ops.gemm(none, xt, x_si, cfg.fwd_dtype, ops.missing(g.device), gt, g_si, cfg.bwd_dtype,
+                              ctx.weight_dtype, False, True, None, False, False)[0]
+            if need_db:
+                db = gb
         else:
+            x2, w, pre = ctx.saved_tensors
+            if cfg.gelu:
+                g = ops.dactivation(g, pre, "gelu")
             if need_dx:
-                dx = _ops.gemm(w, g, dtype, transa=False, transb=False)
+                dx = ops.gemm(w, None, None, HP, g, None, None, HP, dtype, False, False, None, False, False)[0]
             if need_dw or need_db:
-                db = torch.empty(g.shape[1], dtype=dtype, device=g.device) if need_db else None
-                dw = _ops.gemm(x2, g, ctx.weight_dtype, transa=False, transb=True, bias=db, grad=True)
-        ctx.xq = ctx.wq = None
-        if db is not None and not need_db:
-            db = None
-        return dx, (dw if need_dw else None), db, None
+                dw, _, gb = ops.gemm(x2, None, None, HP, g, None, None, HP, ctx.weight_dtype, False, True, None, False,
+                                     need_db)
+                db = gb if need_db else None
+        return dx, (dw if need_dw else None), db, None, None, None, None, None, None, None, None
 
 
-def linear_fn(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LinearCfg) -> torch.Tensor:
+def linear_fn(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LinearCfg,
+              qweight: Optional[QuantizedWeight] = None, meta=(None, None, None, None)) -> torch.Tensor:
+    """y = act(x2 W^T + b). qweight: the FP8 weight (FP8 modes); meta: the module's
+    (fwd scale, fwd amax history, bwd scale, bwd amax history) for delayed scaling / calibration."""
+    if cfg.fp8 and qweight is None:
+        raise RuntimeError("linear_fn: an FP8 forward needs the quantized weight")
+    w = (qweight.data, qweight.transpose, qweight.scale_inv) if qweight is not None else (None, None, None)
+    return _LinearFn.apply(x2, weight, bias, *w, *meta, cfg)
+
+
+def grad_needs(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """(need_dgrad, need_wgrad) of a linear layer's inputs in the current grad mode."""
     grad = torch.is_grad_enabled()
-    cfg.need_dgrad = grad and x2.requires_grad
-    cfg.need_wgrad = grad and (weight.requires_grad or (bias is not None and bias.requires_grad))
-    return _LinearFn.apply(x2, weight, bias, cfg)
+    return (grad and x2.requires_grad,
+            grad and (weight.requires_grad or (bias is not None and bias.requires_grad)))

@@ -6,8 +6,11 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import _ops
+from transformer_engine.common.recipe import DelayedScaling
+
+from .. import _ops, custom_ops
 from ..fp8 import FP8GlobalState, FP8Meta
+from ._linear_fn import LinearCfg, QuantizedWeight, grad_needs, linear_fn
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -53,6 +56,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self._device_arg = resolve_device(device)
         self.params_dtype = resolve_dtype(params_dtype)
         self.fp8_meta = FP8Meta(self._num_fp8_fwd, self._num_fp8_bwd)
+        if self._device_arg.type != "meta" and (self._num_fp8_fwd or self._num_fp8_bwd):
+            self.fp8_meta.allocate(self._device_arg)
+        self._fp8_weight_cache = {}  # slot -> QuantizedWeight kept by is_first_microbatch=True
 
     def _new_param(self, *shape) -> torch.nn.Parameter:
         return torch.nn.Parameter(torch.empty(*shape, dtype=self.params_dtype, device=self._device_arg))
@@ -66,6 +72,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
             if p.device.type == "meta":
                 new = torch.nn.Parameter(torch.empty_like(p, device=default_device()), requires_grad=p.requires_grad)
                 setattr(self, name, new)
+        if not self.fp8_meta.amax_history and (self._num_fp8_fwd or self._num_fp8_bwd):
+            self.fp8_meta.allocate(default_device())
         with torch.no_grad():
             self._init_parameters()
 
@@ -73,17 +81,97 @@ class TransformerEngineBaseModule(torch.nn.Module):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ FP8
-    def _fp8_mode(self, device: torch.device):
-        """(fp8, calibrating) for this forward; prepares the metadata when either is on."""
+    def _fp8_mode(self, device: torch.device) -> str:
+        """The scaling mode of this forward: "none", "calibrate" (high precision, amaxes recorded),
+        "delayed" or "current"; prepares the metadata when FP8 or calibration is on."""
         st = FP8GlobalState
         fp8 = bool(st.enabled)
         calibrating = bool(st.calibrating) and not fp8
-        if fp8 or calibrating:
-            if device.type == "meta":
-                raise RuntimeError("parameters are on the meta device; call reset_parameters() first")
-            self.fp8_meta.prepare(st.recipe, device)
+        if not (fp8 or calibrating):
+            return "none"
+        if device.type == "meta":
+            raise RuntimeError("parameters are on the meta device; call reset_parameters() first")
+        self.fp8_meta.prepare(st.recipe, device)
+        delayed = isinstance(st.recipe, DelayedScaling)
+        if delayed:
             st.register_forward(self.fp8_meta)
-        return fp8, calibrating
+            if st.recompute_stash is not None:  # activation recompute: the forward's scales, scratch amaxes
+                scale = st.recompute_stash.get(self.fp8_meta, self.fp8_meta.scale["fwd"])
+                self._recompute_fwd_meta = (scale, torch.zeros_like(self.fp8_meta.amax_history["fwd"]))
+        if calibrating:
+            return "calibrate" if delayed else "none"  # current scaling keeps no amaxes to calibrate
+        return "delayed" if delayed else "current"
+
+    def _linear_cfg(self, scaling: str, fwd_slot: int = 0, bwd_slot: int = 0, update_bwd: bool = True,
+                    gelu: bool = False, need_dgrad: bool = True, need_wgrad: bool = True) -> LinearCfg:
+        """The constant configuration of one linear layer's autograd function for this forward."""
+        if scaling == "none":
+            return LinearCfg(gelu=gelu, need_dgrad=need_dgrad, need_wgrad=need_wgrad)
+        r = self.fp8_meta.recipe
+        fwd, bwd = self.fp8_meta.fp8_dtype("fwd"), self.fp8_meta.fp8_dtype("bwd")
+        extra = {}
+        if scaling == "current":
+            extra = dict(inp_pow2=r.fp8_quant_fwd_inp.power_2_scale, inp_eps=float(r.fp8_quant_fwd_inp.amax_epsilon),
+                         grad_pow2=r.fp8_quant_bwd_grad.power_2_scale,
+                         grad_eps=float(r.fp8_quant_bwd_grad.amax_epsilon))
+        else:
+            extra = dict(amax_compute_algo=r.amax_compute_algo, margin=float(r.margin))
+        return LinearCfg(scaling=scaling, fwd_dtype=fwd, bwd_dtype=bwd, fwd_slot=fwd_slot,
+                         bwd_slot=bwd_slot, update_bwd=update_bwd, gelu=gelu, need_dgrad=need_dgrad,
+                         need_wgrad=need_wgrad, **extra)
+
+    def _meta_tensors(self, scaling: str):
+        """(fwd scale, fwd amax history, bwd scale, bwd amax history), or Nones without delayed state."""
+        if scaling not in ("delayed", "calibrate"):
+            return None, None, None, None
+        m = self.fp8_meta
+        return (*self._fwd_scale_and_history(), m.scale["bwd"], m.amax_history["bwd"])
+
+    def _fwd_scale_and_history(self):
+        """The forward scales and amax history the casts of this forward use."""
+        if FP8GlobalState.recompute_stash is not None:
+            return self._recompute_fwd_meta
+        return self.fp8_meta.scale["fwd"], self.fp8_meta.amax_history["fwd"]
+
+    def _quantized_weight(self, weight: torch.Tensor, cfg: LinearCfg, slot: int,
+                          is_first_microbatch: Optional[bool]) -> Optional[QuantizedWeight]:
+        """The FP8 copy of `weight` for this forward (None in high precision).
+
+        is_first_microbatch (TE semantics): None -> cast every call; True -> cast and keep the copy;
+        False -> reuse the kept copy (the weight is assumed unchanged since), casting only if none
+        is kept. Calibration records the weight's amax and returns None."""
+        if cfg.scaling == "none":
+            return None
+        if cfg.scaling != "calibrate" and is_first_microbatch is False:
+            cached = self._fp8_weight_cache.get(slot)
+            if cached is not None and cached.fp8_dtype == cfg.fwd_dtype:
+                return cached
+        w = weight.detach()
+        w = w if w.is_contiguous() else w.contiguous()
+        caching = is_first_microbatch is not None and cfg.scaling != "calibrate"
+        if cfg.scaling == "current":
+            r = self.fp8_meta.recipe.fp8_quant_fwd_weight
+            scale, hist, pow2, eps = None, None, r.power_2_scale, float(r.amax_epsilon)
+        else:
+            (scale, hist), pow2, eps = self._fwd_scale_and_history(), False, 0.0
+        data, transpose, scale_inv, _ = custom_ops.quantize(
+            w, scale, hist, slot, cfg.fwd_dtype, True, cfg.need_dgrad or caching, False, pow2, eps)
+        if cfg.scaling == "calibrate":
+            return None
+        q = QuantizedWeight(data, transpose, scale_inv, cfg.fwd_dtype)
+        if caching:
+            self._fp8_weight_cache[slot] = q
+        return q
+
+    def _linear(self, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], scaling: str,
+                is_first_microbatch: Optional[bool], fwd_slot: int = 0, bwd_slot: int = 0, update_bwd: bool = True,
+                gelu: bool = False) -> torch.Tensor:
+        """act(x2 W^T + b) through the shared linear autograd function, in this forward's scaling mode.
+        Delayed-scaling slots: input fwd_slot, weight fwd_slot + 1, output gradient bwd_slot."""
+        need_dgrad, need_wgrad = grad_needs(x2, weight, bias)
+        cfg = self._linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad)
+        qweight = self._quantized_weight(weight, cfg, fwd_slot + 1, is_first_microbatch)
+        return linear_fn(x2, weight, bias, cfg, qweight, self._meta_tensors(scaling))
 
     def get_extra_state(self):
         return self.fp8_meta.state()

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .. import _ops
+from .. import custom_ops
 from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device
 
 __all__ = ["LayerNorm", "RMSNorm", "layernorm_fn", "rmsnorm_fn"]
@@ -16,7 +16,7 @@ class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, eps, zero_centered_gamma):
         w, b = weight.contiguous(), bias.contiguous()
-        z, mu, rs = _ops.layernorm_fwd(x2, w, b, eps, zero_centered_gamma)
+        z, mu, rs = custom_ops.layernorm_fwd(x2, w, b, eps, zero_centered_gamma)
         ctx.save_for_backward(x2, w, mu, rs)
         ctx.zcg = zero_centered_gamma
         return z
@@ -25,7 +25,7 @@ class _LayerNormFn(torch.autograd.Function):
     def backward(ctx, dz):
         x2, w, mu, rs = ctx.saved_tensors
         dz = (dz if dz.dtype == x2.dtype else dz.to(x2.dtype)).contiguous()
-        dx, dg, db = _ops.layernorm_bwd(dz, x2, mu, rs, w, ctx.zcg)
+        dx, dg, db = custom_ops.layernorm_bwd(dz, x2, mu, rs, w, ctx.zcg)
         return dx, dg, db, None, None
 
 
@@ -33,7 +33,7 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, eps, zero_centered_gamma):
         w = weight.contiguous()
-        z, rs = _ops.rmsnorm_fwd(x2, w, eps, zero_centered_gamma)
+        z, rs = custom_ops.rmsnorm_fwd(x2, w, eps, zero_centered_gamma)
         ctx.save_for_backward(x2, w, rs)
         ctx.zcg = zero_centered_gamma
         return z
@@ -42,7 +42,7 @@ class _RMSNormFn(torch.autograd.Function):
     def backward(ctx, dz):
         x2, w, rs = ctx.saved_tensors
         dz = (dz if dz.dtype == x2.dtype else dz.to(x2.dtype)).contiguous()
-        dx, dg = _ops.rmsnorm_bwd(dz, x2, rs, w, ctx.zcg)
+        dx, dg = custom_ops.rmsnorm_bwd(dz, x2, rs, w, ctx.zcg)
         return dx, dg, None, None
 
 

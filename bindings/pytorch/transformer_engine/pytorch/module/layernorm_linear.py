@@ -6,7 +6,6 @@ from typing import Callable, Optional
 import torch
 
 from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
-from ._linear_fn import LinearCfg, linear_fn
 from .layernorm import check_normalization, layernorm_fn, rmsnorm_fn
 from .linear import check_unsupported
 
@@ -62,24 +61,29 @@ class LayerNormLinear(TransformerEngineBaseModule):
         if self.bias is not None:
             self.bias.zero_()
 
+    def _weight_and_bias(self):
+        """The weight and bias this forward uses (split-parameter subclasses concatenate theirs)."""
+        return self.weight, self.bias
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False):
+        """is_first_microbatch: as in Linear.forward (FP8 weight caching over micro-batches)."""
         if fp8_output:
             raise NotImplementedError("LayerNormLinear: fp8_output is not implemented")
         check_input(inp, self.in_features, "LayerNormLinear")
-        params = (self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias)
+        weight, bias = self._weight_and_bias()
+        params = (self.layer_norm_weight, self.layer_norm_bias, weight, bias)
         check_same_device(inp, params, "LayerNormLinear")
-        x2 = as_2d(inp, self.weight.dtype)
+        x2 = as_2d(inp, weight.dtype)
         if self.normalization == "LayerNorm":
             ln = layernorm_fn(x2, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
         else:
             ln = rmsnorm_fn(x2, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
-        fp8, calibrating = self._fp8_mode(self.weight.device)
-        cfg = LinearCfg(self.fp8_meta, fp8, calibrating)
-        out = linear_fn(ln, self.weight, None if self.return_bias else self.bias, cfg)
+        scaling = self._fp8_mode(weight.device)
+        out = self._linear(ln, weight, None if self.return_bias else bias, scaling, is_first_microbatch)
         out = out.view(*inp.shape[:-1], self.out_features)
         res = [out]
         if self.return_bias:
-            res.append(self.bias)
+            res.append(bias)
         if self.return_layernorm_output:
             res.append(ln.view(inp.shape))
         return res[0] if len(res) == 1 else tuple(res)

@@ -9,43 +9,33 @@ from typing import Callable, Optional
 
 import torch
 
-from transformer_engine import _nvte
-
-from .. import _ops
+from .. import _ops, custom_ops
 from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
-from ._linear_fn import LinearCfg, linear_fn
 from .layernorm import check_normalization, layernorm_fn, rmsnorm_fn
 from .linear import check_unsupported
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS", "GATED_ACTIVATIONS"]
 
-# name -> library function name; the backward is "d" + name.
-_ELEMENTWISE = ("gelu", "relu", "qgelu", "srelu", "silu")
-GATED_ACTIVATIONS = ("geglu", "reglu", "swiglu", "qgeglu", "sreglu")
+_ELEMENTWISE = _ops.ELEMENTWISE_ACTIVATIONS
+GATED_ACTIVATIONS = _ops.GATED_ACTIVATIONS
 ACTIVATIONS = _ELEMENTWISE + GATED_ACTIVATIONS
 
 
 class _ActFn(torch.autograd.Function):
-    """y = act(x) through the library's activation kernels (one _nvte call each way)."""
+    """y = act(x) through the library's activation kernels (one registered op each way)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, name: str):
         x = x.contiguous()
-        gated = name in GATED_ACTIVATIONS
-        cols = x.shape[-1] // 2 if gated else x.shape[-1]
-        out = torch.empty(x.shape[:-1] + (cols,), dtype=x.dtype, device=x.device)
-        getattr(_nvte, name)(_ops._tensor(x), _ops._tensor(out), _ops._stream(x))
         ctx.name = name
         ctx.save_for_backward(x)
-        return out
+        return custom_ops.activation(x, name)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
         g = grad.to(x.dtype).contiguous()
-        dx = torch.empty_like(x)
-        getattr(_nvte, "d" + ctx.name)(_ops._tensor(g), _ops._tensor(x), _ops._tensor(dx), _ops._stream(x))
-        return dx, None
+        return custom_ops.dactivation(g, x, ctx.name), None
 
 
 def activation_fn(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -120,6 +110,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 b.zero_()
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """is_first_microbatch: as in Linear.forward (FP8 weight caching, both weights)."""
         check_input(inp, self.hidden_size, "LayerNormMLP")
         params = (self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
                   self.fc2_bias)
@@ -129,15 +120,14 @@ class LayerNormMLP(TransformerEngineBaseModule):
             ln = layernorm_fn(x2, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
         else:
             ln = rmsnorm_fn(x2, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
-        fp8, calibrating = self._fp8_mode(self.fc1_weight.device)
+        scaling = self._fp8_mode(self.fc1_weight.device)
         # fc2's backward runs first: it performs the backward delayed-scaling step for the module
-        cfg1 = LinearCfg(self.fp8_meta, fp8, calibrating, fwd_slot=0, bwd_slot=0, update_bwd=False,
-                         gelu=self.activation == "gelu")
-        cfg2 = LinearCfg(self.fp8_meta, fp8, calibrating, fwd_slot=3, bwd_slot=2, update_bwd=True)
-        act = linear_fn(ln, self.fc1_weight, self.fc1_bias, cfg1)
+        act = self._linear(ln, self.fc1_weight, self.fc1_bias, scaling, is_first_microbatch, fwd_slot=0, bwd_slot=0,
+                           update_bwd=False, gelu=self.activation == "gelu")
         if self.activation != "gelu":
             act = activation_fn(act, self.activation)
-        out = linear_fn(act, self.fc2_weight, None if self.return_bias else self.fc2_bias, cfg2)
+        out = self._linear(act, self.fc2_weight, None if self.return_bias else self.fc2_bias, scaling,
+                           is_first_microbatch, fwd_slot=3, bwd_slot=2, update_bwd=True)
         out = out.view(inp.shape)
         res = [out]
         if self.return_bias:

@@ -6,7 +6,6 @@ from typing import Callable, Optional
 import torch
 
 from .base import (TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method)
-from ._linear_fn import LinearCfg, linear_fn
 
 __all__ = ["Linear"]
 
@@ -60,17 +59,23 @@ class Linear(TransformerEngineBaseModule):
         if self.bias is not None:
             self.bias.zero_()
 
+    def _weight_and_bias(self):
+        """The weight and bias this forward uses (split-parameter subclasses concatenate theirs)."""
+        return self.weight, self.bias
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
                 fp8_grad: bool = False):
+        """is_first_microbatch: None casts the weight to FP8 in every call; True casts it and keeps the
+        FP8 copy; False reuses the kept copy (for gradient accumulation over micro-batches while the
+        weight does not change)."""
         if fp8_output or fp8_grad:
             raise NotImplementedError("Linear: fp8_output / fp8_grad are not implemented")
         check_input(inp, self.in_features, "Linear")
-        weight, bias = self.weight, self.bias
+        weight, bias = self._weight_and_bias()
         check_same_device(inp, (weight, bias), "Linear")
-        fp8, calibrating = self._fp8_mode(weight.device)
-        cfg = LinearCfg(self.fp8_meta, fp8, calibrating, fwd_slot=0, bwd_slot=0)
+        scaling = self._fp8_mode(weight.device)
         x2 = as_2d(inp, weight.dtype)
-        out = linear_fn(x2, weight, None if self.return_bias else bias, cfg)
+        out = self._linear(x2, weight, None if self.return_bias else bias, scaling, is_first_microbatch)
         out = out.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return out, bias

@@ -1,0 +1,274 @@
+"""The adapter's ops registered with torch.library.custom_op (namespace "transformer_engine").
+
+Each op wraps one function of `_ops` (which makes the library call) behind a signature of plain
+tensors, numbers, strings and dtypes, and has a `register_fake` implementation that only
+produces outputs of the right shape and dtype. The modules' torch.autograd.Functions call these
+ops, so torch.compile (dynamo + AOTAutograd) sees each library call as one opaque node and traces
+forward and backward without graph breaks. Buffers a call writes in place (amax histories,
+scales) are declared in `mutates_args`, so functionalization orders them correctly.
+
+FP8 tensors cross the op boundary as three tensors: rowwise data (uint8 [rows, cols]),
+transposed data (uint8 [cols, rows]) and scale_inv (float32 [1]), plus the FP8 dtype as an int
+(a DType value; -1 marks a high-precision operand). A missing buffer is a 1-D empty uint8
+placeholder, since a custom op cannot return None.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from . import _ops
+
+__all__ = ["quantize", "gemm", "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "activation",
+           "dactivation", "softmax_forward", "softmax_backward", "delayed_scaling_update", "HIGH_PRECISION_OPERAND",
+           "missing"]
+
+HIGH_PRECISION_OPERAND = -1
+
+
+def missing(device) -> Tensor:
+    """The placeholder for an absent FP8 buffer (1-D, empty)."""
+    return torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def _present(t: Optional[Tensor]) -> bool:
+    return t is not None and t.dim() == 2
+
+
+def _rows_cols(x: Tensor) -> Tuple[int, int]:
+    if x.dim() == 0:
+        return 1, 1
+    cols = x.shape[-1]
+    return (x.numel() // cols if cols else 0), cols
+
+
+def _fp8_tensor(data: Tensor, transpose: Optional[Tensor], scale_inv: Tensor, fp8_dtype: int) -> _ops.FP8Tensor:
+    shape = tuple(data.shape) if _present(data) else (transpose.shape[1], transpose.shape[0])
+    return _ops.FP8Tensor(data if _present(data) else None, transpose if _present(transpose) else None,
+                          scale_inv, _ops.DType(fp8_dtype), shape)
+
+
+def _operand(t: Tensor, t_transpose: Optional[Tensor], scale_inv: Optional[Tensor], fp8_dtype: int):
+    if fp8_dtype == HIGH_PRECISION_OPERAND:
+        return t
+    return _fp8_tensor(t, t_transpose, scale_inv, fp8_dtype)
+
+
+def _logical_shape(t: Tensor, t_transpose: Optional[Tensor], fp8_dtype: int) -> Tuple[int, int]:
+    if fp8_dtype == HIGH_PRECISION_OPERAND or _present(t):
+        return tuple(t.shape)
+    return t_transpose.shape[1], t_transpose.shape[0]
+
+
+# ------------------------------------------------------------------------------ quantization
+@custom_op("transformer_engine::quantize", mutates_args=("amax_history",))
+def quantize(x: Tensor, scale: Optional[Tensor], amax_history: Optional[Tensor], index: int, fp8_dtype: int,
+             rowwise: bool, columnwise: bool, with_dbias: bool, force_pow2_scales: bool,
+             amax_epsilon: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FP8 cast of x viewed as [rows, cols] -> (data, transpose, scale_inv, dbias).
+
+    Delayed scaling (scale given): uses scale[index] and max-accumulates |x| into
+    amax_history[0, index]. Current scaling (scale None): the scale comes from x's own amax
+    (force_pow2_scales / amax_epsilon apply). with_dbias also returns the column sums of x."""
+    fdt = _ops.DType(fp8_dtype)
+    if scale is None:
+        res = _ops.quantize_current_scaling(x, fdt, rowwise, columnwise, force_pow2_scales, amax_epsilon,
+                                            dbias=with_dbias)
+    else:
+        s = scale[index:index + 1]
+        amax = None if amax_history is None else amax_history[0, index:index + 1]
+        if with_dbias:
+            res = _ops.quantize_dbias(x, s, amax, fdt, rowwise, columnwise)
+        else:
+            res = _ops.quantize(x, s, amax, fdt, rowwise, columnwise)
+    q, db = res if with_dbias else (res, None)
+    return (q.data if q.data is not None else missing(x.device),
+            q.transpose if q.transpose is not None else missing(x.device),
+            q.scale_inv, db if db is not None else torch.empty(0, dtype=x.dtype, device=x.device))
+
+
+@quantize.register_fake
+def _(x, scale, amax_history, index, fp8_dtype, rowwise, columnwise, with_dbias, force_pow2_scales, amax_epsilon):
+    rows, cols = _rows_cols(x)
+    u8 = torch.uint8
+    return (x.new_empty((rows, cols), dtype=u8) if rowwise else x.new_empty((0,), dtype=u8),
+            x.new_empty((cols, rows), dtype=u8) if columnwise else x.new_empty((0,), dtype=u8),
+            x.new_empty((1,), dtype=torch.float32),
+            x.new_empty((cols,) if with_dbias else (0,)))
+
+
+@custom_op("transformer_engine::delayed_scaling_update", mutates_args=("amax_history", "scale"))
+def delayed_scaling_update(amax_history: Tensor, scale: Tensor, amax_compute_algo: str, fp8_dtype: int,
+                           margin: float) -> None:
+    """In place: one delayed-scaling step (roll the history, recompute the scales) in the library."""
+    _ops.delayed_scaling_update(amax_history, scale, amax_compute_algo, _ops.DType(fp8_dtype), margin)
+
+
+@delayed_scaling_update.register_fake
+def _(amax_history, scale, amax_compute_algo, fp8_dtype, margin):
+    return None
+
+
+# -------------------------------------------------------------------------------------- GEMM
+@custom_op("transformer_engine::gemm", mutates_args=())
+def gemm(A: Tensor, A_transpose: Optional[Tensor], A_scale_inv: Optional[Tensor], A_fp8_dtype: int,
+         B: Tensor, B_transpose: Optional[Tensor], B_scale_inv: Optional[Tensor], B_fp8_dtype: int,
+         out_dtype: torch.dtype, transa: bool, transb: bool, bias: Optional[Tensor], gelu: bool,
+         dbias: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """D = op(B) @ op(A) (TE's convention, see _ops.gemm) -> (D, pre_gelu, dbias).
+
+    gelu: forward GELU epilogue (pre_gelu holds the pre-activation); dbias: backward epilogue
+    returning the bias gradient (one value per row of D) in out_dtype. Unused outputs are empty."""
+    a = _operand(A, A_transpose, A_scale_inv, A_fp8_dtype)
+    b = _operand(B, B_transpose, B_scale_inv, B_fp8_dtype)
+    if dbias:  # one value per row of D (n = rows of op(B))
+        n = _logical_shape(B, B_transpose, B_fp8_dtype)[1 if transb else 0]
+        db = torch.empty(n, dtype=out_dtype, device=A.device)
+        out = _ops.gemm(a, b, out_dtype, transa, transb, bias=db, grad=True)
+        return out, A.new_empty((0,), dtype=out_dtype), db
+    res = _ops.gemm(a, b, out_dtype, transa, transb, bias=bias, gelu=gelu)
+    out, pre = res if gelu else (res, A.new_empty((0,), dtype=out_dtype))
+    return out, pre, A.new_empty((0,), dtype=out_dtype)
+
+
+@gemm.register_fake
+def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_fp8_dtype, out_dtype, transa, transb,
+      bias, gelu, dbias):
+    ashape = _logical_shape(A, A_transpose, A_fp8_dtype)
+    bshape = _logical_shape(B, B_transpose, B_fp8_dtype)
+    m = ashape[0] if transa else ashape[1]
+    n = bshape[1] if transb else bshape[0]
+    return (A.new_empty((n, m), dtype=out_dtype), A.new_empty((n, m) if gelu else (0,), dtype=out_dtype),
+            A.new_empty((n,) if dbias else (0,), dtype=out_dtype))
+
+
+@custom_op("transformer_engine::grouped_gemm", mutates_args=())
+def grouped_gemm(A: List[Tensor], A_transpose: List[Tensor], A_scale_inv: List[Tensor], A_fp8_dtype: int,
+                 B: List[Tensor], B_transpose: List[Tensor], B_scale_inv: List[Tensor], B_fp8_dtype: int,
+                 out_dtype: torch.dtype, transa: bool, transb: bool, bias: List[Tensor],
+                 dbias: bool) -> Tuple[List[Tensor], List[Tensor]]:
+    """Independent GEMMs D_i = op(B_i) @ op(A_i) (one nvte_multi_tensor_gemm call) -> (D list, dbias list).
+
+    Operands as in gemm, one list entry per GEMM (placeholders where a buffer is absent); bias:
+    forward biases (an empty entry = none); dbias: return the bias gradients instead."""
+    a = [_operand(t, tt, si, A_fp8_dtype) for t, tt, si in zip(A, A_transpose, A_scale_inv)]
+    b = [_operand(t, tt, si, B_fp8_dtype) for t, tt, si in zip(B, B_transpose, B_scale_inv)]
+    if dbias:
+        dbs = [torch.empty(_logical_shape(t, tt, B_fp8_dtype)[1 if transb else 0], dtype=out_dtype, device=t.device)
+               for t, tt in zip(B, B_transpose)]
+        return _ops.multi_gemm(a, b, out_dtype, transa, transb, dbs, grad=True), dbs
+    biases = [t if t.numel() else None for t in bias] if bias else None
+    return _ops.multi_gemm(a, b, out_dtype, transa, transb, biases), []
+
+
+@grouped_gemm.register_fake
+def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_fp8_dtype, out_dtype, transa, transb,
+      bias, dbias):
+    outs, dbs = [], []
+    for a, at, b, bt in zip(A, A_transpose, B, B_transpose):
+        ashape, bshape = _logical_shape(a, at, A_fp8_dtype), _logical_shape(b, bt, B_fp8_dtype)
+        m, n = (ashape[0] if transa else ashape[1]), (bshape[1] if transb else bshape[0])
+        outs.append(a.new_empty((n, m), dtype=out_dtype))
+        if dbias:
+            dbs.append(a.new_empty((n,), dtype=out_dtype))
+    return outs, dbs
+
+
+# ----------------------------------------------------------------------------- normalization
+@custom_op("transformer_engine::layernorm_fwd", mutates_args=())
+def layernorm_fwd(x: Tensor, gamma: Tensor, beta: Tensor, eps: float,
+                  zero_centered_gamma: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm over the last dim -> (z [rows, cols], mu [rows], rsigma [rows])."""
+    return _ops.layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma)
+
+
+@layernorm_fwd.register_fake
+def _(x, gamma, beta, eps, zero_centered_gamma):
+    rows, cols = _rows_cols(x)
+    return (x.new_empty((rows, cols)), x.new_empty((rows,), dtype=torch.float32),
+            x.new_empty((rows,), dtype=torch.float32))
+
+
+@custom_op("transformer_engine::layernorm_bwd", mutates_args=())
+def layernorm_bwd(dz: Tensor, x: Tensor, mu: Tensor, rsigma: Tensor, gamma: Tensor,
+                  zero_centered_gamma: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """-> (dx [rows, cols], dgamma, dbeta)."""
+    return _ops.layernorm_bwd(dz, x, mu, rsigma, gamma, zero_centered_gamma)
+
+
+@layernorm_bwd.register_fake
+def _(dz, x, mu, rsigma, gamma, zero_centered_gamma):
+    return x.new_empty(_rows_cols(x)), torch.empty_like(gamma), torch.empty_like(gamma)
+
+
+@custom_op("transformer_engine::rmsnorm_fwd", mutates_args=())
+def rmsnorm_fwd(x: Tensor, gamma: Tensor, eps: float, zero_centered_gamma: bool) -> Tuple[Tensor, Tensor]:
+    """RMSNorm over the last dim -> (z [rows, cols], rsigma [rows])."""
+    return _ops.rmsnorm_fwd(x, gamma, eps, zero_centered_gamma)
+
+
+@rmsnorm_fwd.register_fake
+def _(x, gamma, eps, zero_centered_gamma):
+    rows, cols = _rows_cols(x)
+    return x.new_empty((rows, cols)), x.new_empty((rows,), dtype=torch.float32)
+
+
+@custom_op("transformer_engine::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd(dz: Tensor, x: Tensor, rsigma: Tensor, gamma: Tensor,
+                zero_centered_gamma: bool) -> Tuple[Tensor, Tensor]:
+    """-> (dx [rows, cols], dgamma)."""
+    return _ops.rmsnorm_bwd(dz, x, rsigma, gamma, zero_centered_gamma)
+
+
+@rmsnorm_bwd.register_fake
+def _(dz, x, rsigma, gamma, zero_centered_gamma):
+    return x.new_empty(_rows_cols(x)), torch.empty_like(gamma)
+
+
+# ------------------------------------------------------------------------------- activations
+@custom_op("transformer_engine::activation", mutates_args=())
+def activation(x: Tensor, name: str) -> Tensor:
+    """The library activation `name` (gated ones halve the last dimension)."""
+    return _ops.activation(name, x)
+
+
+@activation.register_fake
+def _(x, name):
+    cols = x.shape[-1] // 2 if name in _ops.GATED_ACTIVATIONS else x.shape[-1]
+    return x.new_empty(tuple(x.shape[:-1]) + (cols,))
+
+
+@custom_op("transformer_engine::dactivation", mutates_args=())
+def dactivation(grad: Tensor, x: Tensor, name: str) -> Tensor:
+    """Input gradient of activation(x, name)."""
+    return _ops.dactivation(name, grad, x)
+
+
+@dactivation.register_fake
+def _(grad, x, name):
+    return torch.empty_like(x)
+
+
+# ----------------------------------------------------------------------------------- softmax
+@custom_op("transformer_engine::softmax_forward", mutates_args=())
+def softmax_forward(x: Tensor, kind: str, scale: float, mask: Optional[Tensor]) -> Tensor:
+    """Fused scaled (masked) softmax over the last dim, see _ops.softmax_forward."""
+    return _ops.softmax_forward(kind, x, scale, mask)
+
+
+@softmax_forward.register_fake
+def _(x, kind, scale, mask):
+    return torch.empty_like(x)
+
+
+@custom_op("transformer_engine::softmax_backward", mutates_args=())
+def softmax_backward(dy: Tensor, y: Tensor, kind: str, scale: float) -> Tensor:
+    return _ops.softmax_backward(kind, dy, y, scale)
+
+
+@softmax_backward.register_fake
+def _(dy, y, kind, scale):
+    return torch.empty_like(y)

@@ -1,0 +1,167 @@
+"""Float8CurrentScaling: every FP8 cast takes its scale from the tensor being cast, in the same
+call (nvte_compute_amax + nvte_compute_scale_from_amax + the cast). Checked against a float64
+re-computation that emulates each cast with scale = fp8_max / max(amax, eps) (optionally
+rounded down to a power of two)."""
+import math
+import types
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+from _util import fp8_emulate, gelu_tanh, rel_err, seeded
+
+FMT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+def cs_scale(x, fmt, pow2=False, eps=0.0):
+    """float32 scale of current scaling for x (float64 math, float32 result as the library stores it)."""
+    amax = max(float(x.detach().abs().max()), eps)
+    if amax == 0.0 or not math.isfinite(amax):
+        return 1.0
+    s = float(torch.tensor(FMT_MAX[fmt] / amax, dtype=torch.float32))
+    if pow2:
+        s = 2.0 ** math.floor(math.log2(s))
+    return s
+
+
+def cs_q(x, fmt, pow2=False, eps=0.0):
+    """float64 value of x after a current-scaling FP8 round trip."""
+    return fp8_emulate(x, cs_scale(x, fmt, pow2, eps), fmt)
+
+
+def _grads_ref_linear(x2, w, dy2, fmt_fwd="e4m3", fmt_bwd="e5m2", r=None):
+    """(y, dx, dw) of y = q(x) q(w)^T with current-scaling casts (no bias)."""
+    pi, pw, pg = (r.fp8_quant_fwd_inp, r.fp8_quant_fwd_weight, r.fp8_quant_bwd_grad) if r else (None,) * 3
+    args = (lambda p: (p.power_2_scale, p.amax_epsilon) if p else (False, 0.0))
+    xq, wq = cs_q(x2, fmt_fwd, *args(pi)), cs_q(w, fmt_fwd, *args(pw))
+    gq = cs_q(dy2, fmt_bwd, *args(pg))
+    return xq @ wq.t(), gq @ wq, gq.t() @ xq
+
+
+@pytest.mark.parametrize("qparams", [None, "pow2", "eps"])
+@pytest.mark.parametrize("fmt", ["HYBRID", "E4M3"])
+def test_linear_current_scaling_matches_float64(rng, fmt, qparams):
+    g = seeded(rng)
+    q = {None: recipe.QParams(), "pow2": recipe.QParams(power_2_scale=True),
+         "eps": recipe.QParams(amax_epsilon=1e3)}[qparams]  # eps above every amax: the clamp decides the scale
+    r = recipe.Float8CurrentScaling(fp8_format=getattr(recipe.Format, fmt), fp8_quant_fwd_inp=q,
+                                    fp8_quant_fwd_weight=q, fp8_quant_bwd_grad=q)
+    m = te.Linear(32, 24, device="cpu")
+    with torch.no_grad():
+        m.bias.normal_(generator=g)
+    bwd_fmt = "e5m2" if fmt == "HYBRID" else "e4m3"
+    for step, mag in enumerate([3.0, 0.02, 40.0]):  # scales follow each step's own amax, no history
+        x = (torch.randn(2, 10, 32, generator=g) * mag).requires_grad_()
+        dy = torch.randn(2, 10, 24, generator=g) * mag * 1e-3
+        m.zero_grad(set_to_none=True)
+        with te.fp8_autocast(fp8_recipe=r):
+            y = m(x)
+        y.backward(dy)
+        x2, dy2 = x.detach().double().reshape(-1, 32), dy.double().reshape(-1, 24)
+        yr, dxr, dwr = _grads_ref_linear(x2, m.weight, dy2, "e4m3", bwd_fmt, r)
+        assert rel_err(y.reshape(-1, 24), yr + m.bias.detach().double()) < 1e-5, step
+        assert rel_err(x.grad.reshape(-1, 32), dxr) < 1e-5, step
+        assert rel_err(m.weight.grad, dwr) < 1e-5, step
+        assert rel_err(m.bias.grad, dy2.sum(0)) < 1e-5, step
+        exact = x2 @ m.weight.detach().double().t()
+        prod = y.detach().double().reshape(-1, 24) - m.bias.detach().double()
+        assert 1e-3 < rel_err(prod, exact) < 0.1  # FP8-sized error, not float32-sized
+    assert not m.fp8_meta.initialized  # current scaling keeps no delayed-scaling state
+    assert m.fp8_meta.state() is None
+
+
+def test_current_scaling_independent_of_history(rng):
+    """The same input gives the same output whatever ran before (no amax history)."""
+    g = seeded(rng)
+    m = te.Linear(16, 16, device="cpu")
+    x = torch.randn(4, 16, generator=g)
+    r = recipe.Float8CurrentScaling()
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):
+        y1 = m(x)
+        m(torch.randn(4, 16, generator=g) * 1e4)
+        y2 = m(x)
+    assert torch.equal(y1, y2)
+
+
+def test_layernorm_linear_current_scaling(rng):
+    g = seeded(rng)
+    m = te.LayerNormLinear(32, 16, return_layernorm_output=True, device="cpu")
+    with torch.no_grad():
+        m.layer_norm_weight.uniform_(0.5, 1.5, generator=g)
+    x = (torch.randn(12, 32, generator=g) * 2).requires_grad_()
+    dy = torch.randn(12, 16, generator=g) * 1e-2
+    with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        y, ln = m(x)
+    y.backward(dy)
+    ln64 = ln.detach().double()  # the norm runs in high precision: feed its exact output to the reference
+    ref_ln = torch.nn.functional.layer_norm(x.detach().double(), (32,), m.layer_norm_weight.detach().double(),
+                                            m.layer_norm_bias.detach().double(), 1e-5)
+    assert rel_err(ln64, ref_ln) < 1e-6
+    yr, dlnr, dwr = _grads_ref_linear(ln64, m.weight, dy.double())
+    assert rel_err(y, yr + m.bias.detach().double()) < 1e-5
+    assert rel_err(m.weight.grad, dwr) < 1e-5
+    # dx = layernorm backward of the FP8 dgrad (float64 autograd through the reference norm)
+    xr = x.detach().double().requires_grad_()
+    lnr = torch.nn.functional.layer_norm(xr, (32,), m.layer_norm_weight.detach().double(),
+                                         m.layer_norm_bias.detach().double(), 1e-5)
+    lnr.backward(dlnr)
+    assert rel_err(x.grad, xr.grad) < 1e-5
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_layernorm_mlp_current_scaling(rng, activation):
+    g = seeded(rng)
+    m = te.LayerNormMLP(16, 32, activation=activation, return_layernorm_output=True, device="cpu")
+    with torch.no_grad():
+        m.fc1_bias.normal_(generator=g)
+    x = torch.randn(10, 16, generator=g)
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        y, ln = m(x)
+    ln64 = ln.double()
+    h = cs_q(ln64, "e4m3") @ cs_q(m.fc1_weight, "e4m3").t() + m.fc1_bias.detach().double()
+    if activation == "gelu":
+        a = gelu_tanh(h)
+    else:
+        a = torch.nn.functional.silu(h[:, :32]) * h[:, 32:]
+    yr = cs_q(a, "e4m3") @ cs_q(m.fc2_weight, "e4m3").t() + m.fc2_bias.detach().double()
+    assert rel_err(y, yr) < 1e-5
+
+
+def test_transformer_layer_current_scaling_forward(rng, monkeypatch):
+    """Every GEMM of the layer (fused QKV, proj, fc1, fc2) runs with current-scaling casts of its
+    input and weight; the float64 reference layer emulates exactly that."""
+    import test_transformer_layer as ttl
+    g = seeded(rng)
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=True,
+                                device="cpu")
+    x = torch.randn(6, 2, 32, generator=g)
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        y = layer(x)
+
+    def fp8_linear(h, w, b=None):
+        out = cs_q(h, "e4m3") @ cs_q(w, "e4m3").t()
+        return out if b is None else out + b
+    monkeypatch.setattr(ttl, "F", types.SimpleNamespace(linear=fp8_linear,
+                                                        layer_norm=torch.nn.functional.layer_norm))
+    yr = ttl.ref_layer(layer, x.double())
+    e = rel_err(y, yr)
+    assert e < 1e-5
+    with torch.no_grad():
+        y_hp = layer(x)
+    assert rel_err(y_hp, yr) > 10 * e  # the reference really differs from the high-precision layer
+
+
+def test_current_scaling_recipe_not_mixed_with_delayed_state(rng):
+    """Switching a module from DelayedScaling to current scaling and back leaves the delayed state alone."""
+    g = seeded(rng)
+    m = te.Linear(8, 8, device="cpu")
+    x = torch.randn(4, 8, generator=g)
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=2)):
+        m(x).sum().backward()
+    h, s = m.fp8_meta.amax_history["fwd"].clone(), m.fp8_meta.scale["fwd"].clone()
+    with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        m(x * 100).sum().backward()
+    assert torch.equal(m.fp8_meta.amax_history["fwd"], h) and torch.equal(m.fp8_meta.scale["fwd"], s)

@@ -1,0 +1,59 @@
+"""te.make_graphed_callables: CUDA graphs need CUDA, which this test checks for on the CPU; the
+capture itself (with FP8 state) runs on a GPU only."""
+import copy
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+
+
+def test_make_graphed_callables_needs_cuda():
+    m = te.Linear(8, 8, device="cpu")
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+        te.make_graphed_callables(m, (torch.randn(4, 8, requires_grad=True),), fp8_enabled=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_make_graphed_callables_fp8_matches_eager():
+    """Replays of the captured forward/backward equal eager steps, FP8 recipe state included
+    (the forward step at the fp8_autocast exit, the backward step inside the captured backward)."""
+    torch.manual_seed(0)
+    eager = te.LayerNormMLP(64, 128, device="cuda")
+    src = copy.deepcopy(eager)
+    r = recipe.DelayedScaling(amax_history_len=4)
+    sample = torch.randn(32, 64, device="cuda", requires_grad=True)
+    graphed = te.make_graphed_callables(src, (sample,), fp8_enabled=True, fp8_recipe=r)
+    # same warm-up on the eager twin: make_graphed_callables ran num_warmup_iters (3) forwards + backwards
+    # and one capture inside one fp8_autocast region
+    src_state = {k: (v.clone(), src.fp8_meta.scale[k].clone()) for k, v in src.fp8_meta.amax_history.items()}
+    eager.fp8_meta.prepare(r, torch.device("cuda"))
+    for k, (h, s) in src_state.items():
+        eager.fp8_meta.amax_history[k].copy_(h)
+        eager.fp8_meta.scale[k].copy_(s)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(3):
+        x = torch.randn(32, 64, device="cuda", generator=g)
+        dy = torch.randn(32, 64, device="cuda", generator=g)
+        outs = []
+        for m in (eager, graphed):
+            xi = x.clone().requires_grad_()
+            with te.fp8_autocast(fp8_recipe=r):
+                y = m(xi)
+            y.backward(dy)
+            outs.append((y.detach(), xi.grad))
+        torch.testing.assert_close(outs[1][0], outs[0][0])
+        torch.testing.assert_close(outs[1][1], outs[0][1])
+        for k in ("fwd", "bwd"):
+            torch.testing.assert_close(src.fp8_meta.scale[k], eager.fp8_meta.scale[k])
+            torch.testing.assert_close(src.fp8_meta.amax_history[k], eager.fp8_meta.amax_history[k])
+
+
+def test_make_graphed_callables_signature_defaults():
+    import inspect
+    p = inspect.signature(te.make_graphed_callables).parameters
+    assert list(p)[:2] == ["modules", "sample_args"]
+    assert p["num_warmup_iters"].default == 3 and p["fp8_enabled"].default is False
+    assert p["fp8_recipe"].default is None and p["fp8_weight_caching"].default is False
