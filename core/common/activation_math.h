@@ -38,15 +38,18 @@ NVTE_HD float sigmoidf_(float x) { return rcp_fast(1.0f + exp_fast(-x)); }
 // gelu, tanh approximation: 0.5 x (1 + tanh(u)), u = k (x + 0.044715 x^3), k = sqrt(2/pi),
 // evaluated as x * sigmoid(2u) (0.5 (1 + tanh u) == sigmoid(2u) exactly): one exp and one
 // reciprocal instead of tanhf, and no cancellation in 1 + tanh(u) for negative x.
-// d/dx = s + 2 x s (1 - s) u', s = sigmoid(2u), u' = k (1 + 3 * 0.044715 x^2).
+// d/dx = s + 2 x s (1 - s) u', s = sigmoid(2u) = 1 / (1 + e), e = exp(-2u), 1 - s = e s,
+// u' = k (1 + 3 * 0.044715 x^2).
 NVTE_HD float gelu_f(float x) {
   const float k2 = 2.0f * 0.7978845608028654f;
   return x * sigmoidf_(k2 * (x + 0.044715f * x * x * x));
 }
 NVTE_HD float dgelu_f(float x) {
   const float k = 0.7978845608028654f;
-  const float s = sigmoidf_(2.0f * k * (x + 0.044715f * x * x * x));
-  return s + 2.0f * x * s * (1.0f - s) * k * (1.0f + 3.0f * 0.044715f * x * x);
+  const float e = exp_fast(-2.0f * k * (x + 0.044715f * x * x * x));
+  const float s = rcp_fast(1.0f + e);
+  const float oms = e < 1.0f ? e * s : 1.0f - s;  // 1 - s, without cancellation where s > 1/2
+  return s + 2.0f * x * s * oms * k * (1.0f + 3.0f * 0.044715f * x * x);
 }
 
 NVTE_HD float act_f(Act a, float x) {
