@@ -14,16 +14,8 @@
 #include "../common/error.h"
 #include "../common/numeric.h"
 #include "../common/tensor.h"
+#include "cuda_check.h"
 
-#define NVTE_CHECK_CUDA(call)                                                                   \
-  do {                                                                                          \
-    const cudaError_t err_ = (call);                                                            \
-    if (err_ != cudaSuccess) NVTE_FAIL(NVTE_ERROR_CUDA, #call, " failed: ", cudaGetErrorName(err_), \
-                                       " (", cudaGetErrorString(err_), ")");                    \
-  } while (0)
-
-// After a kernel launch: reports launch-configuration errors without synchronising.
-#define NVTE_CHECK_LAUNCH() NVTE_CHECK_CUDA(cudaGetLastError())
 
 namespace nvte::cuda {
 
@@ -115,8 +107,6 @@ __device__ __forceinline__ void store_vec(T *p, const Vec<T, N> &v) {
   *reinterpret_cast<Vec<T, N> *>(p) = v;
 }
 
-// True when every pointer is aligned to `bytes` (decides vector vs scalar paths on the host).
-inline bool aligned(const void *p, size_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
 // ---------------------------------------------------------------- reductions
 __device__ __forceinline__ float warp_max(float v) {

@@ -19,14 +19,8 @@
 #include <vector>
 
 #include "../common/error.h"
+#include "cuda_check.h"
 #include "cublaslt_loader.h"
-
-#define NVTE_CHECK_CUDA_RT(call)                                                                   \
-  do {                                                                                             \
-    const cudaError_t err_ = (call);                                                               \
-    if (err_ != cudaSuccess)                                                                       \
-      NVTE_FAIL(NVTE_ERROR_CUDA, #call, " failed: ", cudaGetErrorName(err_), " (", cudaGetErrorString(err_), ")"); \
-  } while (0)
 
 namespace nvte::cuda {
 namespace {
@@ -291,10 +285,10 @@ void gemm_k0(const GemmArgs &g, const Problem &p, cudaStream_t stream) {
                        "the CUDA GEMM with k = 0 supports only D = 0, accumulate into D and the bias gradient "
                        "of op(B) (", p.describe(), ")");
   const NVTEBasicTensor &d = g.d->params[kNVTERowwiseData];
-  if (g.beta == 0.0f) NVTE_CHECK_CUDA_RT(cudaMemsetAsync(d.data_ptr, 0, g.m * g.n * dtype_size(d.dtype), stream));
+  if (g.beta == 0.0f) NVTE_CHECK_CUDA(cudaMemsetAsync(d.data_ptr, 0, g.m * g.n * dtype_size(d.dtype), stream));
   if (g.dbias) {
     const NVTEBasicTensor &b = rowwise(*g.dbias, "the bias gradient");
-    NVTE_CHECK_CUDA_RT(cudaMemsetAsync(b.data_ptr, 0, numel(b.shape) * dtype_size(b.dtype), stream));
+    NVTE_CHECK_CUDA(cudaMemsetAsync(b.data_ptr, 0, numel(b.shape) * dtype_size(b.dtype), stream));
   }
 }
 
@@ -304,9 +298,9 @@ size_t gemm_workspace_size() { return kCublasWorkspace + kScratchBytes; }
 
 bool non_tn_fp8_supported() {
   int dev = 0, major = 0, minor = 0;
-  NVTE_CHECK_CUDA_RT(cudaGetDevice(&dev));
-  NVTE_CHECK_CUDA_RT(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  NVTE_CHECK_CUDA_RT(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  NVTE_CHECK_CUDA(cudaGetDevice(&dev));
+  NVTE_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  NVTE_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   // cuBLASLt's FP8 kernels take only TN on Ada (8.9), Hopper (9.x) and consumer Blackwell (12.x).
   const int cc = major * 10 + minor;
   return !(cc == 89 || major == 9 || major == 12);
@@ -315,7 +309,7 @@ bool non_tn_fp8_supported() {
 void gemm(const GemmArgs &g, cudaStream_t stream) {
   Problem p;
   p.g = &g;
-  NVTE_CHECK_CUDA_RT(cudaGetDevice(&p.device));
+  NVTE_CHECK_CUDA(cudaGetDevice(&p.device));
   const NVTEBasicTensor &d = rowwise(*g.d, "D");
   NVTE_CHECK_SUPPORTED(g.d->params[kNVTEColumnwiseData].data_ptr == nullptr,
                        "the CUDA GEMM writes only D's rowwise data, but D also has columnwise data (its "
@@ -445,7 +439,7 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
   } else if (g.dbias) {  // an empty product: the bias gradient is all zeros
     const NVTEBasicTensor &b = rowwise(*g.dbias, "the bias gradient");
     if (numel(b.shape))
-      NVTE_CHECK_CUDA_RT(cudaMemsetAsync(b.data_ptr, 0, numel(b.shape) * dtype_size(b.dtype), stream));
+      NVTE_CHECK_CUDA(cudaMemsetAsync(b.data_ptr, 0, numel(b.shape) * dtype_size(b.dtype), stream));
     p.amax_tmp = nullptr;
   } else {
     p.amax_tmp = nullptr;

@@ -1,6 +1,7 @@
 /* Compiled as strict C99 in CI: every public header must be valid C. */
 #include <transformer_engine/activation.h>
 #include <transformer_engine/cast.h>
+#include <transformer_engine/fused_attn.h>
 #include <transformer_engine/gemm.h>
 #include <transformer_engine/normalization.h>
 #include <transformer_engine/recipe.h>

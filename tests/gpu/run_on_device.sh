@@ -10,6 +10,8 @@ OUT=${OUT:-/tmp/nvte_out}
 mkdir -p "$OUT"
 steps=${*:-build test bench}
 export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
+# cuDNN frontend headers: the carried wheel's include/ (.cudnnfe/include) when present.
+[ -d .cudnnfe/include ] && export NVTE_CUDNN_FRONTEND_INCLUDE_DIR=$PWD/.cudnnfe/include
 PY=${PYTHON:-python3}
 STAGE=/tmp/nvte_pkg_gpu
 rc=0

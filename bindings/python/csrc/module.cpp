@@ -169,4 +169,5 @@ PYBIND11_MODULE(_nvte, m) {
   bind_normalization(m);
   bind_activation(m);
   bind_softmax(m);
+  bind_fused_attn(m);
 }
