@@ -27,6 +27,14 @@ if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } && [ "${NV
   echo "[setup] installing nvidia-cublas (cuBLASLt header for the CUDA backend)"
   pip_q "nvidia-cublas==13.0.2.14"
 fi
+# cuDNN fused attention (core/cuda/cudnn/) compiles against cudnn.h (nvidia-cudnn-cu13, the
+# 9.19 that PyTorch's CUDA 13 builds load), the header-only cuDNN frontend (no deps: its Python
+# extras are not needed) and nvrtc.h, which the frontend includes (nvidia-cuda-nvrtc).
+if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } && [ "${NVTE_WITH_CUDA:-auto}" != OFF ] \
+   && ! python -c "import nvidia.cudnn, os, sys, sysconfig; p = sysconfig.get_paths()['purelib']; sys.exit(not (os.path.exists(os.path.join(p, 'include', 'cudnn_frontend.h')) and os.path.exists(os.path.join(p, 'nvidia', 'cu13', 'include', 'nvrtc.h'))))" 2>/dev/null; then
+  echo "[setup] installing nvidia-cudnn-cu13, nvidia-cudnn-frontend, nvidia-cuda-nvrtc (cuDNN attention headers)"
+  pip_q --no-deps "nvidia-cudnn-cu13==9.19.1.2" "nvidia-cudnn-frontend==1.32.0" "nvidia-cuda-nvrtc==13.0.88"
+fi
 # PyTorch: its CPU wheel (torch==2.13.0 is a local file on the CPU machines); a GPU machine keeps its own.
 if ! python -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0 (CPU build)"

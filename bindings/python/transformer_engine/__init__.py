@@ -23,6 +23,21 @@ def _point_at_pip_cublaslt():
 
 _point_at_pip_cublaslt()
 
+
+def _point_at_pip_cudnn():
+    """Fused attention opens cuDNN at run time: a copy already in the process (PyTorch's) wins;
+    otherwise the nvidia-cudnn-cu13 wheel's, when installed."""
+    if "NVTE_CUDNN_PATH" in _os.environ:
+        return
+    for base in {_sysconfig.get_paths()["purelib"], _sysconfig.get_paths()["platlib"]}:
+        cand = _Path(base) / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9"
+        if cand.exists():
+            _os.environ["NVTE_CUDNN_PATH"] = str(cand)
+            return
+
+
+_point_at_pip_cudnn()
+
 from . import _nvte  # noqa: E402,F401  (loads libtransformer_engine.so)
 
 __version__ = "0.1.0"
