@@ -18,6 +18,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _ops, custom_ops
+from . import fused_attention as _fa
 from .module.layernorm_linear import LayerNormLinear
 from .module.linear import Linear
 
@@ -197,8 +198,9 @@ class DotProductAttention(torch.nn.Module):
                 inference_params=None, pad_between_seqs=None, **kwargs) -> torch.Tensor:
         fmt = self._check_format(qkv_format or self.qkv_format)
         mask_type = self._check_mask_type(attn_mask_type or self.attn_mask_type)
-        if core_attention_bias_type != "no_bias" or core_attention_bias is not None or alibi_slopes is not None:
-            raise NotImplementedError("DotProductAttention: attention bias / ALiBi is not implemented")
+        if core_attention_bias_type not in _fa.BIASES:
+            raise ValueError(f"core_attention_bias_type must be one of {list(_fa.BIASES)}, "
+                             f"got {core_attention_bias_type!r}")
         if inference_params is not None:
             raise NotImplementedError("DotProductAttention: inference_params (KV cache) is not implemented")
         if cu_seqlens_q is not None or cu_seqlens_kv is not None:
@@ -212,7 +214,11 @@ class DotProductAttention(torch.nn.Module):
         if query_layer.shape[2] != h or key_layer.shape[2] != g or value_layer.shape[2] != g:
             raise ValueError(f"DotProductAttention: expected {h} query heads and {g} key/value heads, got shapes "
                              f"{tuple(query_layer.shape)}, {tuple(key_layer.shape)}, {tuple(value_layer.shape)}")
-        # -> [b, h, s, d]
+        fused = self._fused(query_layer, key_layer, value_layer, fmt, mask_type, window, attention_mask,
+                            core_attention_bias_type, core_attention_bias, alibi_slopes)
+        if fused is not None:
+            return fused
+        # Unfused path -> [b, h, s, d]
         perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
         q, k, v = (t.permute(*perm) for t in (query_layer, key_layer, value_layer))
         b, _, sq, _ = q.shape
@@ -235,6 +241,62 @@ class DotProductAttention(torch.nn.Module):
         else:
             ctx = ctx.permute(0, 2, 1, 3)
         return ctx.reshape(ctx.shape[0], ctx.shape[1], -1)
+
+    def _fused(self, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes):
+        """The fused attention path (fused_attention.py), or None when the unfused path should run;
+        raises when neither path can run the call."""
+        needs_fused = bias_type != "no_bias"
+        if needs_fused and bias_type in ("pre_scale_bias", "post_scale_bias") and bias is None:
+            raise ValueError(f"core_attention_bias_type {bias_type!r} needs core_attention_bias")
+        why = ""
+        if not _fa.want_fused(q.device, needs_fused):
+            why = "NVTE_FUSED_ATTN=0"
+        elif mask_type == "arbitrary":
+            why = "arbitrary masks run unfused (as in TE)"
+        elif not (q.dtype == k.dtype == v.dtype):
+            why = "query/key/value dtypes differ"
+        if not why:
+            b = q.shape[1] if fmt == "sbhd" else q.shape[0]
+            sq, sk = (q.shape[0], k.shape[0]) if fmt == "sbhd" else (q.shape[1], k.shape[1])
+            cu_q = cu_kv = None
+            if "padding" in mask_type:
+                if attention_mask is None:
+                    cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq
+                    cu_kv = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sk
+                else:
+                    qm, km = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,) * 2
+                    cu_q = _fa.padding_to_cu_seqlens(qm, b, sq, "query")
+                    cu_kv = _fa.padding_to_cu_seqlens(km, b, sk, "key/value")
+                    if cu_q is None or cu_kv is None:
+                        why = "the padding mask is not right-padded (valid tokens first)"
+            layout = _fa.LAYOUTS[fmt]
+            wl, wr = window if window is not None else (-1, -1)
+            dropout = self.attention_dropout if self.training else 0.0
+            grads = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (q, k, v, bias if bias_type != "alibi" else None))
+            is_training = grads or dropout > 0.0
+            if not why:
+                ok, reason = _fa.fused_backend_supports(q, k, v, layout, int(_fa.BIASES[bias_type]),
+                                                        int(_fa.MASKS[mask_type]), dropout, is_training, sq, sk,
+                                                        wl, wr)
+                why = "" if ok else reason
+        if why:
+            if needs_fused or not _fa.unfused_allowed():
+                raise NotImplementedError(f"DotProductAttention: the fused attention path cannot run this call "
+                                          f"({why}) and the unfused path "
+                                          f"{'is disabled (NVTE_UNFUSED_ATTN=0)' if not needs_fused else 'has no attention bias / ALiBi'}")
+            return None
+        bias_t = None
+        if bias_type in ("pre_scale_bias", "post_scale_bias"):
+            bias_t = bias if bias.dim() == 4 else bias.view(1, *bias.shape[-3:])
+            bias_t = bias_t.to(q.dtype).contiguous()
+        elif bias_type == "alibi" and alibi_slopes is not None:
+            bias_t = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+        rng = _fa.new_rng_state(q.device) if dropout > 0.0 else torch.zeros(2, dtype=torch.int64, device=q.device)
+        cfg = (sq, sk, is_training, float(self.softmax_scale), float(dropout), layout, int(_fa.BIASES[bias_type]),
+               int(_fa.MASKS[mask_type]), int(wl), int(wr), "causal" not in mask_type)
+        o = _fa.FusedAttnFunc.apply(q.contiguous(), k.contiguous(), v.contiguous(), bias_t, cu_q, cu_kv, rng, cfg)
+        return o.reshape(o.shape[0], o.shape[1], -1)
 
     @staticmethod
     def _softmax_plan(mask_type, attention_mask, window, b, sq, sk, device):

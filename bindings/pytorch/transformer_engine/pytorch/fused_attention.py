@@ -1,0 +1,208 @@
+"""Fused attention for DotProductAttention: nvte_fused_attn_fwd / _bwd (cuDNN on the GPU, the
+float64 reference on the CPU) as two torch.library custom ops inside one autograd Function.
+
+The library owns the math, the masks and the dropout stream; this file only shapes tensors:
+Q, K, V in one of the separate layouts (sbhd_sbhd_sbhd / bshd_bshd_bshd, made contiguous),
+cu_seqlens from a padding mask (True = masked out, valid tokens first), the aux tensors the
+forward keeps for the backward (softmax statistics, the rng_state copy, the bias copy), and
+the backend choice TE documents: NVTE_FUSED_ATTN=0 turns the fused path off,
+NVTE_UNFUSED_ATTN=0 the unfused one (our GEMMs + fused softmax); NVTE_FLASH_ATTN is accepted
+and has no effect (there is no flash-attn package path here). By default CUDA tensors use the
+fused path whenever the library says it supports the configuration; CPU tensors use it when it
+is the only path that can run the call (bias, ALiBi) or NVTE_FUSED_ATTN=1.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from transformer_engine import _nvte
+
+L, M, BT, ST = _nvte.NVTE_QKV_Layout, _nvte.NVTE_Mask_Type, _nvte.NVTE_Bias_Type, _nvte.NVTE_Softmax_Type
+_DT = {torch.float32: _nvte.DType.kFloat32, torch.float16: _nvte.DType.kFloat16,
+       torch.bfloat16: _nvte.DType.kBFloat16, torch.int32: _nvte.DType.kInt32, torch.int64: _nvte.DType.kInt64,
+       torch.uint8: _nvte.DType.kByte}
+LAYOUTS = {"sbhd": int(L.NVTE_SBHD_SBHD_SBHD), "bshd": int(L.NVTE_BSHD_BSHD_BSHD)}
+MASKS = {"no_mask": M.NVTE_NO_MASK, "padding": M.NVTE_PADDING_MASK, "causal": M.NVTE_CAUSAL_MASK,
+         "padding_causal": M.NVTE_PADDING_CAUSAL_MASK, "causal_bottom_right": M.NVTE_CAUSAL_BOTTOM_RIGHT_MASK,
+         "padding_causal_bottom_right": M.NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK}
+BIASES = {"no_bias": BT.NVTE_NO_BIAS, "pre_scale_bias": BT.NVTE_PRE_SCALE_BIAS,
+          "post_scale_bias": BT.NVTE_POST_SCALE_BIAS, "alibi": BT.NVTE_ALIBI}
+
+
+def _handle(t: Optional[Tensor]):
+    if t is None:
+        return None
+    h = _nvte.Tensor()
+    h.set_param(_nvte.Param.kRowwiseData, t.data_ptr(), list(t.shape), _DT[t.dtype])
+    h._refs = t
+    return h
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _workspace(nbytes: int, device) -> Optional[Tensor]:
+    return torch.empty(int(nbytes), dtype=torch.uint8, device=device) if nbytes > 0 else None
+
+
+def _scalars(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br):
+    return dict(max_seqlen_q=max_sq, max_seqlen_kv=max_skv, attn_scale=scale, dropout=dropout,
+                qkv_layout=L(layout), bias_type=BT(bias_type), attn_mask_type=M(mask),
+                softmax_type=ST.NVTE_VANILLA_SOFTMAX, window_size_left=wl, window_size_right=wr,
+                bottom_right_diagonal=br)
+
+
+def _stats_shape(q: Tensor, fmt_bshd: bool, max_sq: int) -> List[int]:
+    b = q.shape[0] if fmt_bshd else q.shape[1]
+    return [b, q.shape[2], max_sq, 1]
+
+
+# ------------------------------------------------------------------ custom ops
+@custom_op("transformer_engine::fused_attn_fwd", mutates_args=())
+def fused_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], cu_q: Optional[Tensor],
+                   cu_kv: Optional[Tensor], rng_state: Tensor, max_sq: int, max_skv: int, is_training: bool,
+                   scale: float, dropout: float, layout: int, bias_type: int, mask: int, wl: int,
+                   wr: int, br: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (O, softmax statistics, rng_state copy, bias copy or an empty placeholder)."""
+    sc = _scalars(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br)
+    H = [_handle(x) for x in (q, k, v)]
+    o = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    stats = torch.empty(_stats_shape(q, layout == LAYOUTS["bshd"], max_sq), dtype=torch.float32, device=q.device)
+    rng_copy = torch.empty(2, dtype=torch.int64, device=q.device)
+    bias_copy = torch.empty_like(bias) if bias is not None else torch.empty(0, dtype=q.dtype, device=q.device)
+    ws = _workspace(_nvte.fused_attn_fwd_workspace_size(*H, _handle(bias), max_sq, max_skv, is_training, False,
+                                                        dropout, sc["qkv_layout"], sc["bias_type"],
+                                                        sc["attn_mask_type"], sc["softmax_type"], wl, wr, br),
+                    q.device)
+    aux = None
+    if is_training:
+        aux = [_handle(stats), _handle(rng_copy)] + ([_handle(bias_copy)] if bias is not None else [])
+    _nvte.fused_attn_fwd(*H, Bias=_handle(bias), SoftmaxOffset=None, S=None, O=_handle(o), aux=aux,
+                         cu_seqlens_q=_handle(cu_q), cu_seqlens_kv=_handle(cu_kv), cu_seqlens_q_padded=None,
+                         cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
+                         rng_state=_handle(rng_state), is_training=is_training, return_max_logit=False,
+                         cuda_graph=False, workspace=_handle(ws), stream=_stream(q), **sc)
+    return o, stats, rng_copy, bias_copy
+
+
+@fused_attn_fwd.register_fake
+def _(q, k, v, bias, cu_q, cu_kv, rng_state, max_sq, max_skv, is_training, scale, dropout, layout, bias_type,
+      mask, wl, wr, br):
+    o = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    stats = q.new_empty(_stats_shape(q, layout == LAYOUTS["bshd"], max_sq), dtype=torch.float32)
+    bias_copy = torch.empty_like(bias) if bias is not None else q.new_empty(0)
+    return o, stats, q.new_empty(2, dtype=torch.int64), bias_copy
+
+
+@custom_op("transformer_engine::fused_attn_bwd", mutates_args=())
+def fused_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, stats: Tensor, rng_copy: Tensor,
+                   bias_copy: Tensor, cu_q: Optional[Tensor], cu_kv: Optional[Tensor], max_sq: int, max_skv: int,
+                   scale: float, dropout: float, layout: int, bias_type: int, mask: int, wl: int, wr: int,
+                   br: bool, need_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    sc = _scalars(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br)
+    H = [_handle(x) for x in (q, k, v)]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    has_bias = bias_copy.numel() > 0
+    dbias = torch.empty_like(bias_copy) if (has_bias and need_dbias) else q.new_empty(0)
+    ws = _workspace(_nvte.fused_attn_bwd_workspace_size(*H, _handle(dbias) if dbias.numel() else None, max_sq,
+                                                        max_skv, dropout, sc["qkv_layout"], sc["bias_type"],
+                                                        sc["attn_mask_type"], sc["softmax_type"], wl, wr, br),
+                    q.device)
+    aux = [_handle(stats), _handle(rng_copy)] + ([_handle(bias_copy)] if has_bias else [])
+    _nvte.fused_attn_bwd(*H, _handle(o), _handle(do.contiguous()), None, None, aux, _handle(dq), _handle(dk),
+                         _handle(dv), _handle(dbias) if dbias.numel() else None, None, _handle(cu_q), _handle(cu_kv),
+                         None, None, deterministic=True, cuda_graph=False, workspace=_handle(ws),
+                         stream=_stream(q), **sc)
+    return dq, dk, dv, dbias
+
+
+@fused_attn_bwd.register_fake
+def _(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, max_sq, max_skv, scale, dropout, layout, bias_type,
+      mask, wl, wr, br, need_dbias):
+    has = bias_copy.numel() > 0 and need_dbias
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(bias_copy) if has else q.new_empty(0))
+
+
+class FusedAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, cu_q, cu_kv, rng_state, cfg):
+        (max_sq, max_skv, is_training, scale, dropout, layout, bias_type, mask, wl, wr, br) = cfg
+        o, stats, rng_copy, bias_copy = fused_attn_fwd(q, k, v, bias, cu_q, cu_kv, rng_state, max_sq, max_skv,
+                                                       is_training, scale, dropout, layout, bias_type, mask, wl, wr,
+                                                       br)
+        ctx.save_for_backward(q, k, v, o, stats, rng_copy, bias_copy, cu_q, cu_kv)
+        ctx.cfg = cfg
+        ctx.need_dbias = (bias is not None and bias.requires_grad and
+                          bias_type in (int(BT.NVTE_PRE_SCALE_BIAS), int(BT.NVTE_POST_SCALE_BIAS)))
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, stats, rng_copy, bias_copy, cu_q, cu_kv = ctx.saved_tensors
+        (max_sq, max_skv, _, scale, dropout, layout, bias_type, mask, wl, wr, br) = ctx.cfg
+        dq, dk, dv, dbias = fused_attn_bwd(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, max_sq,
+                                           max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br,
+                                           ctx.need_dbias)
+        return dq, dk, dv, (dbias if ctx.need_dbias else None), None, None, None, None
+
+
+# ------------------------------------------------------------------ backend choice
+def _env(name: str) -> Optional[str]:
+    v = os.environ.get(name)
+    return None if v is None or v == "" else v
+
+
+def unfused_allowed() -> bool:
+    return _env("NVTE_UNFUSED_ATTN") != "0"
+
+
+def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_type: int, mask: int, dropout: float,
+                           is_training: bool, max_sq: int, max_skv: int, wl: int, wr: int) -> Tuple[bool, str]:
+    """(supported, reason) from nvte_get_fused_attn_backend for this configuration."""
+    be = _nvte.get_fused_attn_backend(is_training, _DT[q.dtype], _DT[k.dtype], L(layout), BT(bias_type), M(mask),
+                                      ST.NVTE_VANILLA_SOFTMAX, dropout, q.shape[2], k.shape[2], max_sq, max_skv,
+                                      q.shape[3], v.shape[3], wl, wr)
+    if be == _nvte.NVTE_Fused_Attn_Backend.NVTE_No_Backend:
+        return False, _nvte.get_last_error()
+    return True, ""
+
+
+def want_fused(device: torch.device, needs_fused: bool) -> bool:
+    """Whether to try the fused path (before asking the library whether it supports the call)."""
+    env = _env("NVTE_FUSED_ATTN")
+    if env == "0":
+        return False
+    if device.type == "cuda" or env == "1" or needs_fused or not unfused_allowed():
+        return True
+    return False
+
+
+def padding_to_cu_seqlens(attention_mask: Tensor, b: int, s: int, what: str) -> Optional[Tensor]:
+    """int32 cu_seqlens [b + 1] from a padding mask ([b, 1, 1, s] or [b, s], True = masked out) whose
+    valid tokens come first in every sequence; None when the mask is not of that form."""
+    m = attention_mask
+    if m.dim() == 4:
+        m = m.reshape(m.shape[0], m.shape[-1])
+    if tuple(m.shape) != (b, s):
+        raise ValueError(f"{what} padding mask has shape {tuple(attention_mask.shape)}; expected [{b}, 1, 1, {s}]")
+    m = m.bool()
+    lens = (~m).sum(-1)
+    prefix = torch.arange(s, device=m.device)[None, :] >= lens[:, None]
+    if not torch.equal(prefix, m):  # not right-padded: only the unfused path can apply it
+        return None
+    cu = torch.zeros(b + 1, dtype=torch.int32, device=m.device)
+    cu[1:] = torch.cumsum(lens, 0).to(torch.int32)
+    return cu
+
+
+def new_rng_state(device: torch.device) -> Tensor:
+    """(seed, offset) for the library's dropout, drawn from torch's generator of the device."""
+    seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device)
+    return torch.cat([seed, torch.zeros(1, dtype=torch.int64, device=device)])
