@@ -107,3 +107,124 @@ def test_grouped_linear_api(rng):
         m(x, [6])
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         te.GroupedLinear(2, 8, 4, tp_size=2, device="cpu")
+
+
+# ------------------------------------------------------------------------ torch.compile, caching
+CACHE_RECIPES = {"delayed": lambda: recipe.DelayedScaling(amax_history_len=4), "current": recipe.Float8CurrentScaling}
+
+
+@pytest.mark.parametrize("kind", ["none"] + list(CACHE_RECIPES))
+def test_grouped_linear_compile_fullgraph(rng, kind):
+    """torch.compile(fullgraph=True) traces GroupedLinear forward and backward (the grouped GEMMs
+    and casts are opaque registered ops in both graphs) and computes what eager does over changing
+    m_splits (empty blocks included), recipe state included."""
+    import copy
+
+    from test_compile import OPS, GraphRecorder, _meta_state
+
+    torch._dynamo.reset()
+    g = seeded(rng)
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    eager = te.GroupedLinear(3, 16, 24, device="cpu")
+    src = copy.deepcopy(eager)
+    rec = GraphRecorder()
+    compiled = torch.compile(src, fullgraph=True, backend=rec.backend())
+    # the default history length: other lengths resize the metadata, which must happen eagerly
+    r = {"none": None, "delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentScaling()}[kind]
+    for step, splits in enumerate([[5, 0, 7], [4, 4, 4], [0, 12, 0], [6, 3, 3]]):
+        x = torch.randn(12, 16, generator=g) * (1 + step)
+        dy = torch.randn(12, 24, generator=g) * 1e-2
+        res = []
+        for mod, params in ((eager, eager), (compiled, src)):
+            xx = x.clone().requires_grad_()
+            if r is None:
+                y = mod(xx, splits)
+            else:
+                with te.fp8_autocast(fp8_recipe=r):
+                    y = mod(xx, splits)
+            y.backward(dy)
+            res.append((y.detach(), xx.grad, {n: p.grad.clone() for n, p in params.named_parameters()}))
+            params.zero_grad(set_to_none=True)
+        (ye, dxe, ge), (yc, dxc, gc) = res
+        torch.testing.assert_close(yc, ye, rtol=0, atol=0, msg=lambda m: f"step {step} output: {m}")
+        torch.testing.assert_close(dxc, dxe, rtol=0, atol=0, msg=lambda m: f"step {step} dgrad: {m}")
+        for n in ge:
+            torch.testing.assert_close(gc[n], ge[n], rtol=0, atol=0, msg=lambda m: f"step {step} grad {n}: {m}")
+        se, sc = _meta_state(eager), _meta_state(src)
+        assert se.keys() == sc.keys()
+        for k in se:
+            assert torch.equal(sc[k], se[k]), (step, k)
+    assert OPS.grouped_gemm.default in rec.targets["fw"] and OPS.grouped_gemm.default in rec.targets["bw"]
+    assert (OPS.quantize.default in rec.targets["fw"]) == (kind != "none")
+    assert (OPS.delayed_scaling_update.default in rec.targets["bw"]) == (kind == "delayed")
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", list(CACHE_RECIPES))
+def test_grouped_linear_is_first_microbatch_caching(rng, kind):
+    """True casts the weights and keeps the FP8 copies, False reuses them (the outputs ignore a
+    weight change; delayed scaling records no weight amax), None casts the current weights."""
+    g = seeded(rng)
+    m = te.GroupedLinear(3, 16, 24, device="cpu")
+    x = torch.randn(12, 16, generator=g)
+    splits = [5, 3, 4]
+    r = CACHE_RECIPES[kind]()
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):  # no_grad: no recipe step between the calls
+        y_first = m(x, splits, is_first_microbatch=True)
+        hist = m.fp8_meta.amax_history["fwd"]
+        if kind == "delayed":
+            w_amax = hist[0, 3:6].clone()
+            assert bool((w_amax > 0).all())  # each weight's amax recorded at its own slot
+            hist[0, 3:6] = 0.0
+        with torch.no_grad():
+            for i in range(3):
+                getattr(m, f"weight{i}").mul_(2.0)
+        y_cached = m(x, splits, is_first_microbatch=False)
+        if kind == "delayed":
+            assert bool((hist[0, 3:6] == 0).all())  # the kept copies were used: no weight cast
+        y_fresh = m(x, splits, is_first_microbatch=None)
+        y_fresh2 = m(x, splits)
+    assert torch.equal(y_cached, y_first)
+    assert torch.equal(y_fresh, y_fresh2)
+    assert not torch.allclose(y_fresh, y_first, rtol=1e-2, atol=1e-3)
+    # the cached forward is the emulated FP8 forward of the weights as they were at True
+    if kind == "current":
+        xs = torch.split(x, splits)
+        ws = [cs_q(getattr(m, f"weight{i}").detach() / 2.0, "e4m3") for i in range(3)]
+        yr = torch.cat([cs_q(xi, "e4m3") @ w.t() + getattr(m, f"bias{i}").detach().double()
+                        for i, (xi, w) in enumerate(zip(xs, ws))])
+        assert rel_err(y_cached, yr) < 1e-6
+
+
+@pytest.mark.parametrize("kind", list(CACHE_RECIPES))
+def test_grouped_linear_fp8_params(rng, kind):
+    """GroupedLinear built under quantized_model_init: the FP8 weights feed the grouped GEMMs
+    directly (forward = emulation with the dequantized weights), and an SGD step keeps them FP8."""
+    from transformer_engine.pytorch.tensor import Float8Tensor
+
+    g = seeded(rng)
+    r = CACHE_RECIPES[kind]()
+    with te.quantized_model_init(recipe=r):
+        m = te.GroupedLinear(2, 16, 24, bias=False, device="cpu")
+    assert all(isinstance(getattr(m, f"weight{i}"), Float8Tensor) for i in range(2))
+    splits = [4, 8]
+    x = torch.randn(12, 16, generator=g).requires_grad_()
+    s_x = m.fp8_meta.scale["fwd"][:2].clone()
+    with te.fp8_autocast(fp8_recipe=r):
+        y = m(x, splits)
+    dy = torch.randn(12, 24, generator=g) * 1e-2
+    y.backward(dy)
+    ws = [getattr(m, f"weight{i}").dequantize().double() for i in range(2)]
+    xs = torch.split(x.detach(), splits)
+    if kind == "current":
+        xq = [cs_q(xi, "e4m3") for xi in xs]
+        gq = [cs_q(gi, "e5m2") for gi in torch.split(dy, splits)]
+    else:
+        xq = [fp8_emulate(xi, s_x[i].item(), "e4m3") for i, xi in enumerate(xs)]
+        gq = [fp8_emulate(gi, m.fp8_meta.scale["bwd"][i].item(), "e5m2") for i, gi in enumerate(torch.split(dy, splits))]
+    yr, dxr, dwr, _ = _ref(xq, ws, [None, None], gq)
+    assert rel_err(y, yr) < 1e-6 and rel_err(x.grad, dxr) < 1e-6
+    for i in range(2):
+        assert rel_err(getattr(m, f"weight{i}").grad, dwr[i]) < 1e-5
+    torch.optim.SGD(m.parameters(), lr=0.1).step()
+    assert all(isinstance(getattr(m, f"weight{i}"), Float8Tensor) for i in range(2))

@@ -1,34 +1,34 @@
-"""te.Linear against float64 PyTorch references (CPU backend)."""
+"""te.Linear against float64 PyTorch references (on NVTE_TEST_DEVICE, default the CPU backend)."""
 import pytest
 import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import fp8_emulate, rel_err, seeded
+from _util import DEVICE, cpu64, dev, fp8_emulate, rel_err, seeded
 
 
 def _ref_linear(x, w, b):
-    y = x.detach().double() @ w.detach().double().t()
-    return y + b.detach().double() if b is not None else y
+    y = cpu64(x) @ cpu64(w).t()
+    return y + cpu64(b) if b is not None else y
 
 
 @pytest.mark.parametrize("shape", [(16,), (5, 16), (2, 3, 16)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_high_precision_fwd_bwd(rng, shape, bias):
     g = seeded(rng)
-    m = te.Linear(16, 24, bias=bias, device="cpu")
+    m = te.Linear(16, 24, bias=bias, device=DEVICE)
     with torch.no_grad():
-        m.weight.normal_(generator=g)
+        m.weight.copy_(torch.randn(m.weight.shape, generator=g))
         if bias:
-            m.bias.normal_(generator=g)
+            m.bias.copy_(torch.randn(m.bias.shape, generator=g))
     x = torch.randn(*shape, generator=g, requires_grad=True)
-    y = m(x)
+    y = m(dev(x))
     assert y.shape == (*shape[:-1], 24) and y.dtype == torch.float32
     assert rel_err(y, _ref_linear(x, m.weight, m.bias)) < 1e-6
     dy = torch.randn(y.shape, generator=g)
-    y.backward(dy)
+    y.backward(dev(dy))
     d2, x2 = dy.double().reshape(-1, 24), x.detach().double().reshape(-1, 16)
-    assert rel_err(x.grad, (d2 @ m.weight.detach().double()).reshape(x.shape)) < 1e-6
+    assert rel_err(x.grad, (d2 @ cpu64(m.weight)).reshape(x.shape)) < 1e-6
     assert rel_err(m.weight.grad, d2.t() @ x2) < 1e-6
     if bias:
         assert rel_err(m.bias.grad, d2.sum(0)) < 1e-6
@@ -36,9 +36,9 @@ def test_linear_high_precision_fwd_bwd(rng, shape, bias):
 
 def test_linear_bf16_params(rng):
     g = seeded(rng)
-    m = te.Linear(32, 8, params_dtype=torch.bfloat16, device="cpu")
+    m = te.Linear(32, 8, params_dtype=torch.bfloat16, device=DEVICE)
     x = torch.randn(4, 32, generator=g, dtype=torch.bfloat16, requires_grad=True)
-    y = m(x)
+    y = m(dev(x))
     assert y.dtype == torch.bfloat16
     assert rel_err(y, _ref_linear(x, m.weight, m.bias)) < 1e-2
     y.float().sum().backward()
@@ -49,9 +49,9 @@ def test_linear_fp8_matches_emulation(rng):
     """FP8 forward = float64 GEMM of the FP8-rounded operands with the scales the recipe holds;
     backward (HYBRID: gradient in E5M2) likewise for dgrad and wgrad."""
     g = seeded(rng)
-    m = te.Linear(32, 48, device="cpu")
+    m = te.Linear(32, 48, device=DEVICE)
     with torch.no_grad():
-        m.bias.normal_(generator=g)
+        m.bias.copy_(torch.randn(48, generator=g))
     r = recipe.DelayedScaling(margin=0, fp8_format=recipe.Format.HYBRID, amax_history_len=2)
     x = (torch.randn(20, 32, generator=g) * 3).requires_grad_()
     dy = torch.randn(20, 48, generator=g) * 1e-3
@@ -61,12 +61,12 @@ def test_linear_fp8_matches_emulation(rng):
         meta = m.fp8_meta
         s_x, s_w = (meta.scale["fwd"][0].item(), meta.scale["fwd"][1].item()) if meta.initialized else (1.0, 1.0)
         with te.fp8_autocast(fp8_recipe=r):
-            y = m(x)
-        y.backward(dy)
+            y = m(dev(x))
+        y.backward(dev(dy))
         s_g = meta.scale["bwd"][0].item()  # updated at the start of this backward
         xq, wq = fp8_emulate(x, s_x, "e4m3"), fp8_emulate(m.weight, s_w, "e4m3")
         gq = fp8_emulate(dy, s_g, "e5m2")
-        assert rel_err(y, xq @ wq.t() + m.bias.detach().double()) < 1e-5, step
+        assert rel_err(y, xq @ wq.t() + cpu64(m.bias)) < 1e-5, step
         assert rel_err(x.grad, gq @ wq) < 1e-5, step
         assert rel_err(m.weight.grad, gq.t() @ xq) < 1e-5, step
         assert rel_err(m.bias.grad, dy.double().sum(0)) < 1e-5
@@ -79,23 +79,23 @@ def test_linear_fp8_matches_emulation(rng):
 
 def test_linear_parameter_assignment_takes_effect(rng):
     g = seeded(rng)
-    m = te.Linear(8, 4, device="cpu")
+    m = te.Linear(8, 4, device=DEVICE)
     x = torch.randn(3, 8, generator=g)
     w = torch.randn(4, 8, generator=g)
-    m.weight = torch.nn.Parameter(w.clone())
-    m.bias = torch.nn.Parameter(torch.ones(4))
-    assert rel_err(m(x), x.double() @ w.double().t() + 1) < 1e-6
+    m.weight = torch.nn.Parameter(dev(w).clone())
+    m.bias = torch.nn.Parameter(torch.ones(4, device=DEVICE))
+    assert rel_err(m(dev(x)), x.double() @ w.double().t() + 1) < 1e-6
     with torch.no_grad():
         m.weight.mul_(2)
-    assert rel_err(m(x), 2 * x.double() @ w.double().t() + 1) < 1e-6
+    assert rel_err(m(dev(x)), 2 * x.double() @ w.double().t() + 1) < 1e-6
 
 
 def test_linear_return_bias_and_init_method():
-    m = te.Linear(8, 4, return_bias=True, init_method=lambda w: torch.nn.init.constant_(w, 0.5), device="cpu")
-    x = torch.ones(2, 8)
+    m = te.Linear(8, 4, return_bias=True, init_method=lambda w: torch.nn.init.constant_(w, 0.5), device=DEVICE)
+    x = torch.ones(2, 8, device=DEVICE)
     y, b = m(x)
     assert b is m.bias
-    assert torch.allclose(y, torch.full((2, 4), 4.0))
+    assert torch.allclose(y, torch.full((2, 4), 4.0, device=DEVICE))
 
 
 def test_linear_default_device_and_meta_init():
@@ -134,18 +134,18 @@ def test_linear_bad_inputs():
 
 def test_linear_noncontiguous_and_float64_input(rng):
     g = seeded(rng)
-    m = te.Linear(8, 4, device="cpu")
-    x = torch.randn(8, 6, generator=g, dtype=torch.float64).t()  # non-contiguous float64
+    m = te.Linear(8, 4, device=DEVICE)
+    x = dev(torch.randn(8, 6, generator=g, dtype=torch.float64)).t()  # non-contiguous float64
     y = m(x)
     assert y.dtype == torch.float32
     assert rel_err(y, _ref_linear(x, m.weight, m.bias)) < 1e-6
 
 
 def test_linear_no_grad_fp8_skips_update(rng):
-    m = te.Linear(16, 16, device="cpu")
+    m = te.Linear(16, 16, device=DEVICE)
     r = recipe.DelayedScaling(amax_history_len=4)
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):
-        m(torch.randn(4, 16, generator=seeded(rng)))
+        m(dev(torch.randn(4, 16, generator=seeded(rng))))
     h = m.fp8_meta.amax_history["fwd"]
     assert float(h[0, 0]) > 0 and float(h[1:].abs().sum()) == 0  # recorded, not rolled
-    assert torch.equal(m.fp8_meta.scale["fwd"], torch.ones(3))
+    assert torch.equal(m.fp8_meta.scale["fwd"].cpu(), torch.ones(3))

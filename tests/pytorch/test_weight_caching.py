@@ -5,7 +5,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import fp8_emulate, rel_err, seeded
+from _util import DEVICE, dev, fp8_emulate, rel_err, seeded
 
 RECIPES = {"delayed": lambda: recipe.DelayedScaling(amax_history_len=4), "current": recipe.Float8CurrentScaling}
 
@@ -18,18 +18,18 @@ def _scale_weights_(module, factor):
 
 
 @pytest.mark.parametrize("kind", list(RECIPES))
-@pytest.mark.parametrize("make", [lambda: te.Linear(16, 24, device="cpu"),
-                                  lambda: te.LayerNormLinear(16, 24, device="cpu"),
-                                  lambda: te.LayerNormMLP(16, 32, device="cpu"),
+@pytest.mark.parametrize("make", [lambda: te.Linear(16, 24, device=DEVICE),
+                                  lambda: te.LayerNormLinear(16, 24, device=DEVICE),
+                                  lambda: te.LayerNormMLP(16, 32, device=DEVICE),
                                   lambda: te.TransformerLayer(16, 32, 2, hidden_dropout=0.0, attention_dropout=0.0,
-                                                              device="cpu")],
+                                                              device=DEVICE)],
                          ids=["Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer"])
 def test_cached_weights_are_reused(rng, kind, make):
     """After True, changing the weights does not change a False forward (the FP8 copies are reused),
     while a None forward casts the new weights."""
     g = seeded(rng)
     m = make()
-    x = torch.randn(3, 2, 16, generator=g)
+    x = dev(torch.randn(3, 2, 16, generator=g))
     r = RECIPES[kind]()
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):  # no_grad: no recipe step between the calls
         y_first = m(x, is_first_microbatch=True)
@@ -47,7 +47,7 @@ def test_linear_microbatches_fp8_weight_reuse_and_grads(rng):
     micro-batch (its delayed scale then), the weight amax is recorded only then, and the gradients
     accumulate as the float64 emulation says."""
     g = seeded(rng)
-    m = te.Linear(32, 16, bias=False, device="cpu")
+    m = te.Linear(32, 16, bias=False, device=DEVICE)
     r = recipe.DelayedScaling(amax_history_len=4, margin=0)
     for step in range(2):
         m.zero_grad(set_to_none=True)
@@ -59,10 +59,10 @@ def test_linear_microbatches_fp8_weight_reuse_and_grads(rng):
             x = torch.randn(8, 32, generator=g) * (1 + mb)
             dy = torch.randn(8, 16, generator=g) * 1e-2
             with te.fp8_autocast(fp8_recipe=r):
-                y = m(x, is_first_microbatch=(mb == 0))
+                y = m(dev(x), is_first_microbatch=(mb == 0))
                 # the weight's amax is recorded only when it is cast (row 0 is zeroed by each recipe step)
                 assert (float(meta.amax_history["fwd"][0, 1]) > 0.0) == (mb == 0)
-            y.backward(dy)
+            y.backward(dev(dy))
             s_g = meta.scale["bwd"][0].item()
             wq = fp8_emulate(m.weight, s_w, "e4m3")
             xq, gq = fp8_emulate(x, s_x, "e4m3"), fp8_emulate(dy, s_g, "e5m2")
@@ -70,13 +70,13 @@ def test_linear_microbatches_fp8_weight_reuse_and_grads(rng):
             dw_ref += gq.t() @ xq
         assert rel_err(m.weight.grad, dw_ref) < 1e-5, step
         with torch.no_grad():
-            m.weight.add_(torch.randn(16, 32, generator=g) * 0.01)  # an optimizer step changes the weight
+            m.weight.add_(dev(torch.randn(16, 32, generator=g)) * 0.01)  # an optimizer step changes the weight
 
 
 def test_cache_refreshed_by_true(rng):
     g = seeded(rng)
-    m = te.Linear(16, 8, device="cpu")
-    x = torch.randn(4, 16, generator=g)
+    m = te.Linear(16, 8, device=DEVICE)
+    x = dev(torch.randn(4, 16, generator=g))
     r = recipe.Float8CurrentScaling()
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):
         m(x, is_first_microbatch=True)
@@ -89,10 +89,10 @@ def test_cache_refreshed_by_true(rng):
 
 def test_is_first_microbatch_without_fp8_is_plain(rng):
     g = seeded(rng)
-    m = te.Linear(16, 8, device="cpu")
-    x = torch.randn(4, 16, generator=g)
+    m = te.Linear(16, 8, device=DEVICE)
+    x = dev(torch.randn(4, 16, generator=g))
     y1 = m(x, is_first_microbatch=True)
     _scale_weights_(m, 2.0)
     y2 = m(x, is_first_microbatch=False)  # high precision: nothing is cached, the new weight is used
-    torch.testing.assert_close(y2, x @ m.weight.detach().t() + m.bias.detach())
+    torch.testing.assert_close(y2, x @ m.weight.detach().t() + m.bias.detach())  # all on DEVICE
     assert not torch.allclose(y1, y2)

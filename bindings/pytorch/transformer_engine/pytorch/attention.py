@@ -344,6 +344,12 @@ class _SplitParams:
             self.register_parameter(f"{name}_bias", None if b is None else
                                     torch.nn.Parameter(b.detach()[start:start + n].clone()))
             start += n
+        self._make_fp8_params()  # quantized_model_init: the split weights are the FP8 parameters
+
+    def _fp8_weight_slots(self):
+        if not getattr(self, "_splits", None):
+            return {}  # still building: the fused weight is split (and cast) in _split
+        return {f"{name}_weight": 1 for name, _ in self._splits}
 
     def _init_parameters(self) -> None:
         if not getattr(self, "_splits", None):

@@ -22,7 +22,7 @@ from torch.library import custom_op
 
 from . import _ops
 
-__all__ = ["quantize", "gemm", "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "activation",
+__all__ = ["quantize", "dequantize", "gemm", "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "activation",
            "dactivation", "softmax_forward", "softmax_backward", "delayed_scaling_update", "HIGH_PRECISION_OPERAND",
            "missing"]
 
@@ -98,6 +98,17 @@ def _(x, scale, amax_history, index, fp8_dtype, rowwise, columnwise, with_dbias,
             x.new_empty((cols, rows), dtype=u8) if columnwise else x.new_empty((0,), dtype=u8),
             x.new_empty((1,), dtype=torch.float32),
             x.new_empty((cols,) if with_dbias else (0,)))
+
+
+@custom_op("transformer_engine::dequantize", mutates_args=())
+def dequantize(data: Tensor, scale_inv: Tensor, fp8_dtype: int, out_dtype: torch.dtype) -> Tensor:
+    """High-precision value of FP8 data (uint8 [rows, cols]) with its scale_inv, in out_dtype."""
+    return _ops.dequantize(_ops.FP8Tensor(data, None, scale_inv, _ops.DType(fp8_dtype), tuple(data.shape)), out_dtype)
+
+
+@dequantize.register_fake
+def _(data, scale_inv, fp8_dtype, out_dtype):
+    return data.new_empty(tuple(data.shape), dtype=out_dtype)
 
 
 @custom_op("transformer_engine::delayed_scaling_update", mutates_args=("amax_history", "scale"))

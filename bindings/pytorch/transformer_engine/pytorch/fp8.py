@@ -25,7 +25,7 @@ from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScalin
 from . import _ops, custom_ops
 
 __all__ = ["fp8_autocast", "autocast", "is_fp8_available", "fp8_model_init", "quantized_model_init",
-           "FP8GlobalState", "FP8Meta", "get_default_recipe"]
+           "FP8GlobalState", "FP8Meta", "FP8ModelInitState", "get_default_recipe"]
 
 
 def get_default_recipe() -> DelayedScaling:
@@ -214,6 +214,7 @@ class FP8GlobalState:
         cls.enabled, cls.calibrating, cls.recipe, cls.group, cls.depth = False, False, None, None, 0
         cls.pending = {}
         cls.checkpoint_stash = cls.recompute_stash = None
+        FP8ModelInitState.reset()
 
     @classmethod
     def autocast_state(cls):
@@ -259,17 +260,55 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Op
 autocast = fp8_autocast
 
 
-def _not_implemented(name):
-    @contextlib.contextmanager
-    def ctx(enabled: bool = True, *args, **kwargs):
-        if enabled:
-            raise NotImplementedError(f"{name}: parameters stored in FP8 are not implemented yet in this "
-                                      "adapter; create modules without it (they keep high-precision weights "
-                                      "and cast them to FP8 in each forward)")
+class FP8ModelInitState:
+    """The quantized_model_init region in force while modules are built (read by their __init__)."""
+
+    enabled = False
+    recipe: Optional[Recipe] = None
+    preserve_high_precision_init_val = False
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.enabled, cls.recipe, cls.preserve_high_precision_init_val = False, None, False
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                         preserve_high_precision_init_val: bool = False):
+    """TE modules built inside the region keep their GEMM weights only in FP8 (a Float8Tensor
+    parameter: FP8 bytes, their transpose when built with grad enabled, scale_inv); norm weights and
+    biases stay in high precision. There is no high-precision copy of those weights: the master
+    weights, if any, belong to the optimizer (or the caller), who writes updates into the
+    parameter with `param.copy_(hp)` / in-place ops, which cast to FP8 again.
+
+    recipe (default DelayedScaling()): DelayedScaling casts a weight with its module's forward
+    weight scale (and records the weight's amax in the module's amax history, so the recipe step
+    adapts that scale); Float8CurrentScaling takes each cast's scale from the value itself
+    (fp8_quant_fwd_weight). The FP8 format is the recipe's forward format.
+
+    preserve_high_precision_init_val: keep the initial high-precision value of each FP8 weight
+    on the CPU, for param.get_high_precision_init_val() (e.g. to seed optimizer master weights);
+    param.clear_high_precision_init_val() frees it.
+
+    Under fp8_autocast the modules' FP8 GEMMs read the FP8 weights directly; outside it the
+    weights are dequantized and the module runs in high precision."""
+    if enabled:
+        ok, reason = is_fp8_available()
+        if not ok:
+            raise RuntimeError(f"FP8 is not available: {reason}")
+        recipe = get_default_recipe() if recipe is None else recipe
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a transformer_engine.common.recipe.Recipe, got {type(recipe).__name__}")
+        check_recipe_supported(recipe)
+    st = FP8ModelInitState
+    saved = (st.enabled, st.recipe, st.preserve_high_precision_init_val)
+    st.enabled, st.recipe = bool(enabled), (recipe if enabled else None)
+    st.preserve_high_precision_init_val = bool(preserve_high_precision_init_val) and bool(enabled)
+    try:
         yield
-    ctx.__name__ = name
-    return ctx
+    finally:
+        st.enabled, st.recipe, st.preserve_high_precision_init_val = saved
 
 
-fp8_model_init = _not_implemented("fp8_model_init")
-quantized_model_init = _not_implemented("quantized_model_init")
+# TE 1.x name of the same context manager
+fp8_model_init = quantized_model_init

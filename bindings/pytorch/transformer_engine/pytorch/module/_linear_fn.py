@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import custom_ops as ops
+from ..tensor import Float8Tensor
 
 HP = ops.HIGH_PRECISION_OPERAND
 
@@ -73,7 +74,7 @@ class _LinearFn(torch.autograd.Function):
         else:
             if cfg.scaling == "calibrate":  # record the input's amax only (the FP8 copy is dropped)
                 ops.quantize(x2, fwd_scale, fwd_hist, cfg.fwd_slot, cfg.fwd_dtype, True, False, False, False, 0.0)
-            w = weight if weight.is_contiguous() else weight.contiguous()
+            w = high_precision(weight)
             out, pre, _ = ops.gemm(w, None, None, HP, x2, None, None, HP, x2.dtype, True, False, b, cfg.gelu, False)
             ctx.save_for_backward(x2, w, pre)
         # the backward meta is updated in place by the backward: kept on ctx, not saved (a saved tensor
@@ -123,6 +124,13 @@ class _LinearFn(torch.autograd.Function):
                                      need_db)
                 db = gb if need_db else None
         return dx, (dw if need_dw else None), db, None, None, None, None, None, None, None, None
+
+
+def high_precision(weight: torch.Tensor) -> torch.Tensor:
+    """A contiguous high-precision tensor of a weight (an FP8 parameter is dequantized)."""
+    if isinstance(weight, Float8Tensor):
+        return weight.dequantize()
+    return weight if weight.is_contiguous() else weight.contiguous()
 
 
 def linear_fn(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LinearCfg,

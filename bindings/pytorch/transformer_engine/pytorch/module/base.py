@@ -1,5 +1,6 @@
 """Shared machinery of the TE modules: device / dtype defaults, meta-device materialisation,
-FP8 metadata ownership and its state_dict entry (`_extra_state`)."""
+FP8 metadata ownership and its state_dict entry (`_extra_state`), FP8 weight parameters
+(quantized_model_init)."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -9,7 +10,8 @@ import torch
 from transformer_engine.common.recipe import DelayedScaling
 
 from .. import _ops, custom_ops
-from ..fp8 import FP8GlobalState, FP8Meta
+from ..fp8 import FP8GlobalState, FP8Meta, FP8ModelInitState
+from ..tensor import Float8Tensor, WeightQuantizer
 from ._linear_fn import LinearCfg, QuantizedWeight, grad_needs, linear_fn
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -59,6 +61,10 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if self._device_arg.type != "meta" and (self._num_fp8_fwd or self._num_fp8_bwd):
             self.fp8_meta.allocate(self._device_arg)
         self._fp8_weight_cache = {}  # slot -> QuantizedWeight kept by is_first_microbatch=True
+        # quantized_model_init: the recipe the GEMM weights are kept in FP8 with (None: high precision)
+        init = FP8ModelInitState
+        self._fp8_param_recipe = init.recipe if init.enabled and (self._num_fp8_fwd or self._num_fp8_bwd) else None
+        self._preserve_hp_init_val = init.preserve_high_precision_init_val
 
     def _new_param(self, *shape) -> torch.nn.Parameter:
         return torch.nn.Parameter(torch.empty(*shape, dtype=self.params_dtype, device=self._device_arg))
@@ -76,9 +82,41 @@ class TransformerEngineBaseModule(torch.nn.Module):
             self.fp8_meta.allocate(default_device())
         with torch.no_grad():
             self._init_parameters()
+        self._make_fp8_params()
 
     def _init_parameters(self) -> None:  # pragma: no cover - subclasses
         raise NotImplementedError
+
+    def _fp8_weight_slots(self):
+        """{parameter name: forward FP8 meta slot} of the GEMM weights (kept in FP8 under
+        quantized_model_init)."""
+        return {}
+
+    def _make_fp8_params(self) -> None:
+        """quantized_model_init: replace each high-precision GEMM weight by its FP8 cast (a
+        Float8Tensor parameter); the high-precision tensor is dropped (or kept on the CPU when
+        preserve_high_precision_init_val)."""
+        recipe = self._fp8_param_recipe
+        if recipe is None:
+            return
+        weights = {n: getattr(self, n) for n in self._fp8_weight_slots()}
+        live = [p for p in weights.values() if p is not None and p.device.type != "meta"]
+        if not live:
+            return
+        self.fp8_meta.prepare(recipe, live[0].device)
+        fwd_dtype = self.fp8_meta.fp8_dtype("fwd")
+        columnwise = torch.is_grad_enabled()  # built for training: keep the transpose the dgrad GEMM reads
+        for name, slot in self._fp8_weight_slots().items():
+            p = weights[name]
+            if p is None or isinstance(p, Float8Tensor) or p.device.type == "meta":
+                continue
+            quantizer = WeightQuantizer(recipe, fwd_dtype, self.fp8_meta, slot)
+            with torch.no_grad():
+                q = Float8Tensor.quantize(p, quantizer, columnwise=columnwise)
+            param = torch.nn.Parameter(q, requires_grad=p.requires_grad)
+            if self._preserve_hp_init_val:
+                param._high_precision_init_val = p.detach().to("cpu", copy=True)
+            setattr(self, name, param)
 
     # ------------------------------------------------------------------ FP8
     def _fp8_mode(self, device: torch.device) -> str:
@@ -142,6 +180,10 @@ class TransformerEngineBaseModule(torch.nn.Module):
         is kept. Calibration records the weight's amax and returns None."""
         if cfg.scaling == "none":
             return None
+        if isinstance(weight, Float8Tensor):  # an FP8 parameter: its bytes are the GEMM operand
+            if cfg.scaling == "calibrate":
+                return None
+            return QuantizedWeight(*weight.fp8_operand(cfg.fwd_dtype, cfg.need_dgrad), cfg.fwd_dtype)
         if cfg.scaling != "calibrate" and is_first_microbatch is False:
             cached = self._fp8_weight_cache.get(slot)
             if cached is not None and cached.fp8_dtype == cfg.fwd_dtype:

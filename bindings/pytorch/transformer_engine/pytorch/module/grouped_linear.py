@@ -12,7 +12,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import custom_ops as ops
-from ._linear_fn import LinearCfg
+from ._linear_fn import LinearCfg, high_precision
 from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
 from .linear import check_unsupported
 
@@ -28,28 +28,35 @@ def _hp_operands(ts):
 
 
 class _GroupedLinearFn(torch.autograd.Function):
+    """Arguments: x2, the row splits (a tuple of ints), the LinearCfg, the bias count, then a flat run
+    of tensors: the n weights, the biases (n or none), the FP8 weights as (data, transpose,
+    scale_inv) triples (FP8 modes only) and the 4 meta tensors (or Nones). Only tensors and
+    constants cross apply(), no containers of tensors, so torch.compile sees every tensor input."""
+
     @staticmethod
-    def forward(ctx, x2, splits, cfg: LinearCfg, qweights, meta, *params):
+    def forward(ctx, x2, splits, cfg: LinearCfg, n_bias: int, *tensors):
         n = len(splits)
-        weights, biases = params[:n], params[n:]
+        weights, biases = tensors[:n], tensors[n:n + n_bias]
+        qflat = tensors[n + n_bias:len(tensors) - 4]
+        fwd_scale, fwd_hist, bwd_scale, bwd_hist = tensors[len(tensors) - 4:]
+        ctx.n_tensors = len(tensors)
         live = [i for i in range(n) if splits[i] > 0]  # empty row blocks take no GEMM
         xs = torch.split(x2, list(splits))
-        fwd_scale, fwd_hist, bwd_scale, bwd_hist = meta
         delayed = cfg.scaling == "delayed"
         bias = [biases[i] if biases else ops.missing(x2.device).to(x2.dtype) for i in live]
         if cfg.fp8:
             xq = [ops.quantize(xs[i], fwd_scale if delayed else None, fwd_hist if delayed else None, i, cfg.fwd_dtype,
                                True, cfg.need_wgrad, False, cfg.inp_pow2, cfg.inp_eps) for i in live]
-            wq = [qweights[i] for i in live]
-            outs, _ = ops.grouped_gemm([w.data for w in wq], [w.transpose for w in wq], [w.scale_inv for w in wq],
+            wq = [qflat[3 * i:3 * i + 3] for i in live]  # (data, transpose, scale_inv)
+            outs, _ = ops.grouped_gemm([w[0] for w in wq], [w[1] for w in wq], [w[2] for w in wq],
                                        cfg.fwd_dtype, [q[0] for q in xq], [q[1] for q in xq], [q[2] for q in xq],
                                        cfg.fwd_dtype, x2.dtype, True, False, bias, False)
-            saved = [q[1] for q in xq] + [q[2] for q in xq] + [w.transpose for w in wq] + [w.scale_inv for w in wq]
+            saved = [q[1] for q in xq] + [q[2] for q in xq] + [w[1] for w in wq] + [w[2] for w in wq]
         else:
             if cfg.scaling == "calibrate":
                 for i in live:
                     ops.quantize(xs[i], fwd_scale, fwd_hist, i, cfg.fwd_dtype, True, False, False, False, 0.0)
-            ws = [weights[i].contiguous() for i in live]
+            ws = [high_precision(weights[i]) for i in live]
             xl = [xs[i] for i in live]
             outs, _ = ops.grouped_gemm(*_hp_operands(ws), HP, *_hp_operands(xl), HP, x2.dtype, True, False, bias,
                                        False)
@@ -72,8 +79,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         g = grad_out.contiguous()
         gs = torch.split(g, list(splits))
         need_dx = ctx.needs_input_grad[0]
-        need_dw = any(ctx.needs_input_grad[5:5 + n])
-        need_db = ctx.has_bias and any(ctx.needs_input_grad[5 + n:])
+        need_dw = any(ctx.needs_input_grad[4:4 + n])
+        need_db = ctx.has_bias and any(ctx.needs_input_grad[4 + n:4 + 2 * n])
         saved = ctx.saved_tensors
         dbs = None
         if cfg.fp8:
@@ -119,7 +126,8 @@ class _GroupedLinearFn(torch.autograd.Function):
                 db_all[i] = torch.zeros(ctx.weight_shapes[i][0], dtype=ctx.weight_dtype, device=g.device)
             for i, d in zip(live, dbs):
                 db_all[i] = d.to(ctx.weight_dtype)
-        return (dx, None, None, None, None, *dw_all, *db_all)
+        rest = ctx.n_tensors - n - len(db_all)
+        return (dx, None, None, None, *dw_all, *db_all, *([None] * rest))
 
 
 class GroupedLinear(TransformerEngineBaseModule):
@@ -163,6 +171,9 @@ class GroupedLinear(TransformerEngineBaseModule):
             if b is not None:
                 b.zero_()
 
+    def _fp8_weight_slots(self):
+        return {f"weight{i}": self.num_gemms + i for i in range(self.num_gemms)}
+
     def forward(self, inp: torch.Tensor, m_splits: List[int], is_first_microbatch: Optional[bool] = None):
         """inp [..., in_features] viewed as rows; m_splits: rows per GEMM (sums to the row count)."""
         check_input(inp, self.in_features, "GroupedLinear")
@@ -182,8 +193,9 @@ class GroupedLinear(TransformerEngineBaseModule):
         qweights = [self._quantized_weight(w, cfg, self.num_gemms + i, is_first_microbatch)
                     for i, w in enumerate(weights)]
         fwd_biases = [] if self.return_bias else biases
-        out = _GroupedLinearFn.apply(x2, tuple(splits), cfg, qweights, self._meta_tensors(scaling), *weights,
-                                     *fwd_biases)
+        qflat = [t for q in qweights if q is not None for t in (q.data, q.transpose, q.scale_inv)]
+        out = _GroupedLinearFn.apply(x2, tuple(splits), cfg, len(fwd_biases), *weights, *fwd_biases, *qflat,
+                                     *self._meta_tensors(scaling))
         out = out.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return out, biases

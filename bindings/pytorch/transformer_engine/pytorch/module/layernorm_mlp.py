@@ -109,6 +109,9 @@ class LayerNormMLP(TransformerEngineBaseModule):
             if b is not None:
                 b.zero_()
 
+    def _fp8_weight_slots(self):
+        return {"fc1_weight": 1, "fc2_weight": 4}  # fwd_slot + 1 of each GEMM
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """is_first_microbatch: as in Linear.forward (FP8 weight caching, both weights)."""
         check_input(inp, self.hidden_size, "LayerNormMLP")

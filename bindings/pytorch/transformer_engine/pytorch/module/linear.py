@@ -59,6 +59,9 @@ class Linear(TransformerEngineBaseModule):
         if self.bias is not None:
             self.bias.zero_()
 
+    def _fp8_weight_slots(self):
+        return {"weight": 1}
+
     def _weight_and_bias(self):
         """The weight and bias this forward uses (split-parameter subclasses concatenate theirs)."""
         return self.weight, self.bias
