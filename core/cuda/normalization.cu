@@ -19,9 +19,12 @@
 // pointers, rows over 16384 elements or a dz dtype unlike x's take a scalar path that
 // re-reads the row from global memory (L1/L2); its backward accumulates its partials straight
 // in its workspace row. Math is float32 with the CPU's operation order for the elementwise
-// parts (explicit _rn intrinsics, no FMA contraction), so results differ from the CPU's
-// (double-accumulated row sums) only through the row sums.
+// parts (explicit _rn intrinsics, no FMA contraction) except the vector forward's z (one FMA,
+// see norm_fwd_vec), so results differ from the CPU's (double-accumulated row sums) through
+// the row sums and, for that z, by a few float32 roundings.
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 
 #include "../common/dtype_switch.h"
 #include "common.cuh"
@@ -147,95 +150,233 @@ __device__ __forceinline__ void fwd_finish(const FwdParams &p, float amax) {
   }
 }
 
-// Rows held in registers: H % 8 == 0, all row pointers 16-byte aligned, H <= 8 * NV * TPR.
-template <int TPR, int NV, int CTA>
+// Rows held in registers: H % 8 == 0, all row pointers 16-byte aligned, H <= 8 * NV * TPR,
+// x of storage type TI, decoded once into float32 registers. The kernel is issue-bound more
+// than memory-bound (ncu on an H200: ~34 instructions per element in an earlier version), so
+// per-element work is kept to the minimum: zero-centred gamma and beta are per-vector uniform
+// branches, z = (x - mu) * (rsigma * gamma) + beta is one subtraction, one multiplication and
+// one FMA (the CPU rounds ((x - mu) * rsigma) * gamma + beta: a few float32 ulps apart, inside
+// tests/gpu's bound), and addresses are per-row pointers.
+template <class TI, int TPR, int NV, int CTA>
 __global__ void __launch_bounds__(CTA, 1024 / CTA) norm_fwd_vec(const FwdParams p) {
   constexpr int R = CTA / TPR;
   __shared__ float red[CTA / 32];
-  const int t = threadIdx.x % TPR;
+  const int t = threadIdx.x % TPR, unit = threadIdx.x / TPR;
   const size_t h = p.cols, nvec = h / kVec;
   const bool ln = p.beta != nullptr;
   const float s = out_scale(p);
   float amax = 0.0f;
   // A grid of a few blocks per SM walks the row groups (one amax atomic per block).
   for (size_t group = blockIdx.x; group * R < p.rows; group += gridDim.x) {
-  const size_t row = group * R + threadIdx.x / TPR;
-  const bool live = row < p.rows;
-
-  // gamma and beta are loaded with x (in flight together) when registers allow, else after
-  // the statistics (they then come from L1/L2: every row reads the same vectors).
-  constexpr bool kEarly = NV <= 2;
-  constexpr int NG = kEarly ? NV : 1;
-  float x[NV][kVec], g[NG][kVec], b[NG][kVec];
+    const size_t row = group * R + unit;
+    const bool live = row < p.rows;
+    const TI *xrow = static_cast<const TI *>(p.x) + row * h;
+    float x[NV][kVec];
 #pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    const size_t k = t + (size_t)i * TPR;
-    if (live && k < nvec) {
-      ld8(p.x, p.xt, row * h + k * kVec, x[i]);
+    for (int i = 0; i < NV; ++i) {
+      const size_t k = t + (size_t)i * TPR;
+      if (live && k < nvec) {
+        ld8_t<TI>(xrow, k * kVec, x[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) x[i][j] = 0.0f;
+      }
+    }
+    float m = 0.0f;
+    if (ln) {
+      float a[1] = {0.0f};
+#pragma unroll
+      for (int i = 0; i < NV; ++i)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) a[0] += x[i][j];  // padding is 0
+      unit_sum<TPR, 1>(a, red);
+      m = a[0] / (float)h;
+    }
+    float q[1] = {0.0f};
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (t + (size_t)i * TPR < nvec) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          x[i][j] -= m;  // x now holds x - mu
+          q[0] = fmaf(x[i][j], x[i][j], q[0]);
+        }
+      }
+    }
+    unit_sum<TPR, 1>(q, red);
+    const float rs = 1.0f / sqrtf(q[0] / (float)h + p.eps);
+    if (!live) continue;  // (after the unit's last barrier of this row group)
+    if (t == 0) {
+      if (p.mu) p.mu[row] = m;
+      p.rsigma[row] = rs;
+    }
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const size_t k = t + (size_t)i * TPR;
+      if (k < nvec) {
+        float g[kVec], o[kVec];
+        ld8(p.gamma, p.gt, k * kVec, g);  // L1/L2: every row reads the same vectors
+        if (p.zc) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) g[j] += 1.0f;
+        }
+        if (ln) {
+          float b[kVec];
+          ld8(p.beta, p.bt, k * kVec, b);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o[j] = fmaf(x[i][j], rs * g[j], b[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o[j] = x[i][j] * (rs * g[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) amax = fmaxf(amax, fabsf(o[j]));
+        const size_t e = row * h + k * kVec;
+        if (p.z) st8(p.z, p.zt_dtype, e, o, s);  // s == 1 unless z is FP8
+        if (p.zt) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) st1(p.zt, p.zt_dtype, (k * kVec + j) * p.rows + row, o[j] * s);
+        }
+      }
+    }
+  }  // row groups
+  fwd_finish(p, amax);
+}
+
+// ------------------------------------------------ 16-bit forward with typed storage
+// The common case (bf16/fp16 x, gamma and beta of x's dtype, rowwise z of x's dtype or FP8)
+// with every storage type known at compile time: 16-byte raw loads decoded two values per
+// word with bit operations, paired output conversions (cvt.*x2) packed straight into one
+// store per 8 values. ncu on an H200 counted ~30 instructions per element for the run-time
+// typed kernel above (decodes, per-element conversions, type switches), which made it
+// issue-bound at under half the copy bandwidth.
+template <class T>
+__device__ __forceinline__ void unpack8(const uint4 &c, float (&f)[kVec]) {
+  const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, bf16>) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
     } else {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) x[i][j] = 0.0f;
+      __half2 hv;
+      memcpy(&hv, &w[i], 4);
+      const float2 v = __half22float2(hv);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
     }
   }
-#pragma unroll
-  for (int i = 0; i < NG; ++i) {
-    const size_t k = t + (size_t)i * TPR;
-    if (kEarly && live && k < nvec) {
-      ld8(p.gamma, p.gt, k * kVec, g[i]);
-      if (ln) ld8(p.beta, p.bt, k * kVec, b[i]);
-    }
-  }
-  float m = 0.0f;
-  if (ln) {
-    float a[1] = {0.0f};
-#pragma unroll
-    for (int i = 0; i < NV; ++i)
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) a[0] += x[i][j];  // padding is 0
-    unit_sum<TPR, 1>(a, red);
-    m = a[0] / (float)h;
-  }
-  float q[1] = {0.0f};
-#pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    if (t + (size_t)i * TPR < nvec) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const float d = x[i][j] - m;
-        q[0] = fmaf(d, d, q[0]);
-      }
-    }
-  }
-  unit_sum<TPR, 1>(q, red);
-  const float rs = 1.0f / sqrtf(q[0] / (float)h + p.eps);
-  if (live && t == 0) {
-    if (p.mu) p.mu[row] = m;
-    p.rsigma[row] = rs;
-  }
+}
 
+// Two values as one 32-bit word of 16-bit storage (low half = a), round to nearest even.
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  uint32_t r;
+  if constexpr (std::is_same_v<T, bf16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    memcpy(&r, &v, 4);
+  } else {
+    const __half2 v = __floats2half2_rn(a, b);
+    memcpy(&r, &v, 4);
+  }
+  return r;
+}
+
+// Stores 8 values (times s for FP8) at dst with one 8-byte (FP8) or 16-byte store.
+template <class TO>
+__device__ __forceinline__ void store8(TO *dst, const float (&o)[kVec], float s) {
+  if constexpr (is_fp8_type<TO>::value) {
+    constexpr __nv_fp8_interpretation_t kKind = std::is_same_v<TO, fp8e4m3> ? __NV_E4M3 : __NV_E5M2;
+    uint32_t w[4];
 #pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    const size_t k = t + (size_t)i * TPR;
-    if (live && k < nvec) {
-      const int ig = kEarly ? i : 0;
-      if (!kEarly) {
-        ld8(p.gamma, p.gt, k * kVec, g[ig]);
-        if (ln) ld8(p.beta, p.bt, k * kVec, b[ig]);
-      }
-      float o[kVec];
+    for (int i = 0; i < 4; ++i)
+      w[i] = __nv_cvt_float2_to_fp8x2(make_float2(o[2 * i] * s, o[2 * i + 1] * s), __NV_SATFINITE, kKind);
+    *reinterpret_cast<uint2 *>(dst) = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+  } else {
+    *reinterpret_cast<uint4 *>(dst) =
+        make_uint4(pack2<TO>(o[0], o[1]), pack2<TO>(o[2], o[3]), pack2<TO>(o[4], o[5]), pack2<TO>(o[6], o[7]));
+  }
+}
+
+template <class TI, class TO, int TPR, int NV, int CTA>
+__global__ void __launch_bounds__(CTA, 1024 / CTA) norm_fwd_fast(const FwdParams p) {
+  constexpr int R = CTA / TPR;
+  __shared__ float red[CTA / 32];
+  const int t = threadIdx.x % TPR, unit = threadIdx.x / TPR;
+  const size_t h = p.cols, nvec = h / kVec;
+  const bool ln = p.beta != nullptr;
+  const float s = out_scale(p);
+  const uint4 *gam = static_cast<const uint4 *>(p.gamma);
+  const uint4 *bet = static_cast<const uint4 *>(p.beta);
+  float amax = 0.0f;
+  for (size_t group = blockIdx.x; group * R < p.rows; group += gridDim.x) {
+    const size_t row = group * R + unit;
+    const bool live = row < p.rows;
+    const uint4 *xrow = static_cast<const uint4 *>(p.x) + row * nvec;
+    float x[NV][kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const float gg = p.zc ? g[ig][j] + 1.0f : g[ig][j];
-        o[j] = norm_value(x[i][j], m, rs, gg, ln ? b[ig][j] : 0.0f, ln);
-        amax = fmaxf(amax, fabsf(o[j]));
-      }
-      if (p.z) st8(p.z, p.zt_dtype, row * h + k * kVec, o, s);
-      if (p.zt) {
+    for (int i = 0; i < NV; ++i) {
+      const size_t k = t + (size_t)i * TPR;
+      if (live && k < nvec) {
+        unpack8<TI>(xrow[k], x[i]);
+      } else {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) st1(p.zt, p.zt_dtype, (k * kVec + j) * p.rows + row, o[j] * s);
+        for (int j = 0; j < kVec; ++j) x[i][j] = 0.0f;
       }
     }
-  }
+    float m = 0.0f;
+    if (ln) {
+      float a[1] = {0.0f};
+#pragma unroll
+      for (int i = 0; i < NV; ++i)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) a[0] += x[i][j];  // padding is 0
+      unit_sum<TPR, 1>(a, red);
+      m = a[0] / (float)h;
+    }
+    float q[1] = {0.0f};
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (t + (size_t)i * TPR < nvec) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          x[i][j] -= m;
+          q[0] = fmaf(x[i][j], x[i][j], q[0]);
+        }
+      }
+    }
+    unit_sum<TPR, 1>(q, red);
+    const float rs = 1.0f / sqrtf(q[0] / (float)h + p.eps);
+    if (!live) continue;  // (after the unit's last barrier of this row group)
+    if (t == 0) {
+      if (p.mu) p.mu[row] = m;
+      p.rsigma[row] = rs;
+    }
+    TO *zrow = static_cast<TO *>(p.z) + row * h;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const size_t k = t + (size_t)i * TPR;
+      if (k < nvec) {
+        float g[kVec], o[kVec];
+        unpack8<TI>(gam[k], g);  // L1/L2: every row reads the same vectors
+        if (p.zc) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) g[j] += 1.0f;
+        }
+        if (ln) {
+          float b[kVec];
+          unpack8<TI>(bet[k], b);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o[j] = fmaf(x[i][j], rs * g[j], b[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o[j] = x[i][j] * (rs * g[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) amax = fmaxf(amax, fabsf(o[j]));
+        store8<TO>(zrow + k * kVec, o, s);
+      }
+    }
   }  // row groups
   fwd_finish(p, amax);
 }
@@ -531,12 +672,40 @@ int unit_threads(size_t v) {
   return t;
 }
 
+template <class TI, class TO, int TPR, int NV, int CTA>
+void launch_fast(const FwdParams &p, size_t grid, cudaStream_t stream) {
+  norm_fwd_fast<TI, TO, TPR, NV, CTA><<<(unsigned)grid, CTA, 0, stream>>>(p);
+  NVTE_CHECK_LAUNCH();
+}
+
 template <int TPR, int NV, int CTA>
 void launch_fwd(const FwdParams &p, cudaStream_t stream) {
   constexpr int R = CTA / TPR;
   const size_t groups = (p.rows + R - 1) / R;
   const size_t grid = std::min<size_t>(groups, (size_t)sm_count() * (1024 / CTA));
-  norm_fwd_vec<TPR, NV, CTA><<<(unsigned)grid, CTA, 0, stream>>>(p);
+  // Typed fast kernel: 16-bit x with gamma/beta of the same dtype, rowwise z only, of x's
+  // dtype or FP8.
+  const bool fast = (p.xt == kNVTEBFloat16 || p.xt == kNVTEFloat16) && p.gt == p.xt &&
+                    (p.beta == nullptr || p.bt == p.xt) && p.z != nullptr && p.zt == nullptr &&
+                    (p.zt_dtype == p.xt || p.zt_dtype == kNVTEFloat8E4M3 || p.zt_dtype == kNVTEFloat8E5M2);
+  if (fast) {
+    const bool b16 = p.xt == kNVTEBFloat16;
+    switch (p.zt_dtype) {
+      case kNVTEFloat8E4M3:
+        return b16 ? launch_fast<bf16, fp8e4m3, TPR, NV, CTA>(p, grid, stream)
+                   : launch_fast<fp16, fp8e4m3, TPR, NV, CTA>(p, grid, stream);
+      case kNVTEFloat8E5M2:
+        return b16 ? launch_fast<bf16, fp8e5m2, TPR, NV, CTA>(p, grid, stream)
+                   : launch_fast<fp16, fp8e5m2, TPR, NV, CTA>(p, grid, stream);
+      default:
+        return b16 ? launch_fast<bf16, bf16, TPR, NV, CTA>(p, grid, stream)
+                   : launch_fast<fp16, fp16, TPR, NV, CTA>(p, grid, stream);
+    }
+  }
+  auto *k = p.xt == kNVTEBFloat16 ? norm_fwd_vec<bf16, TPR, NV, CTA>
+            : p.xt == kNVTEFloat16 ? norm_fwd_vec<fp16, TPR, NV, CTA>
+                                   : norm_fwd_vec<float, TPR, NV, CTA>;
+  k<<<(unsigned)grid, CTA, 0, stream>>>(p);
   NVTE_CHECK_LAUNCH();
 }
 
