@@ -2,7 +2,11 @@
 # On the lent GPU machine: build the library with the CUDA backend, run the GPU test suite
 # (CUDA vs the CPU oracle), compute-sanitizer memcheck over it, and the GPU benchmarks.
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
-#   tests/gpu/run_on_device.sh [build] [test] [sanitize] [bench] [profile] [cpu]   (default: build test bench)
+#   tests/gpu/run_on_device.sh [build] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
+#                              [tutorial] [cpu]   (default: build test bench)
+# pytorch: tests/pytorch with NVTE_TEST_DEVICE=cuda; acceptance: the shared seed scripts, from
+# .acceptance/ (a carried copy of ../shared/acceptance) or ../shared/acceptance; tutorial: the
+# tutorial-layer benchmark (torchao from carried wheels in .whl/ when present).
 # profile: Nsight Compute over one call of each memory-bound kernel (clocks left alone).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -50,6 +54,27 @@ if [[ " $steps " == *" bench "* ]]; then
   $PY benchmarks/gpu_bench.py --out "$OUT" ${BENCH_ONLY:+--only $BENCH_ONLY} 2>&1 | tee "$OUT/bench.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
+if [[ " $steps " == *" pytorch "* ]]; then
+  NVTE_TEST_DEVICE=cuda $PY -m pytest -q tests/pytorch -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytorch_cuda.log" | tail -25
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+
+if [[ " $steps " == *" acceptance "* ]]; then
+  acc=.acceptance; [ -d "$acc" ] || acc=../shared/acceptance
+  for f in seed_linear_fp8 seed_tutorial_layer seed_vit_block; do
+    ACCEPT_DEVICE=cuda $PY "$acc/$f.py" >"$OUT/accept_$f.log" 2>&1 && echo "acceptance $f: passed" \
+      || { echo "acceptance $f: FAILED"; grep -E "FAIL|Error" "$OUT/accept_$f.log" | head -10; rc=1; }
+  done
+fi
+
+if [[ " $steps " == *" tutorial "* ]]; then
+  if ls .whl/torchao-*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  $PY benchmarks/gpu_tutorial_layer.py --out "$OUT" 2>&1 | tee "$OUT/tutorial_layer.log" | tail -15
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+
 if [[ " $steps " == *" profile "* ]]; then
   ncu --clock-control none -k "regex:tile_kernel|norm_fwd|norm_bwd_vec|act_kernel" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

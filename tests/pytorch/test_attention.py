@@ -1,5 +1,7 @@
-"""DotProductAttention / MultiheadAttention (unfused path, library fused softmax) on the CPU backend,
-against float64 references written in plain torch."""
+"""DotProductAttention / MultiheadAttention (unfused path, library fused softmax) against float64
+references written in plain torch. The modules run on NVTE_TEST_DEVICE (default the CPU backend);
+inputs are drawn on the CPU and moved with dev(), references stay float64 on the CPU. float32 runs
+the unfused path on CUDA as well (cuDNN takes bf16/fp16 only; test_fused_attention.py covers it)."""
 import math
 
 import pytest
@@ -8,9 +10,19 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch.attention import DotProductAttention, MultiheadAttention
 
-from _util import rel_err
+from _util import DEVICE, dev, rel_err
 
 TOL = 2e-5
+
+
+def dev_mask(m):
+    """An attention mask (a tensor, a (query, key/value) pair or None) on the test device."""
+    return tuple(dev(t) for t in m) if isinstance(m, (tuple, list)) else dev(m)
+
+
+def _c64(t):
+    """float64 CPU copy of t that keeps autograd (references stay on the CPU)."""
+    return t.double().cpu()
 
 
 # ------------------------------------------------------------------ references
@@ -25,7 +37,12 @@ def ref_mask(mask_type, b, sq, sk, attention_mask=None, window=None):
         m = qm.reshape(b, 1, sq, 1) | km.reshape(b, 1, 1, sk)
     elif mask_type == "arbitrary":
         m = attention_mask
-    if "causal" in mask_type:
+    if mask_type == "padding_causal_bottom_right":
+        # TE aligns the diagonal at each sequence's own lengths: key j is masked after i + lk - lq.
+        lq, lk = (~qm.reshape(b, sq)).sum(1), (~km.reshape(b, sk)).sum(1)
+        i, j = torch.arange(sq).view(1, sq, 1), torch.arange(sk).view(1, 1, sk)
+        m = m | (j > i + (lk - lq).view(b, 1, 1)).view(b, 1, sq, sk)
+    elif "causal" in mask_type:
         off = sk - sq if mask_type.endswith("bottom_right") else 0
         c = torch.ones(sq, sk, dtype=torch.bool).triu(1 + off).view(1, 1, sq, sk)
         m = c if m is None else m | c
@@ -45,12 +62,12 @@ def ref_mask(mask_type, b, sq, sk, attention_mask=None, window=None):
 def ref_attention(q, k, v, fmt, scale, mask):
     """float64 softmax(scale q k^T, masked with TE's -10000 fill) v; inputs in `fmt`, GQA by repetition."""
     perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
-    q, k, v = (t.double().permute(*perm) for t in (q, k, v))
+    q, k, v = (_c64(t).permute(*perm) for t in (q, k, v))
     h, g = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)
     s = scale * (q @ k.transpose(-1, -2))
     if mask is not None:
-        s = s.masked_fill(mask, -10000.0)
+        s = s.masked_fill(mask.cpu(), -10000.0)
     o = torch.softmax(s, -1) @ v
     o = o.permute(2, 0, 1, 3) if fmt == "sbhd" else o.permute(0, 2, 1, 3)
     return o.reshape(o.shape[0], o.shape[1], -1)
@@ -79,7 +96,7 @@ def check_dpa(fmt, mask_type, b, sq, sk, h, g, d, attention_mask=None, softmax_s
     dpa = DotProductAttention(h, d, num_gqa_groups=g, attention_dropout=0.0, qkv_format=fmt,
                               attn_mask_type=mask_type, window_size=window, softmax_scale=softmax_scale)
     q, k, v = make_qkv(fmt, b, sq, sk, h, g, d, seed)
-    out = dpa(q, k, v, attention_mask=attention_mask)
+    out = dpa(dev(q), dev(k), dev(v), attention_mask=dev_mask(attention_mask))
     lead = (sq, b) if fmt == "sbhd" else (b, sq)
     assert out.shape == (*lead, h * d) and out.dtype == torch.float32
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
@@ -89,7 +106,7 @@ def check_dpa(fmt, mask_type, b, sq, sk, h, g, d, attention_mask=None, softmax_s
     ref = ref_attention(q64, k64, v64, fmt, scale, ref_m)
     assert rel_err(out, ref) < TOL
     dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 7))
-    out.backward(dy)
+    out.backward(dev(dy))
     ref.backward(dy.double())
     for t, r in ((q, q64), (k, k64), (v, v64)):
         assert rel_err(t.grad, r.grad) < 1e-4, (mask_type, fmt)
@@ -151,7 +168,7 @@ def test_dpa_sliding_window(mask_type, window):
 def test_dpa_mask_type_override_and_kv_channels_tuple():
     q, k, v = make_qkv("sbhd", 2, 6, 6, 2, 2, 8)
     dpa = DotProductAttention(2, (8, 8), attn_mask_type="causal")
-    out = dpa(q, k, v, attn_mask_type="no_mask")
+    out = dpa(dev(q), dev(k), dev(v), attn_mask_type="no_mask")
     ref = ref_attention(q, k, v, "sbhd", 1 / math.sqrt(8), None)
     assert rel_err(out, ref) < TOL
 
@@ -175,12 +192,14 @@ def test_dpa_softmax_uses_library_kernels(monkeypatch):
         calls.clear()
         q, k, v = make_qkv("sbhd", 1, 4, 4, 2, 2, 4)
         mask = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
-        DotProductAttention(2, 4, attn_mask_type=mt)(q, k, v, attention_mask=mask).sum().backward()
+        DotProductAttention(2, 4, attn_mask_type=mt)(dev(q), dev(k), dev(v),
+                                                     attention_mask=dev(mask)).sum().backward()
         assert [c for c in calls if "softmax" in c] == [fam + "_forward", fam + "_backward"], (mt, calls)
 
 
 def test_dpa_dropout():
-    q, k, v = make_qkv("sbhd", 2, 8, 8, 2, 2, 8)
+    q0, k0, v0 = make_qkv("sbhd", 2, 8, 8, 2, 2, 8)
+    q, k, v = dev(q0), dev(k0), dev(v0)
     dpa = DotProductAttention(2, 8, attention_dropout=0.0, attn_mask_type="no_mask")
     dpa.train()
     a, b2 = dpa(q, k, v), dpa(q, k, v)
@@ -196,11 +215,11 @@ def test_dpa_dropout():
     t2 = dpa(q, k, v)
     assert torch.equal(t1, t2) and not torch.allclose(t1, a)
     t1.sum().backward()
-    assert q.grad is not None and torch.isfinite(q.grad).all()
+    assert q0.grad is not None and torch.isfinite(q0.grad).all()
 
 
 def test_dpa_errors():
-    q, k, v = make_qkv("sbhd", 1, 4, 4, 2, 2, 4)
+    q, k, v = (dev(t) for t in make_qkv("sbhd", 1, 4, 4, 2, 2, 4))
     with pytest.raises(ValueError):
         DotProductAttention(2, 4, attn_mask_type="bogus")
     with pytest.raises(ValueError):
@@ -219,11 +238,11 @@ def test_dpa_errors():
 
 # ------------------------------------------------------------------ MultiheadAttention
 def ref_mha(x, wq, bq, wk, bk, wv, bv, wo, bo, h, g, d, fmt, mask, ln=None, enc=None):
-    x = x.double()
+    x = _c64(x)
     if ln is not None:
-        x = torch.nn.functional.layer_norm(x, (x.shape[-1],), ln[0].double(), ln[1].double(), 1e-5)
-    kv_in = x if enc is None else enc.double()
-    lin = lambda t, w, b: t @ w.double().t() + (0 if b is None else b.double())
+        x = torch.nn.functional.layer_norm(x, (x.shape[-1],), _c64(ln[0]), _c64(ln[1]), 1e-5)
+    kv_in = x if enc is None else _c64(enc)
+    lin = lambda t, w, b: t @ _c64(w).t() + (0 if b is None else _c64(b))
     q = lin(x, wq, bq).view(*x.shape[:2], h, d)
     k = lin(kv_in, wk, bk).view(*kv_in.shape[:2], g, d)
     v = lin(kv_in, wv, bv).view(*kv_in.shape[:2], g, d)
@@ -242,7 +261,7 @@ def interleaved_split(w, h, g, d):
 @pytest.mark.parametrize("input_layernorm", [False, True])
 @pytest.mark.parametrize("fuse", [False, True])
 def test_mha_parameter_names(input_layernorm, fuse):
-    m = MultiheadAttention(32, 4, input_layernorm=input_layernorm, fuse_qkv_params=fuse, device="cpu")
+    m = MultiheadAttention(32, 4, input_layernorm=input_layernorm, fuse_qkv_params=fuse, device=DEVICE)
     names = sorted(n for n, _ in m.named_parameters())
     pre = "layernorm_qkv." if input_layernorm else "qkv."
     qkv = ["weight", "bias"] if fuse else ["query_weight", "query_bias", "key_weight", "key_bias",
@@ -257,19 +276,19 @@ def test_mha_parameter_names(input_layernorm, fuse):
 
 
 def test_mha_gqa_and_cross_parameter_names():
-    m = MultiheadAttention(32, 4, num_gqa_groups=2, input_layernorm=True)
+    m = MultiheadAttention(32, 4, num_gqa_groups=2, input_layernorm=True, device=DEVICE)
     assert m.layernorm_qkv.key_weight.shape == (16, 32) and m.layernorm_qkv.value_bias.shape == (16,)
-    m = MultiheadAttention(32, 4, attention_type="cross", input_layernorm=True)
+    m = MultiheadAttention(32, 4, attention_type="cross", input_layernorm=True, device=DEVICE)
     names = sorted(n for n, _ in m.named_parameters())
     assert names == sorted(["layernorm_query.layer_norm_weight", "layernorm_query.layer_norm_bias",
                             "layernorm_query.query_weight", "layernorm_query.query_bias",
                             "key_value.key_weight", "key_value.key_bias", "key_value.value_weight",
                             "key_value.value_bias", "proj.weight", "proj.bias"])
-    m = MultiheadAttention(32, 4, attention_type="cross", fuse_qkv_params=True)
+    m = MultiheadAttention(32, 4, attention_type="cross", fuse_qkv_params=True, device=DEVICE)
     names = sorted(n for n, _ in m.named_parameters())
     assert names == sorted(["query_layer.weight", "query_layer.bias", "key_value.weight", "key_value.bias",
                             "proj.weight", "proj.bias"])
-    m = MultiheadAttention(32, 4, bias=False, normalization="RMSNorm", input_layernorm=True)
+    m = MultiheadAttention(32, 4, bias=False, normalization="RMSNorm", input_layernorm=True, device=DEVICE)
     assert sorted(n for n, _ in m.named_parameters()) == sorted(
         ["layernorm_qkv.layer_norm_weight", "layernorm_qkv.query_weight", "layernorm_qkv.key_weight",
          "layernorm_qkv.value_weight", "proj.weight"])
@@ -289,7 +308,7 @@ def _randomize(m, seed=11):
 def test_mha_self_numerics(fmt, fuse, input_layernorm, g):
     hidden, h, d, b, s = 32, 4, 8, 2, 6
     m = MultiheadAttention(hidden, h, num_gqa_groups=g, attention_dropout=0.0, input_layernorm=input_layernorm,
-                           fuse_qkv_params=fuse, qkv_format=fmt, attn_mask_type="causal", device="cpu")
+                           fuse_qkv_params=fuse, qkv_format=fmt, attn_mask_type="causal", device=DEVICE)
     _randomize(m)
     sub = m.layernorm_qkv if input_layernorm else m.qkv
     if fuse:
@@ -302,19 +321,19 @@ def test_mha_self_numerics(fmt, fuse, input_layernorm, g):
     wq, wk, wv, bq, bk, bv = (t.detach() for t in (wq, wk, wv, bq, bk, bv))
     shape = (s, b, hidden) if fmt == "sbhd" else (b, s, hidden)
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(2), requires_grad=True)
-    out = m(x)
+    out = m(dev(x))
     assert out.shape == shape
     x64 = x.detach().double().requires_grad_(True)
     ref = ref_mha(x64, wq, bq, wk, bk, wv, bv, m.proj.weight.detach(), m.proj.bias.detach(), h, g, d, fmt,
                   ref_mask("causal", b, s, s), ln=ln)
     assert rel_err(out, ref) < TOL
     dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    out.backward(dy)
+    out.backward(dev(dy))
     ref.backward(dy.double())
     assert rel_err(x.grad, x64.grad) < 1e-4
     # parameter gradients vs autograd of the float64 reference (same parameters, as float64 leaves)
     params = dict(m.named_parameters())
-    p64 = {n: p.detach().double().requires_grad_(True) for n, p in params.items()}
+    p64 = {n: _c64(p.detach()).requires_grad_(True) for n, p in params.items()}
     pre = "layernorm_qkv." if input_layernorm else "qkv."
     if fuse:
         wq, wk, wv = interleaved_split(p64[pre + "weight"], h, g, d)
@@ -329,7 +348,7 @@ def test_mha_self_numerics(fmt, fuse, input_layernorm, g):
     for n, p in params.items():
         assert p.grad is not None, n
         # (key_bias has an exactly zero gradient: a per-key constant cancels in the softmax)
-        err = float((p.grad.double() - p64[n].grad).norm())
+        err = float((_c64(p.grad) - p64[n].grad).norm())
         assert err < 1e-4 * float(p64[n].grad.norm()) + 1e-5, n
 
 
@@ -338,23 +357,24 @@ def test_mha_fused_matches_tutorial_layout():
     hidden, h, s, b = 32, 4, 5, 2
     d = hidden // h
     m = MultiheadAttention(hidden, h, attention_dropout=0.0, input_layernorm=True, fuse_qkv_params=True,
-                           attn_mask_type="no_mask")
+                           attn_mask_type="no_mask", device=DEVICE)
     _randomize(m)
     x = torch.randn(s, b, hidden, generator=torch.Generator().manual_seed(9))
-    with torch.no_grad():
-        qkv = torch.nn.functional.layer_norm(x, (hidden,), m.layernorm_qkv.layer_norm_weight,
-                                             m.layernorm_qkv.layer_norm_bias, 1e-5)
-        qkv = torch.nn.functional.linear(qkv, m.layernorm_qkv.weight, m.layernorm_qkv.bias).view(s, b, h, 3 * d)
+    with torch.no_grad():  # float32 reference on the CPU (.cpu(): the module's parameters)
+        qkv = torch.nn.functional.layer_norm(x, (hidden,), m.layernorm_qkv.layer_norm_weight.cpu(),
+                                             m.layernorm_qkv.layer_norm_bias.cpu(), 1e-5)
+        qkv = torch.nn.functional.linear(qkv, m.layernorm_qkv.weight.cpu(),
+                                         m.layernorm_qkv.bias.cpu()).view(s, b, h, 3 * d)
         q, k, v = torch.split(qkv, d, dim=3)
         ref = torch.nn.functional.linear(ref_attention(q, k, v, "sbhd", 1 / math.sqrt(d), None).float(),
-                                         m.proj.weight, m.proj.bias)
-        assert rel_err(m(x), ref) < TOL
+                                         m.proj.weight.cpu(), m.proj.bias.cpu())
+        assert rel_err(m(dev(x)), ref) < TOL
 
 
 def test_mha_noninterleaved_fused():
     hidden, h, g, d = 32, 4, 2, 8
     m = MultiheadAttention(hidden, h, num_gqa_groups=g, attention_dropout=0.0, fuse_qkv_params=True,
-                           qkv_weight_interleaved=False, attn_mask_type="no_mask")
+                           qkv_weight_interleaved=False, attn_mask_type="no_mask", device=DEVICE)
     _randomize(m)
     w, bb = m.qkv.weight, m.qkv.bias
     x = torch.randn(6, 2, hidden, generator=torch.Generator().manual_seed(1))
@@ -362,7 +382,7 @@ def test_mha_noninterleaved_fused():
     wq, wk, wv = torch.split(w, sizes)
     bq, bk, bv = torch.split(bb, sizes)
     ref = ref_mha(x, wq, bq, wk, bk, wv, bv, m.proj.weight, m.proj.bias, h, g, d, "sbhd", None)
-    assert rel_err(m(x), ref) < TOL
+    assert rel_err(m(dev(x)), ref) < TOL
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -370,7 +390,8 @@ def test_mha_noninterleaved_fused():
 def test_mha_cross(fuse, input_layernorm):
     hidden, h, g, d, b, sq, sk = 32, 4, 2, 8, 2, 5, 7
     m = MultiheadAttention(hidden, h, num_gqa_groups=g, attention_dropout=0.0, attention_type="cross",
-                           input_layernorm=input_layernorm, fuse_qkv_params=fuse, attn_mask_type="padding")
+                           input_layernorm=input_layernorm, fuse_qkv_params=fuse, attn_mask_type="padding",
+                           device=DEVICE)
     _randomize(m)
     qmod = m.layernorm_query if input_layernorm else m.query_layer
     if fuse:
@@ -388,7 +409,7 @@ def test_mha_cross(fuse, input_layernorm):
     x = torch.randn(sq, b, hidden, generator=gen, requires_grad=True)
     enc = torch.randn(sk, b, hidden, generator=gen, requires_grad=True)
     masks = padding_masks(b, sq, sk)
-    out = m(x, attention_mask=masks, encoder_output=enc)
+    out = m(dev(x), attention_mask=dev_mask(masks), encoder_output=dev(enc))
     ref = ref_mha(x, wq, bq, wk, bk, wv, bv, m.proj.weight, m.proj.bias, h, g, d, "sbhd",
                   ref_mask("padding", b, sq, sk, masks), ln=ln, enc=enc)
     assert rel_err(out, ref) < TOL
@@ -399,27 +420,29 @@ def test_mha_cross(fuse, input_layernorm):
 def test_mha_return_bias_and_layernorm_output():
     hidden = 32
     m = MultiheadAttention(hidden, 4, attention_dropout=0.0, input_layernorm=True, return_bias=True,
-                           return_layernorm_output=True, attn_mask_type="no_mask")
+                           return_layernorm_output=True, attn_mask_type="no_mask", device=DEVICE)
     _randomize(m)
     x = torch.randn(5, 2, hidden, generator=torch.Generator().manual_seed(8))
-    out, bias, ln_out = m(x)
+    out, bias, ln_out = m(dev(x))
     assert bias is m.proj.bias
     sub = m.layernorm_qkv
-    ref_ln = torch.nn.functional.layer_norm(x, (hidden,), sub.layer_norm_weight, sub.layer_norm_bias, 1e-5)
+    ref_ln = torch.nn.functional.layer_norm(x, (hidden,), sub.layer_norm_weight.cpu(), sub.layer_norm_bias.cpu(),
+                                            1e-5)
     assert rel_err(ln_out, ref_ln) < TOL
-    m2 = MultiheadAttention(hidden, 4, attention_dropout=0.0, input_layernorm=True, attn_mask_type="no_mask")
+    m2 = MultiheadAttention(hidden, 4, attention_dropout=0.0, input_layernorm=True, attn_mask_type="no_mask",
+                            device=DEVICE)
     m2.load_state_dict(m.state_dict())
-    assert rel_err(out + bias, m2(x)) < TOL
+    assert rel_err(out + bias, m2(dev(x))) < TOL
 
 
 def test_mha_forward_mask_override_and_state_dict_names():
-    m = MultiheadAttention(32, 4, attention_dropout=0.0, attn_mask_type="causal")
+    m = MultiheadAttention(32, 4, attention_dropout=0.0, attn_mask_type="causal", device=DEVICE)
     _randomize(m)
-    x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(6))
+    x = dev(torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(6)))
     a = m(x)
     b_ = m(x, attn_mask_type="no_mask")
     assert not torch.allclose(a, b_)
-    mask = torch.ones(6, 6, dtype=torch.bool).triu(1).view(1, 1, 6, 6)
+    mask = dev(torch.ones(6, 6, dtype=torch.bool).triu(1).view(1, 1, 6, 6))
     c = m(x, attention_mask=mask, attn_mask_type="arbitrary")
     assert rel_err(a, c) < TOL
     keys = [k for k in m.state_dict() if not k.endswith("_extra_state")]
@@ -427,8 +450,8 @@ def test_mha_forward_mask_override_and_state_dict_names():
 
 
 def test_mha_split_params_follow_assignment_and_reset():
-    m = MultiheadAttention(32, 4, attention_dropout=0.0, attn_mask_type="no_mask")
-    x = torch.randn(4, 1, 32, generator=torch.Generator().manual_seed(1))
+    m = MultiheadAttention(32, 4, attention_dropout=0.0, attn_mask_type="no_mask", device=DEVICE)
+    x = dev(torch.randn(4, 1, 32, generator=torch.Generator().manual_seed(1)))
     before = m(x)
     m.qkv.query_weight = torch.nn.Parameter(torch.zeros_like(m.qkv.query_weight))
     m.qkv.query_bias = torch.nn.Parameter(torch.zeros_like(m.qkv.query_bias))

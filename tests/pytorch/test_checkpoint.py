@@ -1,6 +1,7 @@
 """te.checkpoint / te.distributed.checkpoint: activation recomputation gives the outputs, gradients
 and FP8 recipe state of a run without checkpointing (the recompute casts with the forward's scales
-and records no amax a second time)."""
+and records no amax a second time). The modules run on NVTE_TEST_DEVICE (default the CPU backend);
+inputs are drawn on the CPU and moved with dev()."""
 import copy
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import seeded
+from _util import DEVICE, dev, seeded
 
 RECIPES = {"none": None, "delayed": lambda: recipe.DelayedScaling(amax_history_len=3),
            "current": recipe.Float8CurrentScaling}
@@ -26,7 +27,7 @@ def _meta(model):
 
 
 def _run(layer, x, dy, r, ckpt, seed, use_reentrant, calls):
-    x = x.clone().requires_grad_()
+    x = dev(x).clone().requires_grad_()
     torch.manual_seed(seed)  # dropout masks: the recompute must draw the same ones
 
     def body(inp):
@@ -34,7 +35,7 @@ def _run(layer, x, dy, r, ckpt, seed, use_reentrant, calls):
         return layer(inp)
     with te.fp8_autocast(enabled=r is not None, fp8_recipe=r):
         y = te.checkpoint(body, x, use_reentrant=use_reentrant) if ckpt else body(x)
-    y.backward(dy)
+    y.backward(dev(dy))
     grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
     layer.zero_grad(set_to_none=True)
     return y.detach(), x.grad, grads
@@ -45,7 +46,7 @@ def _run(layer, x, dy, r, ckpt, seed, use_reentrant, calls):
 def test_checkpoint_matches_plain_run(rng, kind, use_reentrant):
     g = seeded(rng)
     torch.manual_seed(0)
-    plain = te.TransformerLayer(32, 64, 4, hidden_dropout=0.1, attention_dropout=0.1, device="cpu")
+    plain = te.TransformerLayer(32, 64, 4, hidden_dropout=0.1, attention_dropout=0.1, device=DEVICE)
     ck = copy.deepcopy(plain)
     r = RECIPES[kind]() if RECIPES[kind] else None
     for step in range(3):
@@ -63,12 +64,12 @@ def test_checkpoint_matches_plain_run(rng, kind, use_reentrant):
         for k in mp:  # recipe state identical: amaxes recorded once, scales updated once
             assert torch.equal(mc[k], mp[k]), (step, k)
     if kind == "delayed":
-        assert not torch.equal(ck.layernorm_mlp.fp8_meta.scale["fwd"], torch.ones(6))
+        assert not torch.equal(ck.layernorm_mlp.fp8_meta.scale["fwd"].cpu(), torch.ones(6))
 
 
 def test_checkpoint_kwargs_rng_tracker_and_unsupported(rng):
     g = seeded(rng)
-    m = te.Linear(8, 8, device="cpu")
+    m = te.Linear(8, 8, device=DEVICE)
     x = torch.randn(3, 8, generator=g, requires_grad=True)
 
     class Tracker:
@@ -82,10 +83,10 @@ def test_checkpoint_kwargs_rng_tracker_and_unsupported(rng):
             self.sets.append(s)
             self.state = s
     tr = Tracker()
-    y = te.checkpoint(lambda inp, scale: m(inp) * scale, x, scale=2.0, get_rng_state_tracker=lambda: tr)
+    y = te.checkpoint(lambda inp, scale: m(inp) * scale, dev(x), scale=2.0, get_rng_state_tracker=lambda: tr)
     tr.state = 7  # changed after the forward: the recompute sees the forward's state, then it is restored
     y.sum().backward()
     assert tr.sets == [0, 7]
-    torch.testing.assert_close(x.grad, 2 * m.weight.detach().sum(0).expand(3, 8))
+    torch.testing.assert_close(x.grad, 2 * m.weight.detach().cpu().sum(0).expand(3, 8))
     with pytest.raises(NotImplementedError, match="distribute_saved_activations"):
-        te.distributed.checkpoint(m, x, distribute_saved_activations=True)
+        te.distributed.checkpoint(m, dev(x), distribute_saved_activations=True)

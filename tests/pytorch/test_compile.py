@@ -1,6 +1,8 @@
 """torch.compile over TE modules: the registered ops (custom_ops.py) must let dynamo trace a whole
 TransformerLayer, forward and backward, without graph breaks (fullgraph=True), and the compiled
-layer must compute what the eager one does, FP8 recipe state included."""
+layer must compute what the eager one does, FP8 recipe state included.
+CPU-only by design: the modules stay on the CPU in every NVTE_TEST_DEVICE mode (the inductor test
+compiles CPU code; the graph/op-registration checks do not depend on the device)."""
 import copy
 
 import pytest

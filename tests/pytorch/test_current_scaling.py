@@ -1,7 +1,8 @@
 """Float8CurrentScaling: every FP8 cast takes its scale from the tensor being cast, in the same
 call (nvte_compute_amax + nvte_compute_scale_from_amax + the cast). Checked against a float64
 re-computation that emulates each cast with scale = fp8_max / max(amax, eps) (optionally
-rounded down to a power of two)."""
+rounded down to a power of two). The modules run on NVTE_TEST_DEVICE (default the CPU backend);
+inputs are drawn on the CPU and moved with dev(), the float64 references stay on the CPU."""
 import math
 import types
 
@@ -10,7 +11,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import fp8_emulate, gelu_tanh, rel_err, seeded
+from _util import DEVICE, cpu64, dev, fp8_emulate, gelu_tanh, rel_err, seeded
 
 FMT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
@@ -48,25 +49,25 @@ def test_linear_current_scaling_matches_float64(rng, fmt, qparams):
          "eps": recipe.QParams(amax_epsilon=1e3)}[qparams]  # eps above every amax: the clamp decides the scale
     r = recipe.Float8CurrentScaling(fp8_format=getattr(recipe.Format, fmt), fp8_quant_fwd_inp=q,
                                     fp8_quant_fwd_weight=q, fp8_quant_bwd_grad=q)
-    m = te.Linear(32, 24, device="cpu")
+    m = te.Linear(32, 24, device=DEVICE)
     with torch.no_grad():
-        m.bias.normal_(generator=g)
+        m.bias.copy_(torch.randn(m.bias.shape, generator=g))
     bwd_fmt = "e5m2" if fmt == "HYBRID" else "e4m3"
     for step, mag in enumerate([3.0, 0.02, 40.0]):  # scales follow each step's own amax, no history
         x = (torch.randn(2, 10, 32, generator=g) * mag).requires_grad_()
         dy = torch.randn(2, 10, 24, generator=g) * mag * 1e-3
         m.zero_grad(set_to_none=True)
         with te.fp8_autocast(fp8_recipe=r):
-            y = m(x)
-        y.backward(dy)
+            y = m(dev(x))
+        y.backward(dev(dy))
         x2, dy2 = x.detach().double().reshape(-1, 32), dy.double().reshape(-1, 24)
         yr, dxr, dwr = _grads_ref_linear(x2, m.weight, dy2, "e4m3", bwd_fmt, r)
-        assert rel_err(y.reshape(-1, 24), yr + m.bias.detach().double()) < 1e-5, step
+        assert rel_err(y.reshape(-1, 24), yr + cpu64(m.bias)) < 1e-5, step
         assert rel_err(x.grad.reshape(-1, 32), dxr) < 1e-5, step
         assert rel_err(m.weight.grad, dwr) < 1e-5, step
         assert rel_err(m.bias.grad, dy2.sum(0)) < 1e-5, step
-        exact = x2 @ m.weight.detach().double().t()
-        prod = y.detach().double().reshape(-1, 24) - m.bias.detach().double()
+        exact = x2 @ cpu64(m.weight).t()
+        prod = cpu64(y).reshape(-1, 24) - cpu64(m.bias)
         assert 1e-3 < rel_err(prod, exact) < 0.1  # FP8-sized error, not float32-sized
     assert not m.fp8_meta.initialized  # current scaling keeps no delayed-scaling state
     assert m.fp8_meta.state() is None
@@ -75,37 +76,36 @@ def test_linear_current_scaling_matches_float64(rng, fmt, qparams):
 def test_current_scaling_independent_of_history(rng):
     """The same input gives the same output whatever ran before (no amax history)."""
     g = seeded(rng)
-    m = te.Linear(16, 16, device="cpu")
-    x = torch.randn(4, 16, generator=g)
+    m = te.Linear(16, 16, device=DEVICE)
+    x = dev(torch.randn(4, 16, generator=g))
     r = recipe.Float8CurrentScaling()
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):
         y1 = m(x)
-        m(torch.randn(4, 16, generator=g) * 1e4)
+        m(dev(torch.randn(4, 16, generator=g) * 1e4))
         y2 = m(x)
     assert torch.equal(y1, y2)
 
 
 def test_layernorm_linear_current_scaling(rng):
     g = seeded(rng)
-    m = te.LayerNormLinear(32, 16, return_layernorm_output=True, device="cpu")
+    m = te.LayerNormLinear(32, 16, return_layernorm_output=True, device=DEVICE)
     with torch.no_grad():
-        m.layer_norm_weight.uniform_(0.5, 1.5, generator=g)
+        m.layer_norm_weight.copy_(torch.empty(32).uniform_(0.5, 1.5, generator=g))
     x = (torch.randn(12, 32, generator=g) * 2).requires_grad_()
     dy = torch.randn(12, 16, generator=g) * 1e-2
     with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
-        y, ln = m(x)
-    y.backward(dy)
-    ln64 = ln.detach().double()  # the norm runs in high precision: feed its exact output to the reference
-    ref_ln = torch.nn.functional.layer_norm(x.detach().double(), (32,), m.layer_norm_weight.detach().double(),
-                                            m.layer_norm_bias.detach().double(), 1e-5)
+        y, ln = m(dev(x))
+    y.backward(dev(dy))
+    ln64 = cpu64(ln)  # the norm runs in high precision: feed its exact output to the reference
+    ref_ln = torch.nn.functional.layer_norm(x.detach().double(), (32,), cpu64(m.layer_norm_weight),
+                                            cpu64(m.layer_norm_bias), 1e-5)
     assert rel_err(ln64, ref_ln) < 1e-6
     yr, dlnr, dwr = _grads_ref_linear(ln64, m.weight, dy.double())
-    assert rel_err(y, yr + m.bias.detach().double()) < 1e-5
+    assert rel_err(y, yr + cpu64(m.bias)) < 1e-5
     assert rel_err(m.weight.grad, dwr) < 1e-5
     # dx = layernorm backward of the FP8 dgrad (float64 autograd through the reference norm)
     xr = x.detach().double().requires_grad_()
-    lnr = torch.nn.functional.layer_norm(xr, (32,), m.layer_norm_weight.detach().double(),
-                                         m.layer_norm_bias.detach().double(), 1e-5)
+    lnr = torch.nn.functional.layer_norm(xr, (32,), cpu64(m.layer_norm_weight), cpu64(m.layer_norm_bias), 1e-5)
     lnr.backward(dlnr)
     assert rel_err(x.grad, xr.grad) < 1e-5
 
@@ -113,19 +113,19 @@ def test_layernorm_linear_current_scaling(rng):
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_layernorm_mlp_current_scaling(rng, activation):
     g = seeded(rng)
-    m = te.LayerNormMLP(16, 32, activation=activation, return_layernorm_output=True, device="cpu")
+    m = te.LayerNormMLP(16, 32, activation=activation, return_layernorm_output=True, device=DEVICE)
     with torch.no_grad():
-        m.fc1_bias.normal_(generator=g)
+        m.fc1_bias.copy_(torch.randn(m.fc1_bias.shape, generator=g))
     x = torch.randn(10, 16, generator=g)
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
-        y, ln = m(x)
-    ln64 = ln.double()
-    h = cs_q(ln64, "e4m3") @ cs_q(m.fc1_weight, "e4m3").t() + m.fc1_bias.detach().double()
+        y, ln = m(dev(x))
+    ln64 = cpu64(ln)
+    h = cs_q(ln64, "e4m3") @ cs_q(m.fc1_weight, "e4m3").t() + cpu64(m.fc1_bias)
     if activation == "gelu":
         a = gelu_tanh(h)
     else:
         a = torch.nn.functional.silu(h[:, :32]) * h[:, 32:]
-    yr = cs_q(a, "e4m3") @ cs_q(m.fc2_weight, "e4m3").t() + m.fc2_bias.detach().double()
+    yr = cs_q(a, "e4m3") @ cs_q(m.fc2_weight, "e4m3").t() + cpu64(m.fc2_bias)
     assert rel_err(y, yr) < 1e-5
 
 
@@ -136,10 +136,10 @@ def test_transformer_layer_current_scaling_forward(rng, monkeypatch):
     g = seeded(rng)
     torch.manual_seed(0)
     layer = te.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=True,
-                                device="cpu")
+                                device=DEVICE)
     x = torch.randn(6, 2, 32, generator=g)
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
-        y = layer(x)
+        y = layer(dev(x))
 
     def fp8_linear(h, w, b=None):
         out = cs_q(h, "e4m3") @ cs_q(w, "e4m3").t()
@@ -150,15 +150,15 @@ def test_transformer_layer_current_scaling_forward(rng, monkeypatch):
     e = rel_err(y, yr)
     assert e < 1e-5
     with torch.no_grad():
-        y_hp = layer(x)
+        y_hp = layer(dev(x))
     assert rel_err(y_hp, yr) > 10 * e  # the reference really differs from the high-precision layer
 
 
 def test_current_scaling_recipe_not_mixed_with_delayed_state(rng):
     """Switching a module from DelayedScaling to current scaling and back leaves the delayed state alone."""
     g = seeded(rng)
-    m = te.Linear(8, 8, device="cpu")
-    x = torch.randn(4, 8, generator=g)
+    m = te.Linear(8, 8, device=DEVICE)
+    x = dev(torch.randn(4, 8, generator=g))
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=2)):
         m(x).sum().backward()
     h, s = m.fp8_meta.amax_history["fwd"].clone(), m.fp8_meta.scale["fwd"].clone()

@@ -1,5 +1,7 @@
 """quantized_model_init / fp8_model_init: modules built inside keep their GEMM weights only as FP8
-(Float8Tensor parameters: uint8 bytes + scale_inv), and train, save and load that way."""
+(Float8Tensor parameters: uint8 bytes + scale_inv), and train, save and load that way.
+The modules run on NVTE_TEST_DEVICE (default the CPU backend); inputs are drawn on the CPU and moved
+with dev(), the float64 emulations stay on the CPU."""
 import copy
 import gc
 import io
@@ -10,7 +12,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
 from transformer_engine.pytorch.tensor import Float8Tensor
-from _util import FP8, fp8_emulate, rel_err, seeded
+from _util import DEVICE, FP8, cpu64, dev, fp8_emulate, rel_err, seeded
 from test_current_scaling import cs_q, cs_scale
 
 RECIPES = {"delayed": lambda: recipe.DelayedScaling(amax_history_len=4), "current": recipe.Float8CurrentScaling}
@@ -54,12 +56,12 @@ def _plain_float_tensors(shapes):
 
 
 MODULES = {
-    "Linear": lambda: te.Linear(48, 80, device="cpu"),
-    "LayerNormLinear": lambda: te.LayerNormLinear(48, 80, device="cpu"),
-    "LayerNormMLP": lambda: te.LayerNormMLP(48, 80, device="cpu"),
-    "GroupedLinear": lambda: te.GroupedLinear(2, 48, 80, device="cpu"),
+    "Linear": lambda: te.Linear(48, 80, device=DEVICE),
+    "LayerNormLinear": lambda: te.LayerNormLinear(48, 80, device=DEVICE),
+    "LayerNormMLP": lambda: te.LayerNormMLP(48, 80, device=DEVICE),
+    "GroupedLinear": lambda: te.GroupedLinear(2, 48, 80, device=DEVICE),
     "TransformerLayer": lambda: te.TransformerLayer(48, 80, 4, hidden_dropout=0.0, attention_dropout=0.0,
-                                                    device="cpu"),
+                                                    device=DEVICE),
 }
 FP8_WEIGHT_NAMES = {
     "Linear": {"weight"}, "LayerNormLinear": {"weight"}, "LayerNormMLP": {"fc1_weight", "fc2_weight"},
@@ -71,6 +73,7 @@ FP8_WEIGHT_NAMES = {
 
 
 def _call(m, name, x):
+    x = dev(x)
     return m(x, [x.shape[0] // 2, x.shape[0] - x.shape[0] // 2]) if name == "GroupedLinear" else m(x)
 
 
@@ -100,7 +103,7 @@ def test_only_fp8_weights_are_held(rng, kind, name):
     # a training step: forward + backward under fp8_autocast, SGD, gradients dropped
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
     with te.fp8_autocast(fp8_recipe=RECIPES[kind]()):
-        y = _call(m, name, _input(name, seeded(rng)))
+        y = _call(m, name, _input(name, seeded(rng)))  # (on DEVICE)
     y.float().square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -120,7 +123,7 @@ def test_outside_autocast_equals_dequantized_module(rng, name):
     x = _input(name, seeded(rng)).requires_grad_()
     xr = x.detach().clone().requires_grad_()
     y, yr = _call(m, name, x), _call(ref, name, xr)
-    dy = torch.randn(y.shape, generator=seeded(rng))
+    dy = dev(torch.randn(y.shape, generator=seeded(rng)))
     y.backward(dy)
     yr.backward(dy)
     assert torch.equal(y, yr) and torch.equal(x.grad, xr.grad)
@@ -141,10 +144,10 @@ def test_transformer_layer_fp8_equals_dequantized_module(rng):
     x = _input("TransformerLayer", seeded(rng)).requires_grad_()
     xr = x.detach().clone().requires_grad_()
     with te.fp8_autocast(fp8_recipe=r):
-        y = m(x)
+        y = m(dev(x))
     with te.fp8_autocast(fp8_recipe=r):
-        yr = ref(xr)
-    dy = torch.randn(y.shape, generator=seeded(rng)) * 1e-2
+        yr = ref(dev(xr))
+    dy = dev(torch.randn(y.shape, generator=seeded(rng)) * 1e-2)
     y.backward(dy)
     yr.backward(dy)
     assert torch.equal(y, yr) and torch.equal(x.grad, xr.grad)
@@ -161,7 +164,7 @@ def test_linear_training_matches_emulation(rng, kind):
     g = seeded(rng)
     r = RECIPES[kind]()
     with te.quantized_model_init(recipe=r):
-        m = te.Linear(32, 16, bias=False, device="cpu")
+        m = te.Linear(32, 16, bias=False, device=DEVICE)
     w = m.weight
     meta = m.fp8_meta
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
@@ -169,10 +172,10 @@ def test_linear_training_matches_emulation(rng, kind):
         x = torch.randn(8, 32, generator=g) * (1 + step)
         dy = torch.randn(8, 16, generator=g) * 0.1
         s_x = meta.scale["fwd"][0].item()
-        w_deq = w.dequantize().double()
+        w_deq = cpu64(w.dequantize())
         with te.fp8_autocast(fp8_recipe=r):
-            y = m(x)
-        y.backward(dy)
+            y = m(dev(x))
+        y.backward(dev(dy))
         if kind == "delayed":
             xq = fp8_emulate(x, s_x, "e4m3")
             gq = fp8_emulate(dy, meta.scale["bwd"][0].item(), "e5m2")
@@ -188,7 +191,7 @@ def test_linear_training_matches_emulation(rng, kind):
         opt.step()
         opt.zero_grad(set_to_none=True)
         assert m.weight is w and isinstance(w, Float8Tensor)
-        assert torch.equal(w._data, fp8_bytes(new_hp, s_w)), step
+        assert torch.equal(w._data.cpu(), fp8_bytes(new_hp, s_w)), step
         assert w._scale_inv.item() == torch.tensor(s_w, dtype=torch.float32).reciprocal().item(), step
         # the transposed bytes follow
         assert torch.equal(w._transpose, w._data.t())
@@ -201,20 +204,20 @@ def test_copy_requantizes(rng, kind):
     g = seeded(rng)
     r = RECIPES[kind]()
     with te.quantized_model_init(recipe=r):
-        m = te.Linear(16, 8, device="cpu")
+        m = te.Linear(16, 8, device=DEVICE)
     hp = torch.randn(8, 16, generator=g)
     hist_before = m.fp8_meta.amax_history["fwd"][0, 1].item()
     with torch.no_grad():
-        m.weight.copy_(hp)
+        m.weight.copy_(dev(hp))
     s = m.fp8_meta.scale["fwd"][1].item() if kind == "delayed" else cs_scale(hp, "e4m3")
-    assert torch.equal(m.weight._data, fp8_bytes(hp, s))
+    assert torch.equal(m.weight._data.cpu(), fp8_bytes(hp, s))
     if kind == "delayed":  # the cast recorded the new value's amax for the recipe step
         assert m.fp8_meta.amax_history["fwd"][0, 1].item() == max(hist_before, hp.abs().max().item())
     # param.data.copy_ writes the same parameter (bf16 source, converted first)
     hp2 = torch.randn(8, 16, generator=g).bfloat16()
-    m.weight.data.copy_(hp2)
+    m.weight.data.copy_(dev(hp2))
     s2 = m.fp8_meta.scale["fwd"][1].item() if kind == "delayed" else cs_scale(hp2.float(), "e4m3")
-    assert torch.equal(m.weight._data, fp8_bytes(hp2.float(), s2))
+    assert torch.equal(m.weight._data.cpu(), fp8_bytes(hp2.float(), s2))
     assert isinstance(m.weight, Float8Tensor) and m.weight._data.dtype == torch.uint8
 
 
@@ -225,16 +228,16 @@ def test_optimizers_update_fp8_params(rng, opt_cls, kw):
     value, cast back to FP8 (current scaling: scale from the new value)."""
     g = seeded(rng)
     with te.quantized_model_init(recipe=recipe.Float8CurrentScaling()):
-        m = te.Linear(16, 8, bias=False, device="cpu")
+        m = te.Linear(16, 8, bias=False, device=DEVICE)
     twin = torch.nn.Parameter(m.weight.dequantize())
     opt, opt_twin = opt_cls([m.weight], **kw), opt_cls([twin], **kw)
     for _ in range(2):
         grad = torch.randn(8, 16, generator=g)
-        m.weight.grad, twin.grad = grad.clone(), grad.clone()
+        m.weight.grad, twin.grad = dev(grad).clone(), dev(grad).clone()
         opt.step()
         opt_twin.step()
         assert isinstance(m.weight, Float8Tensor)
-        assert torch.equal(m.weight._data, fp8_bytes(twin, cs_scale(twin, "e4m3")))
+        assert torch.equal(m.weight._data.cpu(), fp8_bytes(twin, cs_scale(twin, "e4m3")))
         with torch.no_grad():
             twin.copy_(m.weight.dequantize())  # continue from the FP8 value, as the FP8 parameter does
 
@@ -243,10 +246,10 @@ def test_optimizers_update_fp8_params(rng, opt_cls, kw):
 def test_state_dict_round_trip(rng, kind, tmp_path):
     torch.manual_seed(int(rng.integers(1 << 30)))
     r = RECIPES[kind]()
-    make = lambda: te.LayerNormMLP(16, 32, device="cpu")  # noqa: E731
+    make = lambda: te.LayerNormMLP(16, 32, device=DEVICE)  # noqa: E731
     with te.quantized_model_init(recipe=r):
         m = make()
-    x = torch.randn(4, 16, generator=seeded(rng))
+    x = dev(torch.randn(4, 16, generator=seeded(rng)))
     with te.fp8_autocast(fp8_recipe=r):  # move the recipe state away from its initial values
         m(x).sum().backward()
     path = tmp_path / "sd.pt"
@@ -275,16 +278,16 @@ def test_state_dict_round_trip(rng, kind, tmp_path):
     if kind == "current":
         src = make()
         m2.load_state_dict(src.state_dict())
-        assert torch.equal(m2.fc1_weight._data, fp8_bytes(src.fc1_weight, cs_scale(src.fc1_weight, "e4m3")))
+        assert torch.equal(m2.fc1_weight._data.cpu(), fp8_bytes(src.fc1_weight, cs_scale(src.fc1_weight, "e4m3")))
 
 
 def test_preserve_high_precision_init_val(rng):
     torch.manual_seed(int(rng.integers(1 << 30)))
     with te.quantized_model_init(recipe=recipe.Float8CurrentScaling(), preserve_high_precision_init_val=True):
-        m = te.Linear(48, 80, device="cpu")
+        m = te.Linear(48, 80, device=DEVICE)
     init = m.weight.get_high_precision_init_val()
-    assert init is not None and init.device.type == "cpu" and init.dtype == torch.float32
-    assert torch.equal(m.weight._data, fp8_bytes(init, cs_scale(init, "e4m3")))
+    assert init is not None and init.device.type == DEVICE.type and init.dtype == torch.float32
+    assert torch.equal(m.weight._data.cpu(), fp8_bytes(init, cs_scale(init, "e4m3")))
     assert not torch.equal(m.weight.dequantize(), init)  # the FP8 value differs: the init value is extra
     assert len(_plain_float_tensors({(80, 48)})) == 1
     del init
@@ -292,23 +295,23 @@ def test_preserve_high_precision_init_val(rng):
     assert m.weight.get_high_precision_init_val() is None
     assert _plain_float_tensors({(80, 48)}) == []
     with te.quantized_model_init(recipe=recipe.Float8CurrentScaling()):
-        m2 = te.Linear(8, 8, device="cpu")
+        m2 = te.Linear(8, 8, device=DEVICE)
     assert m2.weight.get_high_precision_init_val() is None
 
 
 def test_context_scope_and_options(rng):
     with te.fp8_model_init(enabled=True):  # the TE 1.x name, default recipe (DelayedScaling)
-        a = te.Linear(8, 8, device="cpu")
+        a = te.Linear(8, 8, device=DEVICE)
         with te.quantized_model_init(enabled=False):
-            b = te.Linear(8, 8, device="cpu")
-        c = te.LayerNorm(8, device="cpu")
-    d = te.Linear(8, 8, device="cpu")
+            b = te.Linear(8, 8, device=DEVICE)
+        c = te.LayerNorm(8, device=DEVICE)
+    d = te.Linear(8, 8, device=DEVICE)
     assert isinstance(a.weight, Float8Tensor) and a.weight.fp8_dtype == int(te._ops.DType.kFloat8E4M3)
     assert a.fp8_meta.initialized and a.get_extra_state() is not None
     assert type(b.weight) is torch.nn.Parameter and type(d.weight) is torch.nn.Parameter
     assert type(c.weight) is torch.nn.Parameter
     with te.quantized_model_init(recipe=recipe.DelayedScaling(fp8_format=recipe.Format.E5M2)):
-        e = te.Linear(8, 8, device="cpu")
+        e = te.Linear(8, 8, device=DEVICE)
     assert e.weight.fp8_dtype == int(te._ops.DType.kFloat8E5M2)
     with pytest.raises(NotImplementedError, match="DelayedScaling and Float8CurrentScaling"):
         with te.quantized_model_init(recipe=recipe.MXFP8BlockScaling()):
@@ -323,26 +326,28 @@ def test_meta_device_then_reset_parameters():
         m = te.Linear(8, 4, device="meta")
     assert m.weight.device.type == "meta" and not isinstance(m.weight, Float8Tensor)
     m.reset_parameters()  # outside the region: the module remembers it was built inside
-    assert isinstance(m.weight, Float8Tensor) and m.weight.device.type == "cpu"
+    # materialised on the default device: CUDA when available, else the CPU (any NVTE_TEST_DEVICE)
+    assert isinstance(m.weight, Float8Tensor) and m.weight.device.type == ("cuda" if torch.cuda.is_available()
+                                                                           else "cpu")
 
 
 def test_no_grad_build_keeps_no_transpose(rng):
     """Built under no_grad (inference) the parameter keeps only the rowwise bytes; a forward that
     needs a dgrad transposes them on the fly."""
     with torch.no_grad(), te.quantized_model_init(recipe=recipe.Float8CurrentScaling()):
-        m = te.Linear(16, 8, bias=False, device="cpu")
+        m = te.Linear(16, 8, bias=False, device=DEVICE)
     assert m.weight._transpose is None
     x = torch.randn(4, 16, generator=seeded(rng), requires_grad=True)
     with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
-        y = m(x)
+        y = m(dev(x))
     dy = torch.randn(4, 8, generator=seeded(rng))
-    y.backward(dy)
-    assert rel_err(x.grad, cs_q(dy, "e5m2") @ m.weight.dequantize().double()) < 1e-6
+    y.backward(dev(dy))
+    assert rel_err(x.grad, cs_q(dy, "e5m2") @ cpu64(m.weight.dequantize())) < 1e-6
 
 
 def test_deepcopy_and_clone(rng):
     with te.quantized_model_init(recipe=recipe.DelayedScaling()):
-        m = te.Linear(8, 4, device="cpu")
+        m = te.Linear(8, 4, device=DEVICE)
     c = copy.deepcopy(m)
     assert isinstance(c.weight, Float8Tensor) and isinstance(c.weight, torch.nn.Parameter)
     assert c.weight._quantizer.meta is c.fp8_meta and c.weight._data.data_ptr() != m.weight._data.data_ptr()

@@ -1,5 +1,6 @@
 """Delayed-scaling state of te modules vs a float64 re-computation of the recipe math,
-fp8_autocast semantics and the _extra_state round trip."""
+fp8_autocast semantics and the _extra_state round trip. The modules run on NVTE_TEST_DEVICE (default
+the CPU backend); inputs are drawn on the CPU, the float64 model stays on the CPU."""
 import io
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import seeded
+from _util import DEVICE, dev, seeded
 
 
 class RefDelayed:
@@ -38,50 +39,50 @@ def test_recipe_state_matches_float64(rng, fmt, algo, margin):
                               amax_compute_algo=algo)
     fwd_max = 57344.0 if fmt == "E5M2" else 448.0
     bwd_max = 448.0 if fmt == "E4M3" else 57344.0
-    m = te.Linear(16, 8, device="cpu")
+    m = te.Linear(16, 8, device=DEVICE)
     ref_f = RefDelayed(3, 3, fwd_max, margin, algo)
     ref_b = RefDelayed(3, 2, bwd_max, margin, algo)
     for step, mag in enumerate([1.0, 30.0, 0.01, 5.0, 2.0]):
         x = torch.randn(6, 16, generator=g) * mag
         dy = torch.randn(6, 8, generator=g) * mag * 0.1
         with te.fp8_autocast(fp8_recipe=r):
-            y = m(x)
+            y = m(dev(x))
             if step == 3:  # a second forward in one region max-accumulates into the same slot
                 x2 = torch.randn(6, 16, generator=g) * 50
-                y = y + m(x2)
+                y = y + m(dev(x2))
                 ref_f.record(0, x2)
         ref_f.record(0, x)
         ref_f.record(1, m.weight)
         ref_f.update()  # outermost exit
-        y.backward(dy)
+        y.backward(dev(dy))
         ref_b.update()  # start of backward
         ref_b.record(0, dy)
         meta = m.fp8_meta
-        torch.testing.assert_close(meta.amax_history["fwd"].double(), ref_f.h, rtol=1e-6, atol=0)
-        torch.testing.assert_close(meta.scale["fwd"].double(), ref_f.s, rtol=1e-6, atol=0)
+        torch.testing.assert_close(meta.amax_history["fwd"].double().cpu(), ref_f.h, rtol=1e-6, atol=0)
+        torch.testing.assert_close(meta.scale["fwd"].double().cpu(), ref_f.s, rtol=1e-6, atol=0)
         if step == 3:  # two backward calls: each updates first
             ref_b.update()
             ref_b.record(0, dy)
-        torch.testing.assert_close(meta.amax_history["bwd"].double(), ref_b.h, rtol=1e-6, atol=0)
-        torch.testing.assert_close(meta.scale["bwd"].double(), ref_b.s, rtol=1e-6, atol=0)
+        torch.testing.assert_close(meta.amax_history["bwd"].double().cpu(), ref_b.h, rtol=1e-6, atol=0)
+        torch.testing.assert_close(meta.scale["bwd"].double().cpu(), ref_b.s, rtol=1e-6, atol=0)
 
 
 def test_nested_autocast_updates_only_at_outermost_exit(rng):
-    m = te.Linear(8, 8, device="cpu")
+    m = te.Linear(8, 8, device=DEVICE)
     r = recipe.DelayedScaling(amax_history_len=2)
-    x = torch.randn(4, 8, generator=seeded(rng))
+    x = dev(torch.randn(4, 8, generator=seeded(rng)))
     with te.fp8_autocast(fp8_recipe=r):
         with te.fp8_autocast(fp8_recipe=r):
             m(x)
-        assert torch.equal(m.fp8_meta.scale["fwd"], torch.ones(3))
+        assert torch.equal(m.fp8_meta.scale["fwd"].cpu(), torch.ones(3))
         assert float(m.fp8_meta.amax_history["fwd"][0, 0]) > 0
     assert float(m.fp8_meta.scale["fwd"][0]) != 1.0
     assert float(m.fp8_meta.amax_history["fwd"][0, 0]) == 0.0
 
 
 def test_autocast_disabled_inside_enabled_runs_high_precision(rng):
-    m = te.Linear(8, 8, device="cpu")
-    x = torch.randn(4, 8, generator=seeded(rng))
+    m = te.Linear(8, 8, device=DEVICE)
+    x = dev(torch.randn(4, 8, generator=seeded(rng)))
     with te.fp8_autocast(), te.fp8_autocast(enabled=False):
         y = m(x)
     assert not m.fp8_meta.initialized
@@ -89,11 +90,11 @@ def test_autocast_disabled_inside_enabled_runs_high_precision(rng):
 
 
 def test_calibration_records_amax_without_fp8(rng):
-    m = te.Linear(8, 8, device="cpu")
-    x = torch.randn(4, 8, generator=seeded(rng)) * 7
+    m = te.Linear(8, 8, device=DEVICE)
+    x = dev(torch.randn(4, 8, generator=seeded(rng)) * 7)
     with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe.DelayedScaling(amax_history_len=2)):
         y = m(x)
-    torch.testing.assert_close(y, x @ m.weight.detach().t() + m.bias.detach())
+    torch.testing.assert_close(y, x @ m.weight.detach().t() + m.bias.detach())  # all on DEVICE
     torch.testing.assert_close(m.fp8_meta.amax_history["fwd"][1, 0], x.abs().max())
     torch.testing.assert_close(m.fp8_meta.scale["fwd"][0], 448.0 / x.abs().max())
 
@@ -103,9 +104,9 @@ def test_default_recipe_and_availability():
     assert ok
     if not torch.cuda.is_available():
         assert "CPU" in reason
-    m = te.Linear(8, 8, device="cpu")
+    m = te.Linear(8, 8, device=DEVICE)
     with te.autocast():
-        m(torch.randn(2, 8))
+        m(dev(torch.randn(2, 8)))
     assert m.fp8_meta.amax_history["fwd"].shape == (1024, 3)
     assert m.fp8_meta.recipe.fp8_format == recipe.Format.HYBRID
 
@@ -119,15 +120,15 @@ def test_unsupported_features_raise():
     with pytest.raises(TypeError, match="Recipe"):
         with te.fp8_autocast(fp8_recipe="hybrid"):
             pass
-    m = te.Linear(8, 8, device="cpu")
+    m = te.Linear(8, 8, device=DEVICE)
     with pytest.raises(NotImplementedError, match="DelayedScaling"):
         with te.fp8_autocast(fp8_recipe=recipe.MXFP8BlockScaling()):
-            m(torch.randn(2, 8))
+            m(dev(torch.randn(2, 8)))
 
 
-@pytest.mark.parametrize("make", [lambda: te.Linear(16, 8, device="cpu"),
-                                  lambda: te.LayerNormLinear(16, 8, device="cpu"),
-                                  lambda: te.LayerNormMLP(16, 32, device="cpu")])
+@pytest.mark.parametrize("make", [lambda: te.Linear(16, 8, device=DEVICE),
+                                  lambda: te.LayerNormLinear(16, 8, device=DEVICE),
+                                  lambda: te.LayerNormMLP(16, 32, device=DEVICE)])
 def test_extra_state_round_trip(rng, make):
     g = seeded(rng)
     torch.manual_seed(0)
@@ -135,7 +136,7 @@ def test_extra_state_round_trip(rng, make):
     r = recipe.DelayedScaling(amax_history_len=4)
     for _ in range(3):
         with te.fp8_autocast(fp8_recipe=r):
-            y = m(torch.randn(5, 16, generator=g) * 3)
+            y = m(dev(torch.randn(5, 16, generator=g) * 3))
         y.sum().backward()
     sd = m.state_dict()
     assert "_extra_state" in sd
@@ -148,7 +149,7 @@ def test_extra_state_round_trip(rng, make):
     for key in ("fwd", "bwd"):
         assert torch.equal(m2.fp8_meta.amax_history[key], m.fp8_meta.amax_history[key])
         assert torch.equal(m2.fp8_meta.scale[key], m.fp8_meta.scale[key])
-    x = torch.randn(5, 16, generator=g)
+    x = dev(torch.randn(5, 16, generator=g))
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):
         assert torch.equal(m(x), m2(x))
     # a module that never ran FP8 stores no meta, and loading that clears the meta
@@ -160,8 +161,8 @@ def test_extra_state_round_trip(rng, make):
 
 
 def test_history_length_change_keeps_recent_rows(rng):
-    m = te.Linear(8, 8, device="cpu")
-    x = torch.randn(4, 8, generator=seeded(rng))
+    m = te.Linear(8, 8, device=DEVICE)
+    x = dev(torch.randn(4, 8, generator=seeded(rng)))
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=4)):
         m(x)
     h = m.fp8_meta.amax_history["fwd"].clone()

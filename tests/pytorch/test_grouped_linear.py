@@ -1,11 +1,13 @@
 """te.GroupedLinear against float64 references: per-block linear layers, high precision and FP8
-(delayed scaling: one scale per block / weight from the module's metadata; current scaling)."""
+(delayed scaling: one scale per block / weight from the module's metadata; current scaling).
+The modules run on NVTE_TEST_DEVICE (default the CPU backend); inputs are drawn on the CPU and moved
+with dev(), the float64 references stay on the CPU."""
 import pytest
 import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import fp8_emulate, rel_err, seeded
+from _util import DEVICE, cpu64, dev, fp8_emulate, rel_err, seeded
 from test_current_scaling import cs_q
 
 
@@ -19,11 +21,11 @@ def _ref(xs, ws, bs, gs):
 
 def _setup(rng, splits, bias=True, n=3):
     g = seeded(rng)
-    m = te.GroupedLinear(n, 16, 24, bias=bias, device="cpu")
+    m = te.GroupedLinear(n, 16, 24, bias=bias, device=DEVICE)
     with torch.no_grad():
         for i in range(n):
             if bias:
-                getattr(m, f"bias{i}").normal_(generator=g)
+                getattr(m, f"bias{i}").copy_(torch.randn(24, generator=g))
     x = (torch.randn(sum(splits), 16, generator=g) * 2).requires_grad_()
     dy = torch.randn(sum(splits), 24, generator=g) * 1e-2
     return m, x, dy
@@ -33,10 +35,10 @@ def _setup(rng, splits, bias=True, n=3):
 @pytest.mark.parametrize("bias", [True, False])
 def test_grouped_linear_high_precision(rng, splits, bias):
     m, x, dy = _setup(rng, splits, bias)
-    y = m(x, splits)
-    y.backward(dy)
-    ws = [getattr(m, f"weight{i}").detach().double() for i in range(3)]
-    bs = [getattr(m, f"bias{i}").detach().double() if bias else None for i in range(3)]
+    y = m(dev(x), splits)
+    y.backward(dev(dy))
+    ws = [cpu64(getattr(m, f"weight{i}")) for i in range(3)]
+    bs = [cpu64(getattr(m, f"bias{i}")) if bias else None for i in range(3)]
     xs, gs = torch.split(x.detach().double(), splits), torch.split(dy.double(), splits)
     yr, dxr, dwr, dbr = _ref(xs, ws, bs, gs)
     assert rel_err(y, yr) < 1e-6 and rel_err(x.grad, dxr) < 1e-6
@@ -47,7 +49,7 @@ def test_grouped_linear_high_precision(rng, splits, bias):
         else:
             assert rel_err(w_grad, dwr[i]) < 1e-6
         if bias:
-            torch.testing.assert_close(getattr(m, f"bias{i}").grad.double(), dbr[i])
+            torch.testing.assert_close(cpu64(getattr(m, f"bias{i}").grad), dbr[i])
 
 
 def test_grouped_linear_fp8_delayed_matches_emulation(rng):
@@ -60,18 +62,18 @@ def test_grouped_linear_fp8_delayed_matches_emulation(rng):
         m.zero_grad(set_to_none=True)
         s_f = meta.scale["fwd"].clone()
         with te.fp8_autocast(fp8_recipe=r):
-            y = m(x, splits)
-        y.backward(dy)
+            y = m(dev(x), splits)
+        y.backward(dev(dy))
         s_b = meta.scale["bwd"]  # updated at the start of this backward
         ws = [fp8_emulate(getattr(m, f"weight{i}"), s_f[3 + i].item(), "e4m3") for i in range(3)]
         xs = [fp8_emulate(xi, s_f[i].item(), "e4m3") for i, xi in enumerate(torch.split(x.detach(), splits))]
         gs = [fp8_emulate(gi, s_b[i].item(), "e5m2") for i, gi in enumerate(torch.split(dy, splits))]
-        bs = [getattr(m, f"bias{i}").detach().double() for i in range(3)]
+        bs = [cpu64(getattr(m, f"bias{i}")) for i in range(3)]
         yr, dxr, dwr, _ = _ref(xs, ws, bs, gs)
         assert rel_err(y, yr) < 1e-5 and rel_err(x.grad, dxr) < 1e-5, step
         for i in range(3):
             assert rel_err(getattr(m, f"weight{i}").grad, dwr[i]) < 1e-5, (step, i)
-            torch.testing.assert_close(getattr(m, f"bias{i}").grad.double(), torch.split(dy, splits)[i].double().sum(0))
+            torch.testing.assert_close(cpu64(getattr(m, f"bias{i}").grad), torch.split(dy, splits)[i].double().sum(0))
     # each block and weight has its own slot: the amaxes differ per block
     h = meta.amax_history["fwd"]
     assert h.shape == (2, 9) and len(set(h[1, :6].tolist())) == 6
@@ -83,30 +85,30 @@ def test_grouped_linear_fp8_current_scaling(rng):
     with torch.no_grad():
         x[:4] *= 100  # very different amaxes per block: each block gets its own scale
     with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
-        y = m(x, splits)
-    y.backward(dy)
+        y = m(dev(x), splits)
+    y.backward(dev(dy))
     xs = [cs_q(xi, "e4m3") for xi in torch.split(x.detach(), splits)]
     ws = [cs_q(getattr(m, f"weight{i}"), "e4m3") for i in range(2)]
     gs = [cs_q(gi, "e5m2") for gi in torch.split(dy, splits)]
-    yr, dxr, dwr, _ = _ref(xs, ws, [getattr(m, f"bias{i}").detach().double() for i in range(2)], gs)
+    yr, dxr, dwr, _ = _ref(xs, ws, [cpu64(getattr(m, f"bias{i}")) for i in range(2)], gs)
     assert rel_err(y, yr) < 1e-5 and rel_err(x.grad, dxr) < 1e-5
     for i in range(2):
         assert rel_err(getattr(m, f"weight{i}").grad, dwr[i]) < 1e-5
 
 
 def test_grouped_linear_api(rng):
-    m = te.GroupedLinear(2, 8, 4, return_bias=True, device="cpu")
+    m = te.GroupedLinear(2, 8, 4, return_bias=True, device=DEVICE)
     assert [n for n, _ in m.named_parameters()] == ["weight0", "bias0", "weight1", "bias1"]
-    x = torch.randn(2, 3, 8, generator=seeded(rng))
+    x = dev(torch.randn(2, 3, 8, generator=seeded(rng)))
     y, bs = m(x, [2, 4])
     assert y.shape == (2, 3, 4) and bs[0] is m.bias0
-    torch.testing.assert_close(y.reshape(6, 4)[:2], x.reshape(6, 8)[:2] @ m.weight0.detach().t())
+    torch.testing.assert_close(y.reshape(6, 4)[:2], x.reshape(6, 8)[:2] @ m.weight0.detach().t())  # on DEVICE
     with pytest.raises(ValueError, match="m_splits"):
         m(x, [3, 4])
     with pytest.raises(ValueError, match="m_splits"):
         m(x, [6])
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        te.GroupedLinear(2, 8, 4, tp_size=2, device="cpu")
+        te.GroupedLinear(2, 8, 4, tp_size=2, device=DEVICE)
 
 
 # ------------------------------------------------------------------------ torch.compile, caching
@@ -125,7 +127,7 @@ def test_grouped_linear_compile_fullgraph(rng, kind):
     torch._dynamo.reset()
     g = seeded(rng)
     torch.manual_seed(int(rng.integers(1 << 30)))
-    eager = te.GroupedLinear(3, 16, 24, device="cpu")
+    eager = te.GroupedLinear(3, 16, 24, device=DEVICE)
     src = copy.deepcopy(eager)
     rec = GraphRecorder()
     compiled = torch.compile(src, fullgraph=True, backend=rec.backend())
@@ -136,13 +138,13 @@ def test_grouped_linear_compile_fullgraph(rng, kind):
         dy = torch.randn(12, 24, generator=g) * 1e-2
         res = []
         for mod, params in ((eager, eager), (compiled, src)):
-            xx = x.clone().requires_grad_()
+            xx = dev(x).clone().requires_grad_()
             if r is None:
                 y = mod(xx, splits)
             else:
                 with te.fp8_autocast(fp8_recipe=r):
                     y = mod(xx, splits)
-            y.backward(dy)
+            y.backward(dev(dy))
             res.append((y.detach(), xx.grad, {n: p.grad.clone() for n, p in params.named_parameters()}))
             params.zero_grad(set_to_none=True)
         (ye, dxe, ge), (yc, dxc, gc) = res
@@ -165,8 +167,8 @@ def test_grouped_linear_is_first_microbatch_caching(rng, kind):
     """True casts the weights and keeps the FP8 copies, False reuses them (the outputs ignore a
     weight change; delayed scaling records no weight amax), None casts the current weights."""
     g = seeded(rng)
-    m = te.GroupedLinear(3, 16, 24, device="cpu")
-    x = torch.randn(12, 16, generator=g)
+    m = te.GroupedLinear(3, 16, 24, device=DEVICE)
+    x = dev(torch.randn(12, 16, generator=g))
     splits = [5, 3, 4]
     r = CACHE_RECIPES[kind]()
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):  # no_grad: no recipe step between the calls
@@ -191,7 +193,7 @@ def test_grouped_linear_is_first_microbatch_caching(rng, kind):
     if kind == "current":
         xs = torch.split(x, splits)
         ws = [cs_q(getattr(m, f"weight{i}").detach() / 2.0, "e4m3") for i in range(3)]
-        yr = torch.cat([cs_q(xi, "e4m3") @ w.t() + getattr(m, f"bias{i}").detach().double()
+        yr = torch.cat([cs_q(xi, "e4m3") @ w.t() + cpu64(getattr(m, f"bias{i}"))
                         for i, (xi, w) in enumerate(zip(xs, ws))])
         assert rel_err(y_cached, yr) < 1e-6
 
@@ -205,16 +207,16 @@ def test_grouped_linear_fp8_params(rng, kind):
     g = seeded(rng)
     r = CACHE_RECIPES[kind]()
     with te.quantized_model_init(recipe=r):
-        m = te.GroupedLinear(2, 16, 24, bias=False, device="cpu")
+        m = te.GroupedLinear(2, 16, 24, bias=False, device=DEVICE)
     assert all(isinstance(getattr(m, f"weight{i}"), Float8Tensor) for i in range(2))
     splits = [4, 8]
     x = torch.randn(12, 16, generator=g).requires_grad_()
     s_x = m.fp8_meta.scale["fwd"][:2].clone()
     with te.fp8_autocast(fp8_recipe=r):
-        y = m(x, splits)
+        y = m(dev(x), splits)
     dy = torch.randn(12, 24, generator=g) * 1e-2
-    y.backward(dy)
-    ws = [getattr(m, f"weight{i}").dequantize().double() for i in range(2)]
+    y.backward(dev(dy))
+    ws = [cpu64(getattr(m, f"weight{i}").dequantize()) for i in range(2)]
     xs = torch.split(x.detach(), splits)
     if kind == "current":
         xq = [cs_q(xi, "e4m3") for xi in xs]

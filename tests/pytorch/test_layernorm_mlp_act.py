@@ -1,11 +1,12 @@
-"""te.LayerNormMLP with every supported activation and both norms, against float64 PyTorch."""
+"""te.LayerNormMLP with every supported activation and both norms, against float64 PyTorch.
+The module runs on NVTE_TEST_DEVICE (default the CPU backend); references stay on the CPU."""
 import numpy as np
 import pytest
 import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
-from _util import gelu_tanh, rel_err
+from _util import DEVICE, dev, gelu_tanh, rel_err
 
 F = torch.nn.functional
 
@@ -28,7 +29,7 @@ def ref_act(name, x):
 
 def ref_mlp(m, x):
     """float64 reference from m's own parameters (leaf copies, for gradients)."""
-    p = {n: t.detach().double().clone().requires_grad_(True) for n, t in m.named_parameters()}
+    p = {n: t.detach().double().cpu().clone().requires_grad_(True) for n, t in m.named_parameters()}
     if m.normalization == "LayerNorm":
         h = F.layer_norm(x, (x.shape[-1],), p["layer_norm_weight"], p["layer_norm_bias"], m.eps)
     else:
@@ -42,7 +43,7 @@ def ref_mlp(m, x):
 def test_layernorm_mlp_activation_fwd_bwd(activation, normalization):
     torch.manual_seed(0)
     hidden, ffn = 32, 48
-    m = te.LayerNormMLP(hidden, ffn, normalization=normalization, activation=activation, device="cpu",
+    m = te.LayerNormMLP(hidden, ffn, normalization=normalization, activation=activation, device=DEVICE,
                         init_method=lambda w: torch.nn.init.normal_(w, std=0.2))
     with torch.no_grad():
         m.layer_norm_weight.uniform_(0.5, 1.5)
@@ -54,9 +55,9 @@ def test_layernorm_mlp_activation_fwd_bwd(activation, normalization):
     assert tuple(m.fc1_weight.shape) == (f1, hidden) and tuple(m.fc1_bias.shape) == (f1,)
     assert tuple(m.fc2_weight.shape) == (hidden, ffn)
     x = torch.randn(5, 3, hidden, requires_grad=True)
-    y = m(x)
-    dy = torch.randn_like(y)
-    y.backward(dy)
+    y = m(dev(x))
+    dy = torch.randn(y.shape)
+    y.backward(dev(dy))
     xr = x.detach().double().requires_grad_(True)
     yr, p = ref_mlp(m, xr)
     yr.backward(dy.double())
@@ -69,13 +70,13 @@ def test_layernorm_mlp_activation_fwd_bwd(activation, normalization):
 @pytest.mark.parametrize("activation", ["relu", "swiglu", "geglu"])
 def test_layernorm_mlp_activation_fp8_runs(activation):
     torch.manual_seed(1)
-    m = te.LayerNormMLP(64, 64, activation=activation, device="cpu")
+    m = te.LayerNormMLP(64, 64, activation=activation, device=DEVICE)
     x = torch.randn(16, 64, requires_grad=True)
     with torch.no_grad():
-        y_hp = m(x)
+        y_hp = m(dev(x))
     for _ in range(3):
         with te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
-            y = m(x)
+            y = m(dev(x))
         y.sum().backward()
     e = rel_err(y, y_hp)
     assert np.isfinite(e) and 1e-6 < e < 0.1
@@ -84,11 +85,11 @@ def test_layernorm_mlp_activation_fp8_runs(activation):
 
 def test_layernorm_mlp_bad_activation():
     with pytest.raises(ValueError, match="activation"):
-        te.LayerNormMLP(8, 8, activation="tanh", device="cpu")
+        te.LayerNormMLP(8, 8, activation="tanh", device=DEVICE)
 
 
 def test_layernorm_mlp_activation_no_grad():
-    m = te.LayerNormMLP(16, 16, activation="swiglu", device="cpu")
+    m = te.LayerNormMLP(16, 16, activation="swiglu", device=DEVICE)
     with torch.no_grad():
-        y = m(torch.randn(4, 16, requires_grad=True))
+        y = m(dev(torch.randn(4, 16, requires_grad=True)))
     assert not y.requires_grad

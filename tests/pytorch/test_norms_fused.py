@@ -1,10 +1,12 @@
-"""te.LayerNorm / te.RMSNorm / te.LayerNormLinear / te.LayerNormMLP vs float64 PyTorch."""
+"""te.LayerNorm / te.RMSNorm / te.LayerNormLinear / te.LayerNormMLP vs float64 PyTorch.
+The modules run on NVTE_TEST_DEVICE (default the CPU backend); inputs are drawn on the CPU and moved
+with dev(), the float64 references stay on the CPU."""
 import pytest
 import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import gelu_tanh, rel_err, seeded
+from _util import DEVICE, cpu64, dev, gelu_tanh, rel_err, seeded
 
 
 def ref_norm(x, w, b, eps, zcg, kind):
@@ -17,7 +19,7 @@ def ref_norm(x, w, b, eps, zcg, kind):
 
 
 def _leaf64(t):
-    return t.detach().double().requires_grad_()
+    return cpu64(t).requires_grad_()
 
 
 def _randomize(m, g):
@@ -30,19 +32,19 @@ def _randomize(m, g):
 @pytest.mark.parametrize("zcg", [False, True])
 def test_norm_fwd_bwd(rng, kind, zcg):
     g = seeded(rng)
-    m = (te.LayerNorm if kind == "LayerNorm" else te.RMSNorm)(24, eps=1e-3, zero_centered_gamma=zcg, device="cpu")
+    m = (te.LayerNorm if kind == "LayerNorm" else te.RMSNorm)(24, eps=1e-3, zero_centered_gamma=zcg, device=DEVICE)
     init = torch.zeros(24) if zcg else torch.ones(24)
-    assert torch.equal(m.weight.detach(), init)
+    assert torch.equal(m.weight.detach().cpu(), init)
     _randomize(m, g)
     x = (torch.randn(2, 5, 24, generator=g) * 2 + 1).requires_grad_()
-    y = m(x)
+    y = m(dev(x))
     assert y.shape == x.shape
     x64, w64 = _leaf64(x), _leaf64(m.weight)
     b64 = _leaf64(m.bias) if kind == "LayerNorm" else None
     ref = ref_norm(x64, w64, b64, 1e-3, zcg, kind)
     assert rel_err(y, ref) < 1e-5
     dy = torch.randn(y.shape, generator=g)
-    y.backward(dy)
+    y.backward(dev(dy))
     ref.backward(dy.double())
     assert rel_err(x.grad, x64.grad) < 1e-5
     assert rel_err(m.weight.grad, w64.grad) < 1e-5
@@ -54,9 +56,9 @@ def test_norm_meta_and_errors():
     m = te.RMSNorm(8, device="meta")
     m.reset_parameters()
     assert m.weight.device.type != "meta" and torch.equal(m.weight.detach().cpu(), torch.ones(8))
-    ln = te.LayerNorm(8, device="cpu")
+    ln = te.LayerNorm(8, device=DEVICE)
     with pytest.raises(ValueError, match="last dimension must be 8"):
-        ln(torch.randn(3, 4))
+        ln(dev(torch.randn(3, 4)))
     with pytest.raises(TypeError, match="params_dtype"):
         te.LayerNorm(8, params_dtype=torch.int32)
 
@@ -70,18 +72,18 @@ def _lnl_ref(m, x64, params):
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_layernorm_linear_fwd_bwd(rng, normalization):
     g = seeded(rng)
-    m = te.LayerNormLinear(16, 12, normalization=normalization, return_layernorm_output=True, device="cpu")
+    m = te.LayerNormLinear(16, 12, normalization=normalization, return_layernorm_output=True, device=DEVICE)
     _randomize(m, g)
     names = ["layer_norm_weight", "layer_norm_bias", "weight", "bias"]
     x = torch.randn(3, 4, 16, generator=g, requires_grad=True)
-    y, ln = m(x)
+    y, ln = m(dev(x))
     assert y.shape == (3, 4, 12) and ln.shape == x.shape
     x64 = _leaf64(x)
     p64 = [_leaf64(getattr(m, n)) if getattr(m, n) is not None else None for n in names]
     ref, ln_ref = _lnl_ref(m, x64, [p if p is not None else torch.zeros(16, dtype=torch.float64) for p in p64])
     assert rel_err(y, ref) < 1e-5 and rel_err(ln, ln_ref) < 1e-5
     dy = torch.randn(y.shape, generator=g)
-    y.backward(dy)
+    y.backward(dev(dy))
     ref.backward(dy.double())
     assert rel_err(x.grad, x64.grad) < 1e-5
     for n, p in zip(names, p64):
@@ -98,7 +100,7 @@ def _mlp_ref(m, x64, p):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_layernorm_mlp_fwd_bwd(rng, fp8):
     g = seeded(rng)
-    m = te.LayerNormMLP(16, 48, device="cpu")
+    m = te.LayerNormMLP(16, 48, device=DEVICE)
     _randomize(m, g)
     names = [n for n, _ in m.named_parameters()]
     assert names == ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"]
@@ -110,8 +112,8 @@ def test_layernorm_mlp_fwd_bwd(rng, fp8):
         x.grad = None
         m.zero_grad(set_to_none=True)
         with te.fp8_autocast(enabled=fp8, fp8_recipe=r):
-            y = m(x)
-        y.backward(dy)
+            y = m(dev(x))
+        y.backward(dev(dy))
     x64 = _leaf64(x)
     p64 = {n: _leaf64(p) for n, p in m.named_parameters()}
     ref = _mlp_ref(m, x64, p64)
@@ -134,15 +136,15 @@ def test_layernorm_mlp_fwd_bwd(rng, fp8):
 
 def test_layernorm_linear_fp8(rng):
     g = seeded(rng)
-    m = te.LayerNormLinear(32, 16, device="cpu")
+    m = te.LayerNormLinear(32, 16, device=DEVICE)
     _randomize(m, g)
     x = torch.randn(8, 32, generator=g)
     for _ in range(2):
         with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=2)):
-            y = m(x)
+            y = m(dev(x))
         y.sum().backward()
     with torch.no_grad():
-        ref, _ = _lnl_ref(m, x.double(), [p.detach().double() for p in
+        ref, _ = _lnl_ref(m, x.double(), [cpu64(p) for p in
                                           (m.layer_norm_weight, m.layer_norm_bias, m.weight, m.bias)])
     e = rel_err(y, ref)
     assert 1e-4 < e < 0.1
@@ -150,4 +152,4 @@ def test_layernorm_linear_fp8(rng):
 
 def test_mlp_bad_activation():
     with pytest.raises(ValueError, match="activation"):
-        te.LayerNormMLP(8, 16, activation="tanh", device="cpu")
+        te.LayerNormMLP(8, 16, activation="tanh", device=DEVICE)

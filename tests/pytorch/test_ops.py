@@ -1,4 +1,5 @@
-"""The _ops layer: argument validation and one op each against torch."""
+"""The _ops layer: argument validation and one op each against torch. The ops run on
+NVTE_TEST_DEVICE (default the CPU backend); references stay float64 on the CPU."""
 import os
 import tempfile
 
@@ -8,55 +9,57 @@ import torch
 from transformer_engine.pytorch import _ops
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import fp8_emulate, gelu_tanh, rel_err, seeded
+from _util import DEVICE, cpu64, dev, fp8_emulate, gelu_tanh, rel_err, seeded
 
 
 def test_quantize_writes_amax_and_scale_inv(rng):
     x = torch.randn(6, 10, generator=seeded(rng)) * 5
-    scale = torch.tensor([4.0])
-    amax = torch.tensor([100.0])  # max-accumulated, so stays 100
-    q = _ops.quantize(x, scale, amax, _ops.DType.kFloat8E4M3, rowwise=True, columnwise=True)
+    scale = dev(torch.tensor([4.0]))
+    amax = dev(torch.tensor([100.0]))  # max-accumulated, so stays 100
+    q = _ops.quantize(dev(x), scale, amax, _ops.DType.kFloat8E4M3, rowwise=True, columnwise=True)
     assert q.data.dtype == torch.uint8 and q.data.shape == (6, 10) and q.transpose.shape == (10, 6)
     assert float(q.scale_inv) == 0.25 and float(amax) == 100.0
-    torch.testing.assert_close(_ops.dequantize(q).double(), fp8_emulate(x, 4.0, "e4m3"), rtol=0, atol=0)
+    torch.testing.assert_close(cpu64(_ops.dequantize(q)), fp8_emulate(x, 4.0, "e4m3"), rtol=0, atol=0)
     assert torch.equal(q.transpose, q.data.t().contiguous())
 
 
 def test_gemm_layouts_and_gelu_epilogue(rng):
     g = seeded(rng)
     a, b, bias = torch.randn(5, 7, generator=g), torch.randn(3, 7, generator=g), torch.randn(5, generator=g)
-    y, pre = _ops.gemm(a, b, torch.float32, transa=True, transb=False, bias=bias, gelu=True)
+    y, pre = _ops.gemm(dev(a), dev(b), torch.float32, transa=True, transb=False, bias=dev(bias), gelu=True)
     ref = b.double() @ a.double().t() + bias.double()
     assert rel_err(pre, ref) < 1e-6 and rel_err(y, gelu_tanh(ref)) < 1e-6
     dy = torch.randn(3, 5, generator=g)
-    assert rel_err(_ops.gemm(a, dy, torch.float32, False, False), dy.double() @ a.double()) < 1e-6
-    assert rel_err(_ops.gemm(b, dy, torch.float32, False, True), dy.double().t() @ b.double()) < 1e-6
-    assert rel_err(_ops.dgelu(dy, pre), dy.double() * torch.func.grad(lambda t: gelu_tanh(t).sum())(pre.double())) < 1e-5
+    assert rel_err(_ops.gemm(dev(a), dev(dy), torch.float32, False, False), dy.double() @ a.double()) < 1e-6
+    assert rel_err(_ops.gemm(dev(b), dev(dy), torch.float32, False, True), dy.double().t() @ b.double()) < 1e-6
+    assert rel_err(_ops.dgelu(dev(dy), pre), dy.double() * torch.func.grad(lambda t: gelu_tanh(t).sum())(cpu64(pre))) < 1e-5
 
 
 def test_validation_messages():
-    x = torch.randn(4, 6)
+    x = dev(torch.randn(4, 6))
+    one = dev(torch.ones(1))
     with pytest.raises(ValueError, match="contiguous"):
-        _ops.quantize(x.t(), torch.ones(1), None, _ops.DType.kFloat8E4M3)
+        _ops.quantize(x.t(), one, None, _ops.DType.kFloat8E4M3)
     with pytest.raises(TypeError, match="dtype torch.float64"):
-        _ops.quantize(x.double(), torch.ones(1), None, _ops.DType.kFloat8E4M3)
+        _ops.quantize(x.double(), one, None, _ops.DType.kFloat8E4M3)
     with pytest.raises(ValueError, match="one element"):
-        _ops.quantize(x, torch.ones(2), None, _ops.DType.kFloat8E4M3)
+        _ops.quantize(x, dev(torch.ones(2)), None, _ops.DType.kFloat8E4M3)
     with pytest.raises(ValueError, match="fp8_dtype"):
-        _ops.quantize(x, torch.ones(1), None, _ops.DType.kFloat32)
+        _ops.quantize(x, one, None, _ops.DType.kFloat32)
     with pytest.raises(ValueError, match="inner dimensions"):
-        _ops.gemm(torch.randn(3, 5), torch.randn(2, 4), torch.float32, True, False)
+        _ops.gemm(dev(torch.randn(3, 5)), dev(torch.randn(2, 4)), torch.float32, True, False)
     with pytest.raises(ValueError, match="2D"):
-        _ops.gemm(torch.randn(3, 5, 1), torch.randn(2, 5), torch.float32, True, False)
+        _ops.gemm(dev(torch.randn(3, 5, 1)), dev(torch.randn(2, 5)), torch.float32, True, False)
     with pytest.raises(ValueError, match="last dimension"):
-        _ops.layernorm_fwd(x, torch.ones(5), torch.zeros(5), 1e-5)
+        _ops.layernorm_fwd(x, dev(torch.ones(5)), dev(torch.zeros(5)), 1e-5)
     with pytest.raises(ValueError, match="meta"):
         _ops.gelu(torch.empty(3, device="meta"))
     with pytest.raises(RuntimeError, match="amax_compute_algo|algo"):
-        _ops.delayed_scaling_update(torch.zeros(2, 1), torch.ones(1), "median", _ops.DType.kFloat8E4M3, 0)
+        _ops.delayed_scaling_update(dev(torch.zeros(2, 1)), one, "median", _ops.DType.kFloat8E4M3, 0)
 
 
 def test_fp8_group_all_reduce_single_process(rng):
+    """CPU-only (gloo, a one-process group): the amax reduction over fp8_group."""
     dist = torch.distributed
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("torch.distributed unavailable or already initialised")

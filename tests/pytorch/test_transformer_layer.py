@@ -2,7 +2,9 @@
 
 Two groups: the layer's own wiring (residuals, dropout, drop-path, decoder, post-norm options) with a
 plain-torch stand-in for MultiheadAttention, so it is tested independently of attention.py; and the
-real layer (with transformer_engine.pytorch.attention), skipped while that module is absent."""
+real layer (with transformer_engine.pytorch.attention), skipped while that module is absent.
+The layers run on NVTE_TEST_DEVICE (default the CPU backend); inputs are drawn on the CPU and moved
+with dev(), the float64 references stay on the CPU."""
 import importlib.util
 import math
 import os
@@ -13,7 +15,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Format
 from transformer_engine.pytorch import transformer as te_transformer
-from _util import gelu_tanh, rel_err
+from _util import DEVICE, dev, gelu_tanh, rel_err
 
 F = torch.nn.functional
 HAS_MHA = importlib.util.find_spec("transformer_engine.pytorch.attention") is not None and \
@@ -29,7 +31,7 @@ _LEAVES = {}  # id(parameter) -> float64 leaf copy, while a reference runs with 
 def _p(t):
     if t is None:
         return None
-    return _LEAVES[id(t)] if id(t) in _LEAVES else t.detach().double()
+    return _LEAVES[id(t)] if id(t) in _LEAVES else t.detach().double().cpu()
 
 
 def ref_norm(x, w, b, eps, normalization="LayerNorm"):
@@ -52,7 +54,8 @@ def ref_attention(q, k, v, causal):
     s = q.shape[0]
     scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(q.shape[-1])
     if causal:
-        scores = scores.masked_fill(torch.ones(s, k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(torch.ones(s, k.shape[0], dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
     out = torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores, -1), v)
     return out.reshape(*out.shape[:2], -1)
 
@@ -95,6 +98,7 @@ class StubMHA(torch.nn.Module):
         self.return_layernorm_output = return_layernorm_output
         self.layernorm_qkv = _StubQKV(hidden_size, layernorm_epsilon, input_layernorm)
         self.proj = torch.nn.Linear(hidden_size, hidden_size)
+        self.to(kwargs.get("device"))  # the layer's device (parameters drawn on the CPU first)
 
     def forward(self, x, attention_mask=None, encoder_output=None, attn_mask_type=None, **kw):
         m = self.layernorm_qkv
@@ -116,7 +120,7 @@ def stub_mha(monkeypatch):
 
 def _stub_layer(**kw):
     torch.manual_seed(0)
-    args = dict(hidden_dropout=0.0, attention_dropout=0.0, device="cpu")
+    args = dict(hidden_dropout=0.0, attention_dropout=0.0, device=DEVICE)
     args.update(kw)
     return te.TransformerLayer(32, 64, 4, **args)
 
@@ -124,15 +128,15 @@ def _stub_layer(**kw):
 def test_stub_encoder_matches_reference(stub_mha):
     layer = _stub_layer()
     x = torch.randn(6, 2, 32, )
-    assert rel_err(layer(x), ref_layer(layer, x.double())) < 1e-5
-    assert rel_err(layer(x, self_attn_mask_type="no_mask"), ref_layer(layer, x.double(), causal=False)) < 1e-5
+    assert rel_err(layer(dev(x)), ref_layer(layer, x.double())) < 1e-5
+    assert rel_err(layer(dev(x), self_attn_mask_type="no_mask"), ref_layer(layer, x.double(), causal=False)) < 1e-5
 
 
 @pytest.mark.parametrize("impl", ["stub", pytest.param("real", marks=needs_mha)])
 def test_layer_options(impl, monkeypatch):
     if impl == "stub":
         monkeypatch.setattr(te_transformer, "MultiheadAttention", StubMHA)
-    x = torch.randn(6, 2, 32)
+    x = dev(torch.randn(6, 2, 32))  # float32 references from the layer's own submodules, on the device
     # post-layernorm residuals
     layer = _stub_layer(apply_residual_connection_post_layernorm=True)
     sa, mlp = layer.self_attention, layer.layernorm_mlp
@@ -151,7 +155,7 @@ def test_layer_options(impl, monkeypatch):
     assert rel_err(layer(x), ref) < 1e-5
     # decoder: cross attention over encoder_output between self attention and the MLP
     layer = _stub_layer(layer_type="decoder")
-    enc = torch.randn(5, 2, 32)
+    enc = dev(torch.randn(5, 2, 32))
     assert layer.inter_attention.attention_type == "cross"
     assert hasattr(layer.inter_attention, "proj")
     y1 = x + layer.self_attention(x)
@@ -165,16 +169,16 @@ def test_layer_options(impl, monkeypatch):
 def test_stub_dropout_drop_path_and_no_grad(stub_mha):
     x = torch.randn(6, 4, 32, requires_grad=True)
     layer = _stub_layer(hidden_dropout=0.5, drop_path_rate=0.5)
-    y_train = layer(x)
+    y_train = layer(dev(x))
     layer.eval()
-    y_eval = layer(x)
+    y_eval = layer(dev(x))
     assert rel_err(y_eval, ref_layer(layer, x.detach().double())) < 1e-5
     assert rel_err(y_train, y_eval) > 1e-3  # dropout / drop-path active in training only
     layer.train()
     with torch.no_grad():
-        y = layer(x)
+        y = layer(dev(x))
     assert not y.requires_grad
-    y = layer(x)
+    y = layer(dev(x))
     y.sum().backward()
     assert x.grad is not None and layer.layernorm_mlp.fc1_weight.grad is not None
 
@@ -182,7 +186,7 @@ def test_stub_dropout_drop_path_and_no_grad(stub_mha):
 def test_drop_path_module():
     torch.manual_seed(0)
     dp = te_transformer.DropPath(0.5, batch_dim=1)
-    x = torch.ones(3, 64, 2)
+    x = torch.ones(3, 64, 2, device=DEVICE)
     y = dp(x)
     per_sample = y[0, :, 0]
     assert set(per_sample.tolist()) == {0.0, 2.0} and (y == y[0:1, :, 0:1]).all()
@@ -194,14 +198,14 @@ def test_drop_path_module():
 
 def test_bad_arguments(stub_mha):
     with pytest.raises(ValueError, match="layer_type"):
-        te.TransformerLayer(32, 64, 4, layer_type="bogus", device="cpu")
+        te.TransformerLayer(32, 64, 4, layer_type="bogus", device=DEVICE)
     with pytest.raises(ValueError, match="attn_input_format"):
-        te.TransformerLayer(32, 64, 4, attn_input_format="thd_x", device="cpu")
+        te.TransformerLayer(32, 64, 4, attn_input_format="thd_x", device=DEVICE)
     with pytest.raises(NotImplementedError):
-        te.TransformerLayer(32, 64, 4, tp_size=2, device="cpu")
-    layer = te.TransformerLayer(32, 64, 4, device="cpu")
+        te.TransformerLayer(32, 64, 4, tp_size=2, device=DEVICE)
+    layer = te.TransformerLayer(32, 64, 4, device=DEVICE)
     with pytest.raises(ValueError, match="hidden_states"):
-        layer(torch.randn(4, 32))
+        layer(dev(torch.randn(4, 32)))
 
 
 def test_module_paths():
@@ -212,14 +216,14 @@ def test_module_paths():
 # ----------------------------------------------------------------------------- the real layer
 def _real_layer(**kw):
     torch.manual_seed(0)
-    args = dict(hidden_dropout=0.0, attention_dropout=0.0, device="cpu")
+    args = dict(hidden_dropout=0.0, attention_dropout=0.0, device=DEVICE)
     args.update(kw)
     return te.TransformerLayer(64, 128, 4, **args)
 
 
 @needs_mha
 def test_default_parameter_names():
-    layer = te.TransformerLayer(64, 256, 4, device="cpu")
+    layer = te.TransformerLayer(64, 256, 4, device=DEVICE)
     names = sorted(n for n, _ in layer.self_attention.layernorm_qkv.named_parameters())
     assert names == sorted(["layer_norm_weight", "layer_norm_bias", "query_weight", "query_bias", "key_weight",
                             "key_bias", "value_weight", "value_bias"])
@@ -227,7 +231,7 @@ def test_default_parameter_names():
     assert sorted(n for n, _ in layer.layernorm_mlp.named_parameters()) == sorted(
         ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"])
     assert not hasattr(layer, "inter_attention") and not hasattr(layer, "layernorm")
-    fused = te.TransformerLayer(64, 256, 4, fuse_qkv_params=True, device="cpu")
+    fused = te.TransformerLayer(64, 256, 4, fuse_qkv_params=True, device=DEVICE)
     assert {"weight", "bias"} <= {n for n, _ in fused.self_attention.layernorm_qkv.named_parameters()}
 
 
@@ -238,19 +242,19 @@ def test_real_layer_matches_reference(fuse_qkv_params, mask):
     layer = _real_layer(fuse_qkv_params=fuse_qkv_params, self_attn_mask_type=mask)
     with torch.no_grad():
         for p in layer.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(dev(0.05 * torch.randn(p.shape)))
     x = torch.randn(8, 2, 64, requires_grad=True)
-    y = layer(x)
+    y = layer(dev(x))
     xr = x.detach().double()
     assert rel_err(y, ref_layer(layer, xr, causal=mask == "causal")) < 1e-4
     # forward-time mask override
     other = "no_mask" if mask == "causal" else "causal"
-    assert rel_err(layer(x, self_attn_mask_type=other), ref_layer(layer, xr, causal=other == "causal")) < 1e-4
+    assert rel_err(layer(dev(x), self_attn_mask_type=other), ref_layer(layer, xr, causal=other == "causal")) < 1e-4
     # gradients against autograd of the reference run on float64 leaf copies of the parameters
-    dy = torch.randn_like(y)
-    y.backward(dy)
+    dy = torch.randn(y.shape)
+    y.backward(dev(dy))
     params = dict(layer.named_parameters())
-    _LEAVES.update({id(p): p.detach().double().clone().requires_grad_(True) for p in params.values()})
+    _LEAVES.update({id(p): p.detach().double().cpu().clone().requires_grad_(True) for p in params.values()})
     try:
         xr = xr.clone().requires_grad_(True)
         ref_layer(layer, xr, causal=mask == "causal").backward(dy.double())
@@ -258,7 +262,7 @@ def test_real_layer_matches_reference(fuse_qkv_params, mask):
         for n, p in params.items():
             ref = _LEAVES[id(p)].grad
             # key biases get a zero gradient (softmax ignores a per-query constant): compare absolutely there
-            ok = rel_err(p.grad, ref) < 1e-4 or float((p.grad.double() - ref).abs().max()) < 1e-6
+            ok = rel_err(p.grad, ref) < 1e-4 or float((p.grad.double().cpu() - ref).abs().max()) < 1e-6
             assert ok, n
     finally:
         _LEAVES.clear()
@@ -269,7 +273,7 @@ def test_real_layer_bshd():
     sb = _real_layer()
     bs = _real_layer(attn_input_format="bshd")
     bs.load_state_dict(sb.state_dict())
-    x = torch.randn(8, 2, 64)
+    x = dev(torch.randn(8, 2, 64))
     assert rel_err(bs(x.transpose(0, 1)).transpose(0, 1), sb(x)) < 1e-5
 
 
@@ -278,9 +282,9 @@ def test_real_layer_no_grad_and_backward():
     layer = _real_layer()
     x = torch.randn(8, 2, 64, requires_grad=True)
     with torch.no_grad():
-        y = layer(x)
+        y = layer(dev(x))
     assert not y.requires_grad
-    layer(x).sum().backward()
+    layer(dev(x)).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
     for n, p in layer.named_parameters():
         assert p.grad is not None, n
@@ -291,11 +295,11 @@ def test_real_layer_fp8():
     layer = _real_layer()
     x = torch.randn(16, 2, 64, requires_grad=True)
     with torch.no_grad():
-        y_hp = layer(x)
+        y_hp = layer(dev(x))
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
     for _ in range(3):
         with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
-            y = layer(x)
+            y = layer(dev(x))
         y.sum().backward()
     e = rel_err(y, y_hp)
     assert 1e-5 < e < 0.1

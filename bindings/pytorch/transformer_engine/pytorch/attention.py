@@ -265,8 +265,8 @@ class DotProductAttention(torch.nn.Module):
                     cu_kv = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sk
                 else:
                     qm, km = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,) * 2
-                    cu_q = _fa.padding_to_cu_seqlens(qm, b, sq, "query")
-                    cu_kv = _fa.padding_to_cu_seqlens(km, b, sk, "key/value")
+                    cu_q = _fa.padding_to_cu_seqlens(qm.to(q.device), b, sq, "query")
+                    cu_kv = _fa.padding_to_cu_seqlens(km.to(q.device), b, sk, "key/value")
                     if cu_q is None or cu_kv is None:
                         why = "the padding mask is not right-padded (valid tokens first)"
             layout = _fa.LAYOUTS[fmt]
@@ -317,7 +317,16 @@ class DotProductAttention(torch.nn.Module):
             mask = attention_mask.bool()
             if mask.dim() == 2:
                 mask = mask.view(1, 1, *mask.shape)
-        if "causal" in mask_type:
+        if mask_type == "padding_causal_bottom_right":
+            # Bottom-right at each sequence's own lengths (as TE and the fused path align it).
+            qm, km = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,) * 2
+            lq = (~qm.bool().reshape(b, sq)).sum(1).to(device)
+            lk = (~km.bool().reshape(b, sk)).sum(1).to(device)
+            i = torch.arange(sq, device=device).view(1, sq, 1)
+            j = torch.arange(sk, device=device).view(1, 1, sk)
+            c = (j > i + (lk - lq).view(b, 1, 1)).view(b, 1, sq, sk)
+            mask = c if mask is None else (mask | c)
+        elif "causal" in mask_type:
             c = _causal_mask(sq, sk, mask_type.endswith("bottom_right"), device)
             mask = c if mask is None else (mask | c)
         if window is not None:

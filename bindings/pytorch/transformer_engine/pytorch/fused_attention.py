@@ -165,7 +165,13 @@ def unfused_allowed() -> bool:
 
 def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_type: int, mask: int, dropout: float,
                            is_training: bool, max_sq: int, max_skv: int, wl: int, wr: int) -> Tuple[bool, str]:
-    """(supported, reason) from nvte_get_fused_attn_backend for this configuration."""
+    """(supported, reason) from nvte_get_fused_attn_backend for this configuration. The query has no
+    tensors and answers for the GPU when the library has one; host tensors run the CPU reference,
+    which takes every configuration the adapter passes (the call itself reports anything else)."""
+    if q.dtype not in _DT or k.dtype not in _DT or v.dtype not in _DT:
+        return False, f"dtype {q.dtype} is not supported by fused attention"
+    if q.device.type == "cpu":
+        return True, ""
     be = _nvte.get_fused_attn_backend(is_training, _DT[q.dtype], _DT[k.dtype], L(layout), BT(bias_type), M(mask),
                                       ST.NVTE_VANILLA_SOFTMAX, dropout, q.shape[2], k.shape[2], max_sq, max_skv,
                                       q.shape[3], v.shape[3], wl, wr)
