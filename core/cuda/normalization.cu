@@ -450,15 +450,30 @@ struct Raw8 {
     for (int h = 0; h < kVec / kPer; ++h) v[h] = load_vec<T, kPer>(p + h * kPer);
   }
   __device__ __forceinline__ float operator[](int j) const { return load_f32(v[j / kPer].v[j % kPer]); }
+  // All 8 values at once (16-bit T: two per 32-bit word with bit operations).
+  __device__ __forceinline__ void unpack(float (&f)[kVec]) const {
+    if constexpr (sizeof(T) == 2) {
+      uint4 c;
+      memcpy(&c, &v[0], 16);
+      unpack8<T>(c, f);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) f[j] = (*this)[j];
+    }
+  }
 };
 
 // Rows in registers (H % 8 == 0, 16-byte aligned rows, H <= 8 * NV * TPR, x and dz of
 // storage type TI). Dynamic shared memory: per unit and output (dgamma, dbeta) [8][NV * TPR]
 // float partials (slot k of column k * 8 + j at [j][k]: a warp's accesses hit distinct banks).
 // xhat and dy are computed twice (before and after the row reduction) from the stored row,
-// with the same operations, so both passes see the same bits.
-template <class TI, int TPR, int NV, int CTA>
+// with the same operations, so both passes see the same bits. kTyped (16-bit TI, and gamma,
+// dx and the add input of TI's dtype, checked on the host): gamma, add and dx are accessed as
+// raw 16-byte words decoded / packed in pairs, as in norm_fwd_fast, instead of through the
+// run-time dtype switches.
+template <class TI, int TPR, int NV, int CTA, bool kTyped>
 __global__ void __launch_bounds__(CTA) norm_bwd_vec(const BwdParams p) {
+  static_assert(!kTyped || sizeof(TI) == 2, "the typed path is for 16-bit rows");
   constexpr int R = CTA / TPR, S = NV * TPR;
   extern __shared__ float part[];
   __shared__ float red[CTA / 32 * 2];
@@ -475,7 +490,8 @@ __global__ void __launch_bounds__(CTA) norm_bwd_vec(const BwdParams p) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) out[j] = gk[0][j];  // NV == 1: i == 0
     } else {
-      ld8(p.gamma, p.gt, k * kVec, out);
+      if constexpr (kTyped) unpack8<TI>(static_cast<const uint4 *>(p.gamma)[k], out);
+      else ld8(p.gamma, p.gt, k * kVec, out);
       if (p.zc) {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) out[j] += 1.0f;
@@ -520,12 +536,14 @@ __global__ void __launch_bounds__(CTA) norm_bwd_vec(const BwdParams p) {
     for (int i = 0; i < NV; ++i) {
       const size_t k = t + (size_t)i * TPR;
       if (live && k < nvec) {
-        float g[kVec];
+        float g[kVec], xf[kVec], df[kVec];
         gamma_of(i, k, g);
+        xr[i].unpack(xf);
+        dr[i].unpack(df);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          const float dz = dr[i][j];
-          const float xh = __fmul_rn(__fsub_rn(xr[i][j], m), rs);
+          const float dz = df[j];
+          const float xh = __fmul_rn(__fsub_rn(xf[j], m), rs);
           const float dy = __fmul_rn(dz, g[j]);
           sums[0] += dy;
           sums[1] = fmaf(dy, xh, sums[1]);
@@ -542,21 +560,25 @@ __global__ void __launch_bounds__(CTA) norm_bwd_vec(const BwdParams p) {
     for (int i = 0; i < NV; ++i) {
       const size_t k = t + (size_t)i * TPR;
       if (k < nvec) {
-        float g[kVec], o[kVec];
+        float g[kVec], o[kVec], xf[kVec], df[kVec];
         gamma_of(i, k, g);
+        xr[i].unpack(xf);
+        dr[i].unpack(df);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          const float xh = __fmul_rn(__fsub_rn(xr[i][j], m), rs);
-          const float dy = __fmul_rn(dr[i][j], g[j]);
+          const float xh = __fmul_rn(__fsub_rn(xf[j], m), rs);
+          const float dy = __fmul_rn(df[j], g[j]);
           o[j] = dx_value(rs, dy, xh, mean_dy, mean_dyx);
         }
         if (p.add) {
           float a[kVec];
-          ld8(p.add, p.at, row * h + k * kVec, a);
+          if constexpr (kTyped) unpack8<TI>(static_cast<const uint4 *>(p.add)[row * nvec + k], a);
+          else ld8(p.add, p.at, row * h + k * kVec, a);
 #pragma unroll
           for (int j = 0; j < kVec; ++j) o[j] = __fadd_rn(o[j], a[j]);
         }
-        st8(p.dx, p.dxt, row * h + k * kVec, o, 1.0f);
+        if constexpr (kTyped) store8<TI>(static_cast<TI *>(p.dx) + row * h + k * kVec, o, 1.0f);
+        else st8(p.dx, p.dxt, row * h + k * kVec, o, 1.0f);
       }
     }
   }
@@ -712,9 +734,11 @@ void launch_fwd(const FwdParams &p, cudaStream_t stream) {
 template <int TPR, int NV, int CTA>
 void launch_bwd(const BwdParams &p, cudaStream_t stream) {
   const size_t smem = (size_t)CTA * NV * kVec * (p.ln ? 2 : 1) * sizeof(float);
-  auto *k = p.xt == kNVTEBFloat16 ? norm_bwd_vec<bf16, TPR, NV, CTA>
-            : p.xt == kNVTEFloat16 ? norm_bwd_vec<fp16, TPR, NV, CTA>
-                                   : norm_bwd_vec<float, TPR, NV, CTA>;
+  const bool typed = (p.xt == kNVTEBFloat16 || p.xt == kNVTEFloat16) && p.gt == p.xt && p.dxt == p.xt &&
+                     (p.add == nullptr || p.at == p.xt);
+  auto *k = p.xt == kNVTEBFloat16 ? (typed ? norm_bwd_vec<bf16, TPR, NV, CTA, true> : norm_bwd_vec<bf16, TPR, NV, CTA, false>)
+            : p.xt == kNVTEFloat16 ? (typed ? norm_bwd_vec<fp16, TPR, NV, CTA, true> : norm_bwd_vec<fp16, TPR, NV, CTA, false>)
+                                   : norm_bwd_vec<float, TPR, NV, CTA, false>;
   if (smem > 48 * 1024) NVTE_CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   k<<<(unsigned)p.parts, CTA, smem, stream>>>(p);
   NVTE_CHECK_LAUNCH();
