@@ -355,6 +355,17 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
                          "pre_gelu_out) to be a multiple of 8, got m = ", g.m);
   }
 
+  // cuBLASLt's FP8 GEMMs take a bf16/fp16 bias and GELU aux only: a float32 one (a float32
+  // model under FP8) is applied by launch_bias_gelu after a plain GEMM, with the same math.
+  const bool own_epilogue = p.fp8 && !p.d_fp8 && !g.dgelu && !g.dbias && (g.bias || g.gelu) &&
+                            ((g.bias && rowwise(*g.bias, "bias").dtype == kNVTEFloat32) ||
+                             (g.gelu && rowwise(*g.aux, "pre_gelu_out").dtype == kNVTEFloat32));
+  if (own_epilogue) {
+    p.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+    p.bias_ptr = nullptr;
+    p.aux_ptr = nullptr;
+  }
+
   // C: the beta term. cuBLASLt reads C only when beta != 0; its type must be D's type, except
   // for an FP8 D, whose C is bf16 / fp16 (that of the bias, if any).
   if (g.beta != 0.0f) {
@@ -443,6 +454,13 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
     p.amax_tmp = nullptr;
   } else {
     p.amax_tmp = nullptr;
+  }
+
+  if (own_epilogue && g.k > 0) {
+    const NVTEBasicTensor *bias = g.bias ? &rowwise(*g.bias, "bias") : nullptr;
+    const NVTEBasicTensor *aux = g.gelu ? &rowwise(*g.aux, "pre_gelu_out") : nullptr;
+    launch_bias_gelu(d.data_ptr, d.dtype, bias ? bias->data_ptr : nullptr, bias ? bias->dtype : kNVTEFloat32,
+                     aux ? aux->data_ptr : nullptr, aux ? aux->dtype : kNVTEFloat32, g.m, g.n, g.gelu, stream);
   }
 
   if (p.d_fp8) {

@@ -49,6 +49,10 @@ bool non_tn_fp8_supported();
 // FP8 D: *amax = fmaxf(*amax, *amax_tmp) (amax_tmp null: unchanged) and scale_inv = 1 / *scale.
 void launch_fp8_output_finalize(const float *amax_tmp, float *amax, const float *scale, float *scale_inv,
                                 float *col_scale_inv, cudaStream_t stream);
+// D [n, m] (row-major, non-FP8): D = gelu(D + bias) with aux = D + bias, or D = D + bias
+// (bias [m] or null; aux null: not stored). The epilogue of FP8 GEMMs with a float32 bias/aux.
+void launch_bias_gelu(void *d, NVTEDType td, const void *bias, NVTEDType tb, void *aux, NVTEDType ta, size_t m,
+                      size_t n, bool gelu, cudaStream_t stream);
 // Non-FP8 D with an amax buffer: *amax = max(*amax, max |d|) over numel elements.
 void launch_amax_update(const void *d, NVTEDType dtype, size_t numel, float *amax, cudaStream_t stream);
 

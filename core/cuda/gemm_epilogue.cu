@@ -4,7 +4,10 @@
 // float of scratch and one thread max-accumulates that into D's amax and writes
 // scale_inv = 1/scale (a single-thread kernel: one dependent launch, no host sync). A
 // non-FP8 D with an amax buffer gets a grid-stride reduction over D (16-byte loads when
-// aligned, one atomic per block).
+// aligned, one atomic per block). FP8 GEMMs whose bias or GELU aux is float32 (cuBLASLt takes
+// only bf16/fp16 ones there) get their epilogue here, after a plain GEMM: D = act(D + bias),
+// aux = D + bias, elementwise in float32.
+#include "../common/activation_math.h"
 #include "common.cuh"
 #include "gemm.h"
 
@@ -38,7 +41,30 @@ __global__ void amax_kernel(const T *__restrict__ d, size_t numel, bool vec, flo
   block_amax_update(m, amax);
 }
 
+// D [n, m] row-major: v = D + bias[col]; with gelu: aux = v, D = gelu(v); else D = v.
+__global__ void bias_gelu_kernel(void *d, NVTEDType td, const void *bias, NVTEDType tb, void *aux, NVTEDType ta,
+                                 size_t m, size_t total, bool gelu) {
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+    float v = ld<AnyT>(d, i, td);
+    if (bias != nullptr) v += ld<AnyT>(bias, i % m, tb);
+    if (gelu) {
+      if (aux != nullptr) st<AnyT>(aux, i, v, ta);
+      v = gelu_f(v);
+    }
+    st<AnyT>(d, i, v, td);
+  }
+}
+
 }  // namespace
+
+void launch_bias_gelu(void *d, NVTEDType td, const void *bias, NVTEDType tb, void *aux, NVTEDType ta, size_t m,
+                      size_t n, bool gelu, cudaStream_t stream) {
+  const size_t total = m * n;
+  if (total == 0) return;
+  bias_gelu_kernel<<<grid_for(total, 256), 256, 0, stream>>>(d, td, bias, tb, aux, ta, m, total, gelu);
+  NVTE_CHECK_LAUNCH();
+}
 
 void launch_fp8_output_finalize(const float *amax_tmp, float *amax, const float *scale, float *scale_inv,
                                 float *col_scale_inv, cudaStream_t stream) {

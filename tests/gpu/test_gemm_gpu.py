@@ -529,6 +529,26 @@ def test_fp8_epilogues(epi):
     check_close(d.g, d.c, tol, torch.bfloat16)
 
 
+@pytest.mark.parametrize("epi", ["bias", "gelu", "gelu_bias"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_fp8_epilogues_float32_model(epi, accumulate):
+    """FP8 operands with a float32 D, bias and GELU aux (a float32 model under fp8_autocast): cuBLASLt
+    has no such FP8 epilogue, so the library runs a plain GEMM and applies bias / GELU itself."""
+    g = gen(37)
+    n, m, k = 48, 80, 96
+    a, b = Operand((m, k), "e4m3", g), Operand((n, k), "e4m3", g)
+    bias = rand_pair((m,), torch.float32, g) if epi != "gelu" else None
+    _, S = product_ref(a, b, True, False)
+    tol = acc_tol(S + 2.0 + (2.0 if accumulate else 0.0), k, fp8=True)
+    d = rand_pair((n, m), torch.float32, g) if accumulate else nan_pair((n, m), torch.float32)
+    pre = nan_pair((n, m), torch.float32) if epi.startswith("gelu") else None
+    both_gemm(a, b, d, True, False, bias=bias, pre=pre, accumulate=accumulate)
+    if pre is not None:
+        check_close(pre.g, pre.c, tol, torch.float32)
+        tol = 1.2 * tol + act_tol(pre.c.double())
+    check_close(d.g, d.c, tol, torch.float32)
+
+
 # ------------------------------------------------------------------------------ v2
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("separate_c", [False, True])
