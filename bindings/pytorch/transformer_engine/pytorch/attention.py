@@ -255,6 +255,8 @@ class DotProductAttention(torch.nn.Module):
             why = "arbitrary masks run unfused (as in TE)"
         elif not (q.dtype == k.dtype == v.dtype):
             why = "query/key/value dtypes differ"
+        elif bias_type == "alibi" and alibi_slopes is not None and q.is_cuda:
+            why = "ALiBi with caller-given slopes is not supported by the GPU backend (cuDNN uses its default slopes)"
         if not why:
             b = q.shape[1] if fmt == "sbhd" else q.shape[0]
             sq, sk = (q.shape[0], k.shape[0]) if fmt == "sbhd" else (q.shape[1], k.shape[1])
