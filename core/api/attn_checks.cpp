@@ -138,11 +138,17 @@ LayoutInfo check_config(const AttnScalars &s, const AttnDims &d) {
              "softmax_type ", static_cast<int>(s.softmax_type), " is not an NVTE_Softmax_Type value");
   NVTE_CHECK(d.q_dtype == d.kv_dtype, "Q has dtype ", dtype_name(d.q_dtype), " but K/V have ",
              dtype_name(d.kv_dtype), "; fused attention takes one dtype for Q, K and V");
-  NVTE_CHECK_SUPPORTED(!is_fp8(d.q_dtype), "FP8 fused attention (", dtype_name(d.q_dtype),
-                       " Q/K/V) is not supported by this library yet; use float32, float16 or "
-                       "bfloat16 inputs");
-  NVTE_CHECK(is_high_precision(d.q_dtype), "Q/K/V have dtype ", dtype_name(d.q_dtype),
-             "; expected float32, float16 or bfloat16");
+  if (is_fp8(d.q_dtype)) {
+    NVTE_CHECK_SUPPORTED(d.q_dtype == kNVTEFloat8E4M3, "FP8 fused attention takes float8_e4m3 Q, K "
+                         "and V (TE's forward FP8 format), got ", dtype_name(d.q_dtype));
+    NVTE_CHECK_SUPPORTED(s.bias_type == NVTE_NO_BIAS, "FP8 fused attention has no bias (as in TE); "
+                         "got bias_type ", attn::bias_name(s.bias_type));
+    NVTE_CHECK_SUPPORTED(!s.return_max_logit, "FP8 fused attention does not return the max logit "
+                         "(as in TE)");
+  } else {
+    NVTE_CHECK(is_high_precision(d.q_dtype), "Q/K/V have dtype ", dtype_name(d.q_dtype),
+               "; expected float32, float16 or bfloat16 (or float8_e4m3 for FP8 attention)");
+  }
   NVTE_CHECK(d.h_q >= 1 && d.h_kv >= 1 && d.h_q % d.h_kv == 0, "Q has ", d.h_q, " heads and K/V ",
              d.h_kv, "; the K/V head count must be >= 1 and divide the Q head count (GQA/MQA)");
   NVTE_CHECK(d.d_qk >= 1 && d.d_v >= 1, "head sizes must be >= 1, got head_dim_qk ", d.d_qk,
@@ -280,24 +286,96 @@ AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, cons
   return p;
 }
 
-void check_out_like(const Tensor &t, const char *name, const AttnParams &p) {
+void check_out_like(const Tensor &t, const char *name, const AttnParams &p, NVTEDType dtype) {
   NVTEShape want;
   switch (p.layout.q_format) {
     case NVTE_BSHD: want = make_shape({p.batch, p.max_sq, p.h_q, p.d_v}); break;
     case NVTE_SBHD: want = make_shape({p.max_sq, p.batch, p.h_q, p.d_v}); break;
     default: want = make_shape({p.rows_q, p.h_q, p.d_v}); break;
   }
-  check_exact(t, name, p.dtype, want, true);
+  check_exact(t, name, dtype, want, true);
+}
+
+void check_out_like(const Tensor &t, const char *name, const AttnParams &p) {
+  check_out_like(t, name, p, p.dtype);
 }
 
 void check_qkv_grads(const Tensor &dq, const Tensor &dk, const Tensor &dv, const Tensor &q,
-                     const Tensor &k, const Tensor &v, const AttnParams &p) {
+                     const Tensor &k, const Tensor &v, const AttnParams &p, NVTEDType dtype) {
   const Tensor *in[3] = {&q, &k, &v};
   const Tensor *out[3] = {&dq, &dk, &dv};
   const char *const names[3] = {"dQ", "dK", "dV"};
   for (int r = 0; r < 3; ++r)
-    check_exact(*out[r], names[r], p.dtype, in[r]->params[kNVTERowwiseData].shape, true);
+    check_exact(*out[r], names[r], dtype, in[r]->params[kNVTERowwiseData].shape, true);
   check_packing(out, names, p);
+}
+
+// ------------------------------------------------------------------ FP8 scaling metadata
+
+namespace {
+
+void need_param(const Tensor &t, NVTETensorParam param, const char *name, const char *what,
+                const char *why) {
+  NVTE_CHECK(scalar_param(t, param, name) != nullptr, name, " needs its ", what,
+             " (float32 [1]): ", why);
+}
+
+void need_scale_inv(const Tensor &t, const char *name) {
+  need_param(t, kNVTERowwiseScaleInv, name, "scale_inv", "FP8 inputs are decoded as value * scale_inv");
+}
+
+// An output of FP8 attention: FP8 (E4M3 or E5M2) with a scale, or float16/bfloat16.
+void check_scaled_out_dtype(const Tensor &t, const char *name) {
+  const NVTEDType dt = t.params[kNVTERowwiseData].dtype;
+  NVTE_CHECK(is_fp8(dt) || dt == kNVTEFloat16 || dt == kNVTEBFloat16, name, " of FP8 attention "
+             "must be float8_e4m3, float8_e5m2, float16 or bfloat16, got ", dtype_name(dt));
+  if (is_fp8(dt)) need_param(t, kNVTEScale, name, "scale", "FP8 outputs are stored as value * scale");
+  scalar_param(t, kNVTEAmax, name);            // dtype checks of the optional buffers
+  scalar_param(t, kNVTERowwiseScaleInv, name);
+}
+
+void check_meta(const Tensor *t, const char *name, const char *what) {
+  NVTE_CHECK(t != nullptr, name, " is NULL; FP8 attention needs it for ", what);
+  need_param(*t, kNVTEScale, name, "scale", what);
+  scalar_param(*t, kNVTEAmax, name);
+  scalar_param(*t, kNVTERowwiseScaleInv, name);
+}
+
+}  // namespace
+
+void check_fp8_fwd(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *s,
+                   const Tensor &o, const AttnParams &p) {
+  need_scale_inv(q, "Q");
+  need_scale_inv(k, "K");
+  need_scale_inv(v, "V");
+  check_meta(s, "S", "the quantization of the softmax output (scale; amax and scale_inv are written)");
+  check_scaled_out_dtype(o, "O");
+  check_out_like(o, "O", p, o.params[kNVTERowwiseData].dtype);
+}
+
+void check_fp8_bwd(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &o,
+                   const Tensor &d_o, const Tensor *s, const Tensor *dp, const Tensor &dq,
+                   const Tensor &dk, const Tensor &dv, const AttnParams &p) {
+  need_scale_inv(q, "Q");
+  need_scale_inv(k, "K");
+  need_scale_inv(v, "V");
+  const NVTEDType o_dt = o.params[kNVTERowwiseData].dtype, do_dt = d_o.params[kNVTERowwiseData].dtype;
+  NVTE_CHECK(is_fp8(o_dt) || o_dt == kNVTEFloat16 || o_dt == kNVTEBFloat16, "O of FP8 attention "
+             "must be float8_e4m3, float8_e5m2, float16 or bfloat16 (as the forward wrote it), got ",
+             dtype_name(o_dt));
+  if (is_fp8(o_dt)) need_scale_inv(o, "O");
+  check_out_like(o, "O", p, o_dt);
+  NVTE_CHECK(is_fp8(do_dt), "dO of FP8 attention must be float8_e4m3 or float8_e5m2 (E5M2 under "
+             "TE's HYBRID recipe), got ", dtype_name(do_dt));
+  need_scale_inv(d_o, "dO");
+  check_out_like(d_o, "dO", p, do_dt);
+  check_meta(s, "S", "the quantization of the softmax output (scale)");
+  check_meta(dp, "dP", "the quantization of dS (scale; amax and scale_inv are written)");
+  const NVTEDType g = dq.params[kNVTERowwiseData].dtype;
+  check_scaled_out_dtype(dq, "dQ");
+  check_scaled_out_dtype(dk, "dK");
+  check_scaled_out_dtype(dv, "dV");
+  check_qkv_grads(dq, dk, dv, q, k, v, p, g);
 }
 
 }  // namespace nvte::api

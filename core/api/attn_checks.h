@@ -1,7 +1,7 @@
 // attn_checks.h - argument checks of the fused attention entry points (api/fused_attn.cpp).
 //
 // Two levels: check_config validates the scalar configuration (layout, mask, bias, softmax,
-// dropout, windows, head counts and sizes) and is also what nvte_get_fused_attn_backend
+// dropout, windows, head counts and sizes, the FP8 restrictions) and is also what nvte_get_fused_attn_backend
 // answers with; describe() reads Q, K, V and the optional tensors' shapes and dtypes, checks
 // them against the layout and returns the AttnParams a backend runs from.
 #pragma once
@@ -49,12 +49,24 @@ struct AttnSideTensors {
 attn::AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, const Tensor &v,
                           const AttnSideTensors &side);
 
-// A tensor shaped like Q but with d_v (O, dO): Q's format and dtype.
+// A tensor shaped like Q but with d_v (O, dO): Q's format and p.dtype (or the dtype given).
 void check_out_like(const Tensor &t, const char *name, const attn::AttnParams &p);
+void check_out_like(const Tensor &t, const char *name, const attn::AttnParams &p, NVTEDType dtype);
 
-// Gradients dQ, dK, dV: the shapes and dtype of Q, K, V, and the same packing.
+// Gradients dQ, dK, dV: the shapes of Q, K, V, the given dtype, and the same packing.
 void check_qkv_grads(const Tensor &dq, const Tensor &dk, const Tensor &dv, const Tensor &q,
-                     const Tensor &k, const Tensor &v, const attn::AttnParams &p);
+                     const Tensor &k, const Tensor &v, const attn::AttnParams &p, NVTEDType dtype);
+
+// FP8 attention (p.dtype float8_e4m3): the scaling metadata and output dtypes of fused_attn.h
+// "FP8 attention". Forward: Q/K/V scale_inv, S (a handle, data not needed) with scale, O FP8 with
+// scale or float16/bfloat16, O's shape. Backward: Q/K/V scale_inv, O (FP8 with scale_inv, or
+// float16/bfloat16), dO FP8 with scale_inv, S and dP with scale, dQ/dK/dV one dtype (FP8 with
+// scale, or float16/bfloat16) and the shapes/packing of Q/K/V.
+void check_fp8_fwd(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *s,
+                   const Tensor &o, const attn::AttnParams &p);
+void check_fp8_bwd(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &o,
+                   const Tensor &d_o, const Tensor *s, const Tensor *dp, const Tensor &dq,
+                   const Tensor &dk, const Tensor &dv, const attn::AttnParams &p);
 
 // Softmax statistics / max logit: float32 [b, h_q, max_sq, 1].
 NVTEShape stats_shape(const attn::AttnParams &p);

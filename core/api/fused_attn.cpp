@@ -35,6 +35,16 @@ const Tensor *opt(const NVTETensor t, const char *name) {
 }
 #endif
 
+#if defined(NVTE_WITH_CUDNN)
+// The CUDA backend has no FP8 attention yet (cuda/cudnn/fused_attn_cudnn.cpp takes float16 and
+// bfloat16 only); say so before any aux slot is bound.
+void reject_fp8_on_cuda(const char *op, NVTEDType dtype) {
+  NVTE_CHECK_SUPPORTED(!is_fp8(dtype), op, ": FP8 fused attention (", dtype_name(dtype),
+                       " Q/K/V) runs on the CPU backend only; the CUDA (cuDNN) FP8 path is not "
+                       "implemented yet");
+}
+#endif
+
 Tensor *workspace_of(NVTETensor ws) { return present(ws) ? &require_mut(ws, "workspace") : nullptr; }
 
 // ------------------------------------------------------------------ aux pack of the forward
@@ -95,7 +105,7 @@ Tensor *bind_copy_slot(Tensor &s, const Tensor *src) {
 }
 
 void run_fwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTETensor V,
-             const NVTETensor Bias, const NVTETensor SoftmaxOffset, NVTETensor O,
+             const NVTETensor Bias, const NVTETensor SoftmaxOffset, NVTETensor S, NVTETensor O,
              NVTETensorPack *aux, const NVTETensor cu_q, const NVTETensor cu_kv,
              const NVTETensor cu_q_pad, const NVTETensor cu_kv_pad, const NVTETensor page_k,
              const NVTETensor page_v, const NVTETensor rng_state, const AttnScalars &s,
@@ -113,7 +123,12 @@ void run_fwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
   side.cu_kv_padded = opt(cu_kv_pad, "cu_seqlens_kv_padded");
   const AttnParams p = api::describe(s, q, k, v, side);
   Tensor &o = require_mut(O, "O");
-  api::check_out_like(o, "O", p);
+  const bool fp8 = is_fp8(p.dtype);
+  if (fp8) {
+    api::check_fp8_fwd(q, k, v, S, o, p);
+  } else {
+    api::check_out_like(o, "O", p);
+  }
   const Tensor *rng = opt(rng_state, "rng_state");
   if (p.dropout > 0.0f) {
     NVTE_CHECK(rng != nullptr, "dropout ", p.dropout, " in training needs rng_state, int64 [2] "
@@ -133,11 +148,13 @@ void run_fwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
   t.cu_kv_padded = side.cu_kv_padded;
   t.rng_state = rng;
   t.o = &o;
+  t.s = fp8 ? S : nullptr;
 
   std::vector<NamedTensor> all = {
       {"Q", Q}, {"K", K}, {"V", V}, {"Bias", Bias}, {"SoftmaxOffset", SoftmaxOffset}, {"O", O},
       {"cu_seqlens_q", cu_q}, {"cu_seqlens_kv", cu_kv}, {"cu_seqlens_q_padded", cu_q_pad},
       {"cu_seqlens_kv_padded", cu_kv_pad}, {"rng_state", rng_state}};
+  if (fp8) all.push_back({"S", S});
   AuxSlots a;
   if (aux == nullptr) {
     NVTE_CHECK(!p.is_training, "is_training needs Aux_CTX_Tensors to keep the softmax statistics "
@@ -183,6 +200,7 @@ void run_fwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
       return cpu::fused_attn_fwd(p, t);
     case Backend::CUDA:
 #if defined(NVTE_WITH_CUDNN)
+      reject_fp8_on_cuda(op, p.dtype);
       if (aux != nullptr) {
         t.aux_rng = bind_copy_slot(slot(aux, a.rng), rng);
         if (a.bias >= 0) t.aux_bias = bind_copy_slot(slot(aux, a.bias), side.bias);
@@ -245,7 +263,8 @@ BwdAux parse_bwd_aux(const NVTETensorPack *pack, const AttnScalars &s) {
 }
 
 void run_bwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTETensor V,
-             const NVTETensor O, const NVTETensor dO, const NVTETensorPack *aux, NVTETensor dQ,
+             const NVTETensor O, const NVTETensor dO, const NVTETensor S, NVTETensor dP,
+             const NVTETensorPack *aux, NVTETensor dQ,
              NVTETensor dK, NVTETensor dV, NVTETensor dBias, NVTETensor dSoftmaxOffset,
              const NVTETensor cu_q, const NVTETensor cu_kv, const NVTETensor cu_q_pad,
              const NVTETensor cu_kv_pad, const AttnScalars &s, NVTETensor workspace,
@@ -261,15 +280,22 @@ void run_bwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
   side.cu_kv_padded = opt(cu_kv_pad, "cu_seqlens_kv_padded");
   const AttnParams p = api::describe(s, q, k, v, side);
   const Tensor &o = require(O, "O"), &d_o = require(dO, "dO");
-  api::check_out_like(o, "O", p);
-  api::check_out_like(d_o, "dO", p);
+  const bool fp8 = is_fp8(p.dtype);
+  if (!fp8) {
+    api::check_out_like(o, "O", p);
+    api::check_out_like(d_o, "dO", p);
+  }
   api::check_exact(*ax.stats, "Aux_CTX_Tensors[0] (softmax statistics)", kNVTEFloat32,
                    api::stats_shape(p), true);
   if (p.dropout > 0.0f) {
     api::check_exact(*ax.rng, "Aux_CTX_Tensors rng_state", kNVTEInt64, api::make_shape({2}), true);
   }
   Tensor &dq = require_mut(dQ, "dQ"), &dk = require_mut(dK, "dK"), &dv = require_mut(dV, "dV");
-  api::check_qkv_grads(dq, dk, dv, q, k, v, p);
+  if (fp8) {
+    api::check_fp8_bwd(q, k, v, o, d_o, S, dP, dq, dk, dv, p);
+  } else {
+    api::check_qkv_grads(dq, dk, dv, q, k, v, p, p.dtype);
+  }
 
   attn::AttnBwdTensors t;
   t.q = &q;
@@ -288,6 +314,10 @@ void run_bwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
   t.dq = &dq;
   t.dk = &dk;
   t.dv = &dv;
+  if (fp8) {
+    t.s = S;
+    t.dp = dP;
+  }
   if (has_bias_tensor(p.bias_type) && present(dBias)) {
     t.dbias = &require_mut(dBias, "dBias");
     const NVTEBasicTensor &b = ax.bias->params[kNVTERowwiseData];
@@ -307,10 +337,15 @@ void run_bwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
       {"cu_seqlens_q", cu_q}, {"cu_seqlens_kv", cu_kv}, {"cu_seqlens_q_padded", cu_q_pad},
       {"cu_seqlens_kv_padded", cu_kv_pad}};
   for (size_t i = 0; i < aux->size; ++i) all.push_back({"Aux_CTX_Tensors", aux->tensors[i]});
+  if (fp8) {
+    all.push_back({"S", S});
+    all.push_back({"dP", dP});
+  }
   switch (backend_of(all.data(), all.size())) {
     case Backend::CPU: return cpu::fused_attn_bwd(p, t);
     case Backend::CUDA:
 #if defined(NVTE_WITH_CUDNN)
+      reject_fp8_on_cuda(op, p.dtype);
       return cuda::fused_attn_bwd(p, t, workspace_of(workspace), stream);
 #elif defined(NVTE_WITH_CUDA)
       cuda_attn_missing(op);
@@ -331,6 +366,7 @@ size_t workspace_bytes(const char *op, const NVTETensor Q, const NVTETensor K, c
     case Backend::CUDA:
 #if defined(NVTE_WITH_CUDNN)
     {
+      reject_fp8_on_cuda(op, logical_dtype(q));
       const attn::LayoutInfo l = attn::parse_layout(s.layout).info;
       NVTE_CHECK_SUPPORTED(l.q_format != NVTE_THD && l.kv_format != NVTE_THD, op, ": layout ", l.name,
                            " (THD) is not supported by the CUDA backend yet");
@@ -442,12 +478,14 @@ NVTE_Fused_Attn_Backend nvte_get_fused_attn_backend(
                       attn_mask_type == NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK;
       p.rule = attn::MaskRule{causal, br, window_size_left, window_size_right};
       std::string why;
+      reject_fp8_on_cuda("CUDA fused attention", q_dtype);
       NVTE_CHECK_SUPPORTED(cuda::fused_attn_supported(p, &why), "CUDA fused attention: ", why);
       NVTE_CHECK_SUPPORTED(!return_max_logit, "CUDA fused attention: return_max_logit is not supported yet");
     }
 #endif
   });
-  return st == NVTE_SUCCESS ? NVTE_F16_arbitrary_seqlen : NVTE_No_Backend;
+  if (st != NVTE_SUCCESS) return NVTE_No_Backend;
+  return is_fp8(q_dtype) ? NVTE_FP8 : NVTE_F16_arbitrary_seqlen;
 }
 
 NVTEStatus nvte_fused_attn_fwd(
@@ -477,7 +515,7 @@ NVTEStatus nvte_fused_attn_fwd(
     s.window_left = window_size_left;
     s.window_right = window_size_right;
     s.bottom_right_diagonal = bottom_right_diagonal;
-    run_fwd(op, Q, K, V, Bias, SoftmaxOffset, O, Aux_CTX_Tensors, cu_seqlens_q, cu_seqlens_kv,
+    run_fwd(op, Q, K, V, Bias, SoftmaxOffset, S, O, Aux_CTX_Tensors, cu_seqlens_q, cu_seqlens_kv,
             cu_seqlens_q_padded, cu_seqlens_kv_padded, page_table_k, page_table_v, rng_state, s,
             workspace, stream);
   });
@@ -509,7 +547,7 @@ NVTEStatus nvte_fused_attn_bwd(
     s.window_left = window_size_left;
     s.window_right = window_size_right;
     s.bottom_right_diagonal = bottom_right_diagonal;
-    run_bwd(op, Q, K, V, O, dO, Aux_CTX_Tensors, dQ, dK, dV, dBias, dSoftmaxOffset, cu_seqlens_q,
+    run_bwd(op, Q, K, V, O, dO, S, dP, Aux_CTX_Tensors, dQ, dK, dV, dBias, dSoftmaxOffset, cu_seqlens_q,
             cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, s, workspace, stream);
   });
 }

@@ -22,7 +22,7 @@ struct AttnParams {
   size_t batch = 0, h_q = 0, h_kv = 0, d_qk = 0, d_v = 0;
   size_t max_sq = 0, max_skv = 0;   // padded lengths (the S dimension for BSHD/SBHD)
   size_t rows_q = 0, rows_kv = 0;   // token rows of the Q and K/V tensors (b * s, or t)
-  NVTEDType dtype = kNVTEFloat32;   // Q, K, V, O, dO and the gradients
+  NVTEDType dtype = kNVTEFloat32;   // Q, K, V; also O, dO and the gradients unless FP8 (below)
   NVTE_Bias_Type bias_type = NVTE_NO_BIAS;
   NVTE_Mask_Type mask_type = NVTE_NO_MASK;
   NVTE_Softmax_Type softmax_type = NVTE_VANILLA_SOFTMAX;
@@ -38,6 +38,12 @@ struct AttnParams {
 
 // Tensors of a forward call; optional ones are null. Aux slots that alias an input are
 // left null by the API layer (nothing to copy).
+//
+// FP8 calls (dtype float8_e4m3, fused_attn.h "FP8 attention"): Q, K, V carry scale_inv; `s` is
+// the S tensor (scale of the softmax output; its amax and scale_inv are written); O is FP8 with
+// scale (amax, scale_inv written) or float16/bfloat16. The backward's `s` is read only (scale),
+// `dp` carries the quantization of dS (scale; amax, scale_inv written); O and dO carry
+// scale_inv; dQ, dK, dV are FP8 with scale (amax, scale_inv written) or float16/bfloat16.
 struct AttnFwdTensors {
   const Tensor *q = nullptr, *k = nullptr, *v = nullptr;
   const Tensor *bias = nullptr;           // bias or ALiBi slopes
@@ -45,6 +51,7 @@ struct AttnFwdTensors {
   const Tensor *cu_q = nullptr, *cu_kv = nullptr, *cu_q_padded = nullptr, *cu_kv_padded = nullptr;
   const Tensor *rng_state = nullptr;      // needed when dropout > 0
   Tensor *o = nullptr;
+  Tensor *s = nullptr;                    // FP8 only: softmax-output quantization
   Tensor *stats = nullptr, *max_logit = nullptr;        // aux outputs (training)
   Tensor *aux_rng = nullptr, *aux_bias = nullptr, *aux_offset = nullptr;  // copies to make
 };
@@ -54,6 +61,8 @@ struct AttnBwdTensors {
   const Tensor *stats = nullptr, *rng_state = nullptr;
   const Tensor *bias = nullptr, *softmax_offset = nullptr;
   const Tensor *cu_q = nullptr, *cu_kv = nullptr, *cu_q_padded = nullptr, *cu_kv_padded = nullptr;
+  const Tensor *s = nullptr;              // FP8 only: softmax-output quantization (read)
+  Tensor *dp = nullptr;                   // FP8 only: dS quantization
   Tensor *dq = nullptr, *dk = nullptr, *dv = nullptr;
   Tensor *dbias = nullptr, *dsoftmax_offset = nullptr;
 };

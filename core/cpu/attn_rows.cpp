@@ -2,7 +2,9 @@
 // for the CPU fused attention (attn_rows.h).
 #include "attn_rows.h"
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "../common/dtype_switch.h"
 
@@ -22,6 +24,17 @@ void store_f64(void *base, NVTEDType t, size_t offset, size_t n, const double *i
     T *dst = static_cast<T *>(base) + offset;
     for (size_t i = 0; i < n; ++i) dst[i] = from_f32<T>(static_cast<float>(in[i]));
   });
+}
+
+void copy_aux_slot(Tensor *dst, const Tensor *src) {
+  if (dst == nullptr) return;
+  const NVTEBasicTensor &d = dst->params[kNVTERowwiseData];
+  const size_t bytes = numel(d.shape) * dtype_size(d.dtype);
+  if (src != nullptr) {
+    std::memcpy(d.data_ptr, src->params[kNVTERowwiseData].data_ptr, bytes);
+  } else {
+    std::memset(d.data_ptr, 0, bytes);
+  }
 }
 
 void zero_tensor(void *base, NVTEDType t, const attn::TensorPlacement &pl, size_t rows,
@@ -124,6 +137,11 @@ RowContext make_context(const AttnParams &p, const Tensor &q, const Tensor &k, c
     const float *a = static_cast<const float *>(softmax_offset->params[kNVTERowwiseData].data_ptr);
     c.alpha.assign(a, a + p.h_q);
   }
+  if (is_fp8(p.dtype)) {  // the API layer checked that each has a scale_inv
+    c.descale_q = *scalar_param(q, kNVTERowwiseScaleInv, "Q scale_inv");
+    c.descale_k = *scalar_param(k, kNVTERowwiseScaleInv, "K scale_inv");
+    c.descale_v = *scalar_param(v, kNVTERowwiseScaleInv, "V scale_inv");
+  }
   if (p.dropout > 0.0f) {
     const int64_t *r = static_cast<const int64_t *>(rng_state->params[kNVTERowwiseData].data_ptr);
     c.seed = static_cast<uint64_t>(r[0]);
@@ -148,12 +166,33 @@ HeadKV load_head_kv(const RowContext &c, size_t b, size_t hk) {
     load_f64(c.v, p.dtype, attn::element_offset(p.qkv.t[attn::kV], row, hk), p.d_v,
              &kv.v[j * p.d_v]);
   }
+  // Exact in float64: an FP8 value has at most 4 significant bits, a float32 scale_inv 24.
+  if (c.descale_k != 1.0)
+    for (double &x : kv.k) x *= c.descale_k;
+  if (c.descale_v != 1.0)
+    for (double &x : kv.v) x *= c.descale_v;
   return kv;
 }
 
 void load_query(const RowContext &c, size_t b, size_t h, int64_t i, double *out) {
   const AttnParams &p = *c.p;
   load_f64(c.q, p.dtype, attn::element_offset(p.qkv.t[attn::kQ], c.q_row(b, i), h), p.d_qk, out);
+  if (c.descale_q != 1.0)
+    for (size_t e = 0; e < p.d_qk; ++e) out[e] *= c.descale_q;
+}
+
+RowStats row_softmax_stats(const RowContext &c, size_t h, const double *z, size_t n) {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  double mx = kNegInf;
+  for (size_t t = 0; t < n; ++t)
+    if (z[t] > mx || std::isnan(z[t])) mx = z[t];
+  const bool sink = !c.alpha.empty();
+  const double alpha = sink ? c.alpha[h] : kNegInf;
+  const double m = (sink && alpha > mx) ? alpha : mx;
+  if (m == kNegInf) return {kNegInf, mx};
+  double sum = sink ? std::exp(alpha - m) : 0.0;
+  for (size_t t = 0; t < n; ++t) sum += std::exp(z[t] - m);
+  return {m + std::log(sum), mx};
 }
 
 void row_logits(const RowContext &c, size_t b, size_t h, int64_t i, const double *q,

@@ -1,6 +1,6 @@
 // cpu/fused_attn.cpp - CPU reference of fused attention: forward and backward over
 // (batch entry, head) tasks on the thread pool, float64 throughout, one rounding per stored
-// value.
+// value. FP8 inputs go to cpu/fused_attn_fp8.cpp (same rows, quantized dataflow).
 //
 // Forward, per query row: z = logits of the visible keys, m = max(z, sink), lse = m +
 // log(sum exp(z - m) + exp(sink - m)), P = exp(z - lse), O = sum_j dropout(P_j) V_j.
@@ -32,25 +32,9 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 void *data(const Tensor *t) { return t ? t->params[kNVTERowwiseData].data_ptr : nullptr; }
 
-// Aux copy slots: the source's bytes, or zeros when there is no source.
-void copy_slot(Tensor *dst, const Tensor *src) {
-  if (dst == nullptr) return;
-  const NVTEBasicTensor &d = dst->params[kNVTERowwiseData];
-  const size_t bytes = numel(d.shape) * dtype_size(d.dtype);
-  if (src != nullptr) {
-    std::memcpy(d.data_ptr, src->params[kNVTERowwiseData].data_ptr, bytes);
-  } else {
-    std::memset(d.data_ptr, 0, bytes);
-  }
-}
-
 size_t stats_index(const AttnParams &p, size_t b, size_t h, int64_t i) {
   return (b * p.h_q + h) * p.max_sq + static_cast<size_t>(i);
 }
-
-struct RowStats {
-  double lse, max_logit;
-};
 
 // Forward of query row i of (b, h): acc = O row (d_v); lse = -inf when the row sees no key.
 RowStats attend_row(const RowContext &c, size_t b, size_t h, int64_t i, const double *q,
@@ -60,20 +44,13 @@ RowStats attend_row(const RowContext &c, size_t b, size_t h, int64_t i, const do
   std::fill(acc, acc + p.d_v, 0.0);
   const KeyRange r = c.keys(b, i);
   const size_t n = r.hi >= r.lo ? static_cast<size_t>(r.hi - r.lo + 1) : 0;
-  double mx = kNegInf;
   if (n > 0) {
     z.resize(n);
     row_logits(c, b, h, i, q, kv, r, z.data(), bias_row);
-    for (size_t t = 0; t < n; ++t)
-      if (z[t] > mx || std::isnan(z[t])) mx = z[t];
   }
-  const bool sink = !c.alpha.empty();
-  const double alpha = sink ? c.alpha[h] : kNegInf;
-  const double m = (sink && alpha > mx) ? alpha : mx;
-  if (m == kNegInf) return {kNegInf, mx};  // no visible key and no sink: O = 0
-  double sum = sink ? std::exp(alpha - m) : 0.0;
-  for (size_t t = 0; t < n; ++t) sum += std::exp(z[t] - m);
-  const double lse = m + std::log(sum);
+  const RowStats st = row_softmax_stats(c, h, z.data(), n);
+  if (st.lse == kNegInf) return st;  // no visible key and no sink: O = 0
+  const double lse = st.lse;
   for (size_t t = 0; t < n; ++t) {
     const int64_t j = r.lo + static_cast<int64_t>(t);
     double pz = std::exp(z[t] - lse);
@@ -84,7 +61,7 @@ RowStats attend_row(const RowContext &c, size_t b, size_t h, int64_t i, const do
     const double *vj = &kv.v[static_cast<size_t>(j) * p.d_v];
     for (size_t e = 0; e < p.d_v; ++e) acc[e] += pz * vj[e];
   }
-  return {lse, mx};
+  return st;
 }
 
 // Inputs of the backward row gradient.
@@ -169,6 +146,7 @@ void bias_grad(const RowContext &c, const GradInputs &g, Tensor &dbias) {
 }  // namespace
 
 void fused_attn_fwd(const AttnParams &p, const attn::AttnFwdTensors &t) {
+  if (is_fp8(p.dtype)) return fused_attn_fp8_fwd(p, t);
   const SeqBounds seq = seq_bounds(p, t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded);
   const RowContext c = make_context(p, *t.q, *t.k, *t.v, t.bias, t.softmax_offset, t.rng_state, seq);
   void *o = data(t.o);
@@ -180,9 +158,9 @@ void fused_attn_fwd(const AttnParams &p, const attn::AttnFwdTensors &t) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   if (stats) std::fill(stats, stats + n_stats, neg_inf);
   if (max_logit) std::fill(max_logit, max_logit + n_stats, neg_inf);
-  copy_slot(t.aux_rng, t.rng_state);
-  copy_slot(t.aux_bias, t.bias);
-  copy_slot(t.aux_offset, t.softmax_offset);
+  copy_aux_slot(t.aux_rng, t.rng_state);
+  copy_aux_slot(t.aux_bias, t.bias);
+  copy_aux_slot(t.aux_offset, t.softmax_offset);
 
   parallel_for(p.batch * p.h_q, 1, [&](size_t t0, size_t t1) {
     std::vector<double> q(p.d_qk), acc(p.d_v), z, bias_row;
@@ -201,6 +179,7 @@ void fused_attn_fwd(const AttnParams &p, const attn::AttnFwdTensors &t) {
 }
 
 void fused_attn_bwd(const AttnParams &p, const attn::AttnBwdTensors &t) {
+  if (is_fp8(p.dtype)) return fused_attn_fp8_bwd(p, t);
   const SeqBounds seq = seq_bounds(p, t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded);
   const RowContext c = make_context(p, *t.q, *t.k, *t.v, t.bias, t.softmax_offset, t.rng_state, seq);
   const GradInputs g{data(t.o), data(t.d_o), static_cast<const float *>(data(t.stats))};

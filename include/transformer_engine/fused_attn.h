@@ -51,6 +51,31 @@
  * pointer is NULL. Aux_CTX_Tensors may be NULL for an inference call (no statistics kept).
  * The backward takes the pack in the same order; a Max slot, if present, is skipped.
  *
+ * FP8 attention (NVTE_FP8; Transformer Engine's FP8 DPA with per-tensor scaling). Q, K, V are
+ * float8_e4m3 and carry scale_inv (an FP8 input x means x * scale_inv). S and dP are metadata
+ * handles (no data needed) carrying the quantization of two intermediates; every FP8 output value
+ * v is stored as fp8(float32(v) * scale) (round to nearest even, saturating to +-max; the rule of
+ * cast.h), its amax is max-accumulated (*amax = max(*amax, max |v|), when the tensor has an amax
+ * buffer) and its scale_inv is written as 1 / scale (when it has one). Per query row:
+ *   forward   z = attn_scale * Q K^T (decoded inputs), masked as above; P = softmax(z) (lse kept as
+ *             for float inputs), Pd = dropout(P);
+ *             S:  amax_S = max Pd;  P~ = fp8_E4M3(Pd * scale_S), used as P~ / scale_S;
+ *             O = (P~ / scale_S) V;  O: FP8 (E4M3 or E5M2) with scale, or float16/bfloat16 stored
+ *             unscaled (TE's current scaling; amax still recorded).
+ *   backward  P, Pd, P~ recomputed from the stored lse; D = dO . O (decoded with their
+ *             scale_inv; a float16/bfloat16 O is taken as is);
+ *             dS = attn_scale * P * (dropout(dO V^T) - D);
+ *             dP: amax_dP = max |dS|;  dS~ = fp8_{dO's format}(dS * scale_dP), used as dS~ / scale_dP;
+ *             dQ = dS~ K,  dK = dS~^T Q,  dV = (P~ / scale_S)^T dO (dK, dV summed over each K/V
+ *             head's Q heads); dQ, dK, dV: one dtype, FP8 (E4M3 or E5M2) with scale, or
+ *             float16/bfloat16. dO is FP8 (E5M2 under TE's HYBRID recipe) with scale_inv.
+ * This follows cuDNN's sdpa_fp8 graphs, which TE's FP8 path builds. Where a choice was needed:
+ * P~ and dS~ are decoded with 1 / scale (their scale_inv buffers receive the same value: the
+ * forward writes S's scale_inv and amax, the backward dP's; the backward's S is only read), and
+ * amax_S is taken after dropout. FP8 has no bias and no max logit (NOT_SUPPORTED, as in TE); the
+ * aux pack is the one of float inputs (statistics, rng_state, softmax offset). The CPU backend
+ * implements it as the reference; the CUDA backend rejects FP8 inputs with NOT_SUPPORTED for now.
+ *
  * Dropout (applied only when is_training in the forward, always in the backward when
  * dropout > 0) keeps element (b, h, i, j) when a counter-based Philox-4x32-10 draw keyed by
  * rng_state (seed, offset) is >= dropout; forward and backward regenerate the same mask. The CPU
@@ -175,11 +200,12 @@ NVTE_API NVTE_QKV_Format nvte_get_kv_format(NVTE_QKV_Layout qkv_layout);
  *
  *  The query has no tensors: when the library has its CUDA backend with cuDNN and a CUDA device
  *  is visible it answers for the GPU (cuDNN's rules: bfloat16/float16, BSHD/SBHD layouts, no
- *  pre-scale bias, ALiBi only causal with default slopes, ...); otherwise for the CPU reference
- *  backend, which runs every valid configuration. cuDNN may still reject a concrete shape at
- *  the call (NVTE_ERROR_NOT_SUPPORTED with its reason). Returns
- *  NVTE_F16_arbitrary_seqlen when supported and NVTE_No_Backend otherwise, with the reason in
- *  nvte_get_last_error(). Argument order as in TE 2.13.
+ *  pre-scale bias, ALiBi only causal with default slopes, no FP8 yet, ...); otherwise for the
+ *  CPU reference backend, which runs every valid configuration. cuDNN may still reject a
+ *  concrete shape at the call (NVTE_ERROR_NOT_SUPPORTED with its reason). Returns
+ *  NVTE_F16_arbitrary_seqlen (float inputs) or NVTE_FP8 (float8_e4m3 inputs) when supported and
+ *  NVTE_No_Backend otherwise, with the reason in nvte_get_last_error(). Argument order as in
+ *  TE 2.13.
  *  \param[in] is_training       training (statistics and dropout) or inference.
  *  \param[in] q_dtype, kv_dtype element types of Q and of K/V.
  *  \param[in] dropout           dropout probability, in [0, 1).
@@ -200,15 +226,20 @@ NVTE_API NVTE_Fused_Attn_Backend nvte_get_fused_attn_backend(
  *
  *  All tensors are borrowed (never freed); all must live on one device (host memory: CPU
  *  backend; CUDA memory: CUDA backend, running on `stream`). Optional tensors may be NULL.
- *  \param[in]  Q, K, V        float32/float16/bfloat16, one dtype; shapes by qkv_layout:
+ *  \param[in]  Q, K, V        float32/float16/bfloat16, one dtype, or float8_e4m3 with scale_inv
+ *                             (FP8 attention); shapes by qkv_layout:
  *                             Q [.., h_q, d_qk], K [.., h_kv, d_qk], V [.., h_kv, d_v].
  *  \param[in]  Bias           PRE/POST_SCALE_BIAS: [1 or b, 1 or h_q, max_seqlen_q, max_seqlen_kv]
  *                             (float dtype); ALIBI: NULL (TE's default slopes) or float32 slopes
  *                             [h_q] or [b, h_q]; otherwise ignored.
  *  \param[in]  SoftmaxOffset  LEARNABLE_SOFTMAX: float32 [1, h_q, 1, 1]; otherwise ignored.
- *  \param[in,out] S           FP8 scaling metadata in TE; ignored for high-precision inputs.
- *  \param[out] O              Q's format, [.., h_q, d_v], Q's dtype. Every element is written
- *                             (padding positions and THD gaps get 0).
+ *  \param[in,out] S           FP8 only (ignored otherwise): the softmax-output quantization; reads
+ *                             scale (float32 [1], required), max-accumulates amax and writes
+ *                             scale_inv = 1 / scale when those buffers are set. No data needed.
+ *  \param[out] O              Q's format, [.., h_q, d_v], Q's dtype; for FP8 inputs float8_e4m3 or
+ *                             float8_e5m2 with scale (amax, scale_inv written), or float16 /
+ *                             bfloat16. Every element is written (padding positions and THD
+ *                             gaps get 0).
  *  \param[in,out] Aux_CTX_Tensors  see "Auxiliary tensors" above.
  *  \param[in]  cu_seqlens_q, cu_seqlens_kv  int32 [b + 1], cumulative valid lengths. Needed for
  *                             THD and for padding masks; ignored for other BSHD/SBHD masks.
@@ -243,12 +274,18 @@ NVTE_API NVTEStatus nvte_fused_attn_fwd(
 /** \brief Attention backward: dQ, dK, dV (and dBias, dSoftmaxOffset) from O, dO and the aux pack.
  *
  *  Arguments mean what they mean in nvte_fused_attn_fwd and must match the forward call.
- *  \param[in]  O, dO          Q's format, [.., h_q, d_v], Q's dtype.
- *  \param[in,out] S, dP       FP8 scaling metadata in TE; ignored for high-precision inputs.
+ *  \param[in]  O, dO          Q's format, [.., h_q, d_v], Q's dtype. FP8 attention: O as the forward
+ *                             wrote it (FP8 with scale_inv, or float16/bfloat16), dO float8_e4m3
+ *                             or float8_e5m2 with scale_inv.
+ *  \param[in]     S           FP8 only: the forward's S; scale read (required).
+ *  \param[in,out] dP          FP8 only: the quantization of dS (format of dO); reads scale
+ *                             (required), max-accumulates amax, writes scale_inv = 1 / scale.
  *  \param[in]  Aux_CTX_Tensors the pack filled by the forward (statistics, rng_state, bias,
  *                             softmax offset); the Bias comes from it (TE has no Bias argument).
  *  \param[out] dQ, dK, dV     same layout, shapes and dtype as Q, K, V (packed layouts: views
- *                             into one packed gradient buffer). Every element is written.
+ *                             into one packed gradient buffer); FP8 attention: one dtype,
+ *                             float8_e4m3/e5m2 with scale (amax, scale_inv written per tensor) or
+ *                             float16/bfloat16. Every element is written.
  *  \param[out] dBias          PRE/POST_SCALE_BIAS: the bias shape (broadcast dims summed);
  *                             NULL skips it. Ignored for other bias types.
  *  \param[out] dSoftmaxOffset LEARNABLE_SOFTMAX: float32 [1, h_q, 1, 1]; NULL skips it.

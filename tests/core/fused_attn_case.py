@@ -299,10 +299,10 @@ class Run:
         if self.dalpha_arr is not None:
             assert_close(self.dalpha_arr.reshape(-1), dalpha, "float32", atol=1e-5)
 
-    def canon_from_o(self):
-        """The stored O in canonical form (what the kernel's backward reads)."""
+    def canon_from_o(self, rows=None):
+        """The stored O (or O-shaped token rows) in canonical form (what the kernel's backward reads)."""
         c = self.c
-        rows = self.o_arr.astype(np.float64)
+        rows = (self.o_arr if rows is None else rows).astype(np.float64)
         out = np.zeros((c.b, c.sq, c.hq, c.dv))
         if self.qf == "bshd":
             out[:] = rows.reshape(c.b, c.sq, c.hq, c.dv)

@@ -127,7 +127,8 @@ void bind_fused_attn(py::module_ &m) {
         py::arg("window_size_left") = -1, py::arg("window_size_right") = -1,
         py::arg("return_max_logit") = false, py::arg("cuda_graph") = false,
         py::arg("deterministic") = false,
-        "NVTE_F16_arbitrary_seqlen when supported, else NVTE_No_Backend (reason: get_last_error()).");
+        "NVTE_F16_arbitrary_seqlen (float inputs) or NVTE_FP8 (float8_e4m3 inputs) when supported, "
+        "else NVTE_No_Backend (reason: get_last_error()).");
 
   m.def("fused_attn_fwd",
         [](const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *bias,
@@ -158,7 +159,8 @@ void bind_fused_attn(py::module_ &m) {
         py::arg("window_size_right"), py::arg("bottom_right_diagonal"),
         py::arg("workspace").none(true) = nullptr, py::arg("stream") = 0,
         "nvte_fused_attn_fwd. aux: None (no pack), [] (returns the described [(shape, dtype)]) or "
-        "the list of allocated aux Tensors.");
+        "the list of allocated aux Tensors. FP8 inputs: S is a metadata Tensor (scale; amax and "
+        "scale_inv written), e.g. Tensor(scale=..., amax=..., scale_inv=...).");
 
   m.def("fused_attn_bwd",
         [](const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &o, const Tensor &d_o,
@@ -186,7 +188,8 @@ void bind_fused_attn(py::module_ &m) {
         py::arg("attn_mask_type"), py::arg("softmax_type"), py::arg("window_size_left"),
         py::arg("window_size_right"), py::arg("bottom_right_diagonal"), py::arg("deterministic"),
         py::arg("cuda_graph"), py::arg("workspace").none(true) = nullptr, py::arg("stream") = 0,
-        "nvte_fused_attn_bwd. aux: the list of aux Tensors filled by the forward.");
+        "nvte_fused_attn_bwd. aux: the list of aux Tensors filled by the forward. FP8 inputs: S and "
+        "dP are metadata Tensors (scale; dP's amax and scale_inv written).");
 
   m.def("fused_attn_fwd_workspace_size",
         [](const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *bias, size_t max_sq,
