@@ -9,9 +9,27 @@ there). Default: cpu."""
 import os
 
 import numpy as np
+import pytest
 import torch
 
 DEVICE = torch.device(os.environ.get("NVTE_TEST_DEVICE", "cpu"))
+ON_CUDA = DEVICE.type == "cuda"
+
+
+def gemm_dim(n, multiple=16):
+    """A GEMM dimension for the test device: n itself on the CPU (whose backend runs every shape,
+    odd sizes included), n rounded up to a multiple of `multiple` on CUDA. cuBLASLt's FP8 GEMMs need
+    the leading dimensions of A, B and D to be multiples of 16 bytes, so every dimension of an FP8
+    GEMM (in/out features, tokens = batch*seq, ffn size, GroupedLinear m_splits) is a multiple of
+    16 there, as in TE; its GELU epilogues need m to be a multiple of 8 (multiple=8)."""
+    return n if not ON_CUDA else -(-n // multiple) * multiple
+
+
+def raises_e5m2_gemm():
+    """pytest.raises for the library's clear error when an FP8 GEMM has both operands in
+    float8_e5m2 (cuBLASLt has no such GEMM: an all-E5M2 recipe cannot run on the GPU)."""
+    from transformer_engine import _nvte
+    return pytest.raises(_nvte.Error, match="cuBLASLt has no FP8 GEMM with both operands in float8_e5m2")
 
 
 def dev(t):

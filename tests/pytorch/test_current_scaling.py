@@ -11,7 +11,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import DEVICE, cpu64, dev, fp8_emulate, gelu_tanh, rel_err, seeded
+from _util import DEVICE, cpu64, dev, fp8_emulate, gelu_tanh, gemm_dim, rel_err, seeded
 
 FMT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
@@ -49,25 +49,27 @@ def test_linear_current_scaling_matches_float64(rng, fmt, qparams):
          "eps": recipe.QParams(amax_epsilon=1e3)}[qparams]  # eps above every amax: the clamp decides the scale
     r = recipe.Float8CurrentScaling(fp8_format=getattr(recipe.Format, fmt), fp8_quant_fwd_inp=q,
                                     fp8_quant_fwd_weight=q, fp8_quant_bwd_grad=q)
-    m = te.Linear(32, 24, device=DEVICE)
+    # out features and tokens (2 x seq): 24 and 20 on the CPU, 32 and 32 on CUDA (FP8 GEMM dims 16-aligned)
+    n_out, seq = gemm_dim(24), gemm_dim(10)
+    m = te.Linear(32, n_out, device=DEVICE)
     with torch.no_grad():
         m.bias.copy_(torch.randn(m.bias.shape, generator=g))
     bwd_fmt = "e5m2" if fmt == "HYBRID" else "e4m3"
     for step, mag in enumerate([3.0, 0.02, 40.0]):  # scales follow each step's own amax, no history
-        x = (torch.randn(2, 10, 32, generator=g) * mag).requires_grad_()
-        dy = torch.randn(2, 10, 24, generator=g) * mag * 1e-3
+        x = (torch.randn(2, seq, 32, generator=g) * mag).requires_grad_()
+        dy = torch.randn(2, seq, n_out, generator=g) * mag * 1e-3
         m.zero_grad(set_to_none=True)
         with te.fp8_autocast(fp8_recipe=r):
             y = m(dev(x))
         y.backward(dev(dy))
-        x2, dy2 = x.detach().double().reshape(-1, 32), dy.double().reshape(-1, 24)
+        x2, dy2 = x.detach().double().reshape(-1, 32), dy.double().reshape(-1, n_out)
         yr, dxr, dwr = _grads_ref_linear(x2, m.weight, dy2, "e4m3", bwd_fmt, r)
-        assert rel_err(y.reshape(-1, 24), yr + cpu64(m.bias)) < 1e-5, step
+        assert rel_err(y.reshape(-1, n_out), yr + cpu64(m.bias)) < 1e-5, step
         assert rel_err(x.grad.reshape(-1, 32), dxr) < 1e-5, step
         assert rel_err(m.weight.grad, dwr) < 1e-5, step
         assert rel_err(m.bias.grad, dy2.sum(0)) < 1e-5, step
         exact = x2 @ cpu64(m.weight).t()
-        prod = cpu64(y).reshape(-1, 24) - cpu64(m.bias)
+        prod = cpu64(y).reshape(-1, n_out) - cpu64(m.bias)
         assert 1e-3 < rel_err(prod, exact) < 0.1  # FP8-sized error, not float32-sized
     assert not m.fp8_meta.initialized  # current scaling keeps no delayed-scaling state
     assert m.fp8_meta.state() is None
@@ -91,8 +93,9 @@ def test_layernorm_linear_current_scaling(rng):
     m = te.LayerNormLinear(32, 16, return_layernorm_output=True, device=DEVICE)
     with torch.no_grad():
         m.layer_norm_weight.copy_(torch.empty(32).uniform_(0.5, 1.5, generator=g))
-    x = (torch.randn(12, 32, generator=g) * 2).requires_grad_()
-    dy = torch.randn(12, 16, generator=g) * 1e-2
+    tokens = gemm_dim(12)  # 12 on the CPU, 16 on CUDA (the wgrad GEMM's inner dimension)
+    x = (torch.randn(tokens, 32, generator=g) * 2).requires_grad_()
+    dy = torch.randn(tokens, 16, generator=g) * 1e-2
     with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
         y, ln = m(dev(x))
     y.backward(dev(dy))
@@ -116,7 +119,7 @@ def test_layernorm_mlp_current_scaling(rng, activation):
     m = te.LayerNormMLP(16, 32, activation=activation, return_layernorm_output=True, device=DEVICE)
     with torch.no_grad():
         m.fc1_bias.copy_(torch.randn(m.fc1_bias.shape, generator=g))
-    x = torch.randn(10, 16, generator=g)
+    x = torch.randn(gemm_dim(10), 16, generator=g)  # tokens 10 on the CPU, 16 on CUDA
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
         y, ln = m(dev(x))
     ln64 = cpu64(ln)
@@ -157,8 +160,9 @@ def test_transformer_layer_current_scaling_forward(rng, monkeypatch):
 def test_current_scaling_recipe_not_mixed_with_delayed_state(rng):
     """Switching a module from DelayedScaling to current scaling and back leaves the delayed state alone."""
     g = seeded(rng)
-    m = te.Linear(8, 8, device=DEVICE)
-    x = dev(torch.randn(4, 8, generator=g))
+    d = gemm_dim(8)  # features and tokens: 8 and 4 on the CPU, 16 on CUDA (FP8 GEMM dims 16-aligned)
+    m = te.Linear(d, d, device=DEVICE)
+    x = dev(torch.randn(gemm_dim(4), d, generator=g))
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=2)):
         m(x).sum().backward()
     h, s = m.fp8_meta.amax_history["fwd"].clone(), m.fp8_meta.scale["fwd"].clone()

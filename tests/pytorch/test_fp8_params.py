@@ -12,7 +12,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
 from transformer_engine.pytorch.tensor import Float8Tensor
-from _util import DEVICE, FP8, cpu64, dev, fp8_emulate, rel_err, seeded
+from _util import DEVICE, FP8, cpu64, dev, fp8_emulate, gemm_dim, rel_err, seeded
 from test_current_scaling import cs_q, cs_scale
 
 RECIPES = {"delayed": lambda: recipe.DelayedScaling(amax_history_len=4), "current": recipe.Float8CurrentScaling}
@@ -78,7 +78,11 @@ def _call(m, name, x):
 
 
 def _input(name, g):
-    return torch.randn((6, 2, 48) if name == "TransformerLayer" else (6, 48), generator=g)
+    # tokens: 6 (12 for the layer) on the CPU; on CUDA 16 (32), and 2 x 16 for GroupedLinear's two
+    # halves: every FP8 GEMM dimension (per-group sizes included) a multiple of 16
+    if name == "TransformerLayer":
+        return torch.randn(gemm_dim(6), 2, 48, generator=g)
+    return torch.randn(2 * gemm_dim(3) if name == "GroupedLinear" else gemm_dim(6), 48, generator=g)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -168,9 +172,10 @@ def test_linear_training_matches_emulation(rng, kind):
     w = m.weight
     meta = m.fp8_meta
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    tokens = gemm_dim(8)  # 8 on the CPU, 16 on CUDA (the wgrad GEMM's inner dimension)
     for step in range(3):
-        x = torch.randn(8, 32, generator=g) * (1 + step)
-        dy = torch.randn(8, 16, generator=g) * 0.1
+        x = torch.randn(tokens, 32, generator=g) * (1 + step)
+        dy = torch.randn(tokens, 16, generator=g) * 0.1
         s_x = meta.scale["fwd"][0].item()
         w_deq = cpu64(w.dequantize())
         with te.fp8_autocast(fp8_recipe=r):
@@ -249,7 +254,7 @@ def test_state_dict_round_trip(rng, kind, tmp_path):
     make = lambda: te.LayerNormMLP(16, 32, device=DEVICE)  # noqa: E731
     with te.quantized_model_init(recipe=r):
         m = make()
-    x = dev(torch.randn(4, 16, generator=seeded(rng)))
+    x = dev(torch.randn(gemm_dim(4), 16, generator=seeded(rng)))  # tokens 4 on the CPU, 16 on CUDA
     with te.fp8_autocast(fp8_recipe=r):  # move the recipe state away from its initial values
         m(x).sum().backward()
     path = tmp_path / "sd.pt"
@@ -286,9 +291,10 @@ def test_preserve_high_precision_init_val(rng):
     with te.quantized_model_init(recipe=recipe.Float8CurrentScaling(), preserve_high_precision_init_val=True):
         m = te.Linear(48, 80, device=DEVICE)
     init = m.weight.get_high_precision_init_val()
-    assert init is not None and init.device.type == DEVICE.type and init.dtype == torch.float32
+    # TE keeps the preserved value in CPU memory (whatever the module's device), to seed master weights
+    assert init is not None and init.device.type == "cpu" and init.dtype == torch.float32
     assert torch.equal(m.weight._data.cpu(), fp8_bytes(init, cs_scale(init, "e4m3")))
-    assert not torch.equal(m.weight.dequantize(), init)  # the FP8 value differs: the init value is extra
+    assert not torch.equal(m.weight.dequantize().cpu(), init)  # the FP8 value differs: the init value is extra
     assert len(_plain_float_tensors({(80, 48)})) == 1
     del init
     m.weight.clear_high_precision_init_val()
@@ -335,12 +341,13 @@ def test_no_grad_build_keeps_no_transpose(rng):
     """Built under no_grad (inference) the parameter keeps only the rowwise bytes; a forward that
     needs a dgrad transposes them on the fly."""
     with torch.no_grad(), te.quantized_model_init(recipe=recipe.Float8CurrentScaling()):
-        m = te.Linear(16, 8, bias=False, device=DEVICE)
+        # out features and tokens: 8 and 4 on the CPU, 16 on CUDA (FP8 GEMM dims 16-aligned)
+        m = te.Linear(16, gemm_dim(8), bias=False, device=DEVICE)
     assert m.weight._transpose is None
-    x = torch.randn(4, 16, generator=seeded(rng), requires_grad=True)
+    x = torch.randn(gemm_dim(4), 16, generator=seeded(rng), requires_grad=True)
     with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
         y = m(dev(x))
-    dy = torch.randn(4, 8, generator=seeded(rng))
+    dy = torch.randn(gemm_dim(4), gemm_dim(8), generator=seeded(rng))
     y.backward(dev(dy))
     assert rel_err(x.grad, cs_q(dy, "e5m2") @ cpu64(m.weight.dequantize())) < 1e-6
 

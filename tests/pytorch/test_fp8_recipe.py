@@ -8,7 +8,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import DEVICE, dev, seeded
+from _util import DEVICE, ON_CUDA, dev, gemm_dim, raises_e5m2_gemm, seeded
 
 
 class RefDelayed:
@@ -39,16 +39,22 @@ def test_recipe_state_matches_float64(rng, fmt, algo, margin):
                               amax_compute_algo=algo)
     fwd_max = 57344.0 if fmt == "E5M2" else 448.0
     bwd_max = 448.0 if fmt == "E4M3" else 57344.0
-    m = te.Linear(16, 8, device=DEVICE)
+    # out features and tokens: 8 and 6 on the CPU, 16 on CUDA (FP8 GEMM dims 16-aligned)
+    n_out, tokens = gemm_dim(8), gemm_dim(6)
+    m = te.Linear(16, n_out, device=DEVICE)
+    if ON_CUDA and fmt == "E5M2":  # both forward operands E5M2: cuBLASLt has no such GEMM
+        with raises_e5m2_gemm(), te.fp8_autocast(fp8_recipe=r):
+            m(dev(torch.randn(tokens, 16, generator=g)))
+        return
     ref_f = RefDelayed(3, 3, fwd_max, margin, algo)
     ref_b = RefDelayed(3, 2, bwd_max, margin, algo)
     for step, mag in enumerate([1.0, 30.0, 0.01, 5.0, 2.0]):
-        x = torch.randn(6, 16, generator=g) * mag
-        dy = torch.randn(6, 8, generator=g) * mag * 0.1
+        x = torch.randn(tokens, 16, generator=g) * mag
+        dy = torch.randn(tokens, n_out, generator=g) * mag * 0.1
         with te.fp8_autocast(fp8_recipe=r):
             y = m(dev(x))
             if step == 3:  # a second forward in one region max-accumulates into the same slot
-                x2 = torch.randn(6, 16, generator=g) * 50
+                x2 = torch.randn(tokens, 16, generator=g) * 50
                 y = y + m(dev(x2))
                 ref_f.record(0, x2)
         ref_f.record(0, x)
@@ -68,9 +74,10 @@ def test_recipe_state_matches_float64(rng, fmt, algo, margin):
 
 
 def test_nested_autocast_updates_only_at_outermost_exit(rng):
-    m = te.Linear(8, 8, device=DEVICE)
+    d = gemm_dim(8)  # features and tokens: 8 and 4 on the CPU, 16 on CUDA (FP8 GEMM dims 16-aligned)
+    m = te.Linear(d, d, device=DEVICE)
     r = recipe.DelayedScaling(amax_history_len=2)
-    x = dev(torch.randn(4, 8, generator=seeded(rng)))
+    x = dev(torch.randn(gemm_dim(4), d, generator=seeded(rng)))
     with te.fp8_autocast(fp8_recipe=r):
         with te.fp8_autocast(fp8_recipe=r):
             m(x)
@@ -104,9 +111,10 @@ def test_default_recipe_and_availability():
     assert ok
     if not torch.cuda.is_available():
         assert "CPU" in reason
-    m = te.Linear(8, 8, device=DEVICE)
+    d = gemm_dim(8)  # features and tokens: 8 and 2 on the CPU, 16 on CUDA (FP8 GEMM dims 16-aligned)
+    m = te.Linear(d, d, device=DEVICE)
     with te.autocast():
-        m(dev(torch.randn(2, 8)))
+        m(dev(torch.randn(gemm_dim(2), d)))
     assert m.fp8_meta.amax_history["fwd"].shape == (1024, 3)
     assert m.fp8_meta.recipe.fp8_format == recipe.Format.HYBRID
 
@@ -126,8 +134,9 @@ def test_unsupported_features_raise():
             m(dev(torch.randn(2, 8)))
 
 
-@pytest.mark.parametrize("make", [lambda: te.Linear(16, 8, device=DEVICE),
-                                  lambda: te.LayerNormLinear(16, 8, device=DEVICE),
+# out features 8 on the CPU, 16 on CUDA; tokens 5 / 16 (FP8 GEMM dims 16-aligned there)
+@pytest.mark.parametrize("make", [lambda: te.Linear(16, gemm_dim(8), device=DEVICE),
+                                  lambda: te.LayerNormLinear(16, gemm_dim(8), device=DEVICE),
                                   lambda: te.LayerNormMLP(16, 32, device=DEVICE)])
 def test_extra_state_round_trip(rng, make):
     g = seeded(rng)
@@ -136,7 +145,7 @@ def test_extra_state_round_trip(rng, make):
     r = recipe.DelayedScaling(amax_history_len=4)
     for _ in range(3):
         with te.fp8_autocast(fp8_recipe=r):
-            y = m(dev(torch.randn(5, 16, generator=g) * 3))
+            y = m(dev(torch.randn(gemm_dim(5), 16, generator=g) * 3))
         y.sum().backward()
     sd = m.state_dict()
     assert "_extra_state" in sd
@@ -149,7 +158,7 @@ def test_extra_state_round_trip(rng, make):
     for key in ("fwd", "bwd"):
         assert torch.equal(m2.fp8_meta.amax_history[key], m.fp8_meta.amax_history[key])
         assert torch.equal(m2.fp8_meta.scale[key], m.fp8_meta.scale[key])
-    x = dev(torch.randn(5, 16, generator=g))
+    x = dev(torch.randn(gemm_dim(5), 16, generator=g))
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):
         assert torch.equal(m(x), m2(x))
     # a module that never ran FP8 stores no meta, and loading that clears the meta
@@ -161,8 +170,9 @@ def test_extra_state_round_trip(rng, make):
 
 
 def test_history_length_change_keeps_recent_rows(rng):
-    m = te.Linear(8, 8, device=DEVICE)
-    x = dev(torch.randn(4, 8, generator=seeded(rng)))
+    d = gemm_dim(8)  # features and tokens: 8 and 4 on the CPU, 16 on CUDA (FP8 GEMM dims 16-aligned)
+    m = te.Linear(d, d, device=DEVICE)
+    x = dev(torch.randn(gemm_dim(4), d, generator=seeded(rng)))
     with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=4)):
         m(x)
     h = m.fp8_meta.amax_history["fwd"].clone()

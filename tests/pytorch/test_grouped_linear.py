@@ -7,7 +7,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import DEVICE, cpu64, dev, fp8_emulate, rel_err, seeded
+from _util import DEVICE, cpu64, dev, fp8_emulate, gemm_dim, rel_err, seeded
 from test_current_scaling import cs_q
 
 
@@ -19,15 +19,21 @@ def _ref(xs, ws, bs, gs):
     return torch.cat(ys), torch.cat(dxs), dws, [gi.sum(0) for gi in gs]
 
 
-def _setup(rng, splits, bias=True, n=3):
+def _fp8_splits(splits):
+    """m_splits of an FP8 test: as given on the CPU; on CUDA each block rounded up to a multiple of
+    16 rows (empty blocks stay empty), as cuBLASLt's FP8 GEMMs need for every dimension."""
+    return [gemm_dim(s) for s in splits]
+
+
+def _setup(rng, splits, bias=True, n=3, out=24):
     g = seeded(rng)
-    m = te.GroupedLinear(n, 16, 24, bias=bias, device=DEVICE)
+    m = te.GroupedLinear(n, 16, out, bias=bias, device=DEVICE)
     with torch.no_grad():
         for i in range(n):
             if bias:
-                getattr(m, f"bias{i}").copy_(torch.randn(24, generator=g))
+                getattr(m, f"bias{i}").copy_(torch.randn(out, generator=g))
     x = (torch.randn(sum(splits), 16, generator=g) * 2).requires_grad_()
-    dy = torch.randn(sum(splits), 24, generator=g) * 1e-2
+    dy = torch.randn(sum(splits), out, generator=g) * 1e-2
     return m, x, dy
 
 
@@ -53,8 +59,8 @@ def test_grouped_linear_high_precision(rng, splits, bias):
 
 
 def test_grouped_linear_fp8_delayed_matches_emulation(rng):
-    splits = [6, 3, 9]
-    m, x, dy = _setup(rng, splits)
+    splits = _fp8_splits([6, 3, 9])
+    m, x, dy = _setup(rng, splits, out=gemm_dim(24))  # out features 24 on the CPU, 32 on CUDA
     r = recipe.DelayedScaling(amax_history_len=2)
     meta = m.fp8_meta
     for step in range(3):
@@ -80,10 +86,10 @@ def test_grouped_linear_fp8_delayed_matches_emulation(rng):
 
 
 def test_grouped_linear_fp8_current_scaling(rng):
-    splits = [4, 8]
-    m, x, dy = _setup(rng, splits, n=2)
+    splits = _fp8_splits([4, 8])
+    m, x, dy = _setup(rng, splits, n=2, out=gemm_dim(24))  # out features 24 on the CPU, 32 on CUDA
     with torch.no_grad():
-        x[:4] *= 100  # very different amaxes per block: each block gets its own scale
+        x[:splits[0]] *= 100  # very different amaxes per block: each block gets its own scale
     with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
         y = m(dev(x), splits)
     y.backward(dev(dy))
@@ -127,15 +133,17 @@ def test_grouped_linear_compile_fullgraph(rng, kind):
     torch._dynamo.reset()
     g = seeded(rng)
     torch.manual_seed(int(rng.integers(1 << 30)))
-    eager = te.GroupedLinear(3, 16, 24, device=DEVICE)
+    n_out = gemm_dim(24)  # 24 on the CPU, 32 on CUDA (FP8 GEMM dims 16-aligned)
+    eager = te.GroupedLinear(3, 16, n_out, device=DEVICE)
     src = copy.deepcopy(eager)
     rec = GraphRecorder()
     compiled = torch.compile(src, fullgraph=True, backend=rec.backend())
     # the default history length: other lengths resize the metadata, which must happen eagerly
     r = {"none": None, "delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentScaling()}[kind]
     for step, splits in enumerate([[5, 0, 7], [4, 4, 4], [0, 12, 0], [6, 3, 3]]):
-        x = torch.randn(12, 16, generator=g) * (1 + step)
-        dy = torch.randn(12, 24, generator=g) * 1e-2
+        splits = _fp8_splits(splits)  # on CUDA 16-row blocks (empty ones stay empty)
+        x = torch.randn(sum(splits), 16, generator=g) * (1 + step)
+        dy = torch.randn(sum(splits), n_out, generator=g) * 1e-2
         res = []
         for mod, params in ((eager, eager), (compiled, src)):
             xx = dev(x).clone().requires_grad_()
@@ -167,9 +175,9 @@ def test_grouped_linear_is_first_microbatch_caching(rng, kind):
     """True casts the weights and keeps the FP8 copies, False reuses them (the outputs ignore a
     weight change; delayed scaling records no weight amax), None casts the current weights."""
     g = seeded(rng)
-    m = te.GroupedLinear(3, 16, 24, device=DEVICE)
-    x = dev(torch.randn(12, 16, generator=g))
-    splits = [5, 3, 4]
+    m = te.GroupedLinear(3, 16, gemm_dim(24), device=DEVICE)  # out features 24 on the CPU, 32 on CUDA
+    splits = _fp8_splits([5, 3, 4])
+    x = dev(torch.randn(sum(splits), 16, generator=g))
     r = CACHE_RECIPES[kind]()
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):  # no_grad: no recipe step between the calls
         y_first = m(x, splits, is_first_microbatch=True)
@@ -207,14 +215,14 @@ def test_grouped_linear_fp8_params(rng, kind):
     g = seeded(rng)
     r = CACHE_RECIPES[kind]()
     with te.quantized_model_init(recipe=r):
-        m = te.GroupedLinear(2, 16, 24, bias=False, device=DEVICE)
+        m = te.GroupedLinear(2, 16, gemm_dim(24), bias=False, device=DEVICE)  # 24 on the CPU, 32 on CUDA
     assert all(isinstance(getattr(m, f"weight{i}"), Float8Tensor) for i in range(2))
-    splits = [4, 8]
-    x = torch.randn(12, 16, generator=g).requires_grad_()
+    splits = _fp8_splits([4, 8])
+    x = torch.randn(sum(splits), 16, generator=g).requires_grad_()
     s_x = m.fp8_meta.scale["fwd"][:2].clone()
     with te.fp8_autocast(fp8_recipe=r):
         y = m(dev(x), splits)
-    dy = torch.randn(12, 24, generator=g) * 1e-2
+    dy = torch.randn(sum(splits), gemm_dim(24), generator=g) * 1e-2
     y.backward(dev(dy))
     ws = [cpu64(getattr(m, f"weight{i}").dequantize()) for i in range(2)]
     xs = torch.split(x.detach(), splits)

@@ -4,7 +4,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import DEVICE, cpu64, dev, fp8_emulate, rel_err, seeded
+from _util import DEVICE, cpu64, dev, fp8_emulate, gemm_dim, rel_err, seeded
 
 
 def _ref_linear(x, w, b):
@@ -53,8 +53,9 @@ def test_linear_fp8_matches_emulation(rng):
     with torch.no_grad():
         m.bias.copy_(torch.randn(48, generator=g))
     r = recipe.DelayedScaling(margin=0, fp8_format=recipe.Format.HYBRID, amax_history_len=2)
-    x = (torch.randn(20, 32, generator=g) * 3).requires_grad_()
-    dy = torch.randn(20, 48, generator=g) * 1e-3
+    tokens = gemm_dim(20)  # 20 on the CPU, 32 on CUDA (the wgrad GEMM's inner dimension)
+    x = (torch.randn(tokens, 32, generator=g) * 3).requires_grad_()
+    dy = torch.randn(tokens, 48, generator=g) * 1e-3
     for step in range(3):
         x.grad = None
         m.zero_grad(set_to_none=True)

@@ -6,7 +6,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import DEVICE, cpu64, dev, gelu_tanh, rel_err, seeded
+from _util import DEVICE, cpu64, dev, gelu_tanh, gemm_dim, rel_err, seeded
 
 
 def ref_norm(x, w, b, eps, zcg, kind):
@@ -104,8 +104,9 @@ def test_layernorm_mlp_fwd_bwd(rng, fp8):
     _randomize(m, g)
     names = [n for n, _ in m.named_parameters()]
     assert names == ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"]
-    x = torch.randn(2, 10, 16, generator=g, requires_grad=True)
-    dy = torch.randn(2, 10, 16, generator=g)
+    seq = gemm_dim(10)  # tokens 2 x 10 on the CPU, 2 x 16 on CUDA (FP8 GEMM dims 16-aligned)
+    x = torch.randn(2, seq, 16, generator=g, requires_grad=True)
+    dy = torch.randn(2, seq, 16, generator=g)
     # E4M3 gradients (3 mantissa bits) keep the twice-propagated FP8 error of fc1 well below 0.1
     r = recipe.DelayedScaling(amax_history_len=2, fp8_format=recipe.Format.E4M3)
     for _ in range(3 if fp8 else 1):  # FP8: let the delayed scales settle
@@ -138,7 +139,7 @@ def test_layernorm_linear_fp8(rng):
     g = seeded(rng)
     m = te.LayerNormLinear(32, 16, device=DEVICE)
     _randomize(m, g)
-    x = torch.randn(8, 32, generator=g)
+    x = torch.randn(gemm_dim(8), 32, generator=g)  # tokens 8 on the CPU, 16 on CUDA
     for _ in range(2):
         with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=2)):
             y = m(dev(x))

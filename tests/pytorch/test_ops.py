@@ -9,7 +9,7 @@ import torch
 from transformer_engine.pytorch import _ops
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import DEVICE, cpu64, dev, fp8_emulate, gelu_tanh, rel_err, seeded
+from _util import DEVICE, cpu64, dev, fp8_emulate, gelu_tanh, gemm_dim, rel_err, seeded
 
 
 def test_quantize_writes_amax_and_scale_inv(rng):
@@ -25,11 +25,12 @@ def test_quantize_writes_amax_and_scale_inv(rng):
 
 def test_gemm_layouts_and_gelu_epilogue(rng):
     g = seeded(rng)
-    a, b, bias = torch.randn(5, 7, generator=g), torch.randn(3, 7, generator=g), torch.randn(5, generator=g)
+    m = gemm_dim(5, 8)  # 5 on the CPU; 8 on CUDA, where cuBLASLt's GELU epilogue needs m % 8 == 0
+    a, b, bias = torch.randn(m, 7, generator=g), torch.randn(3, 7, generator=g), torch.randn(m, generator=g)
     y, pre = _ops.gemm(dev(a), dev(b), torch.float32, transa=True, transb=False, bias=dev(bias), gelu=True)
     ref = b.double() @ a.double().t() + bias.double()
     assert rel_err(pre, ref) < 1e-6 and rel_err(y, gelu_tanh(ref)) < 1e-6
-    dy = torch.randn(3, 5, generator=g)
+    dy = torch.randn(3, m, generator=g)
     assert rel_err(_ops.gemm(dev(a), dev(dy), torch.float32, False, False), dy.double() @ a.double()) < 1e-6
     assert rel_err(_ops.gemm(dev(b), dev(dy), torch.float32, False, True), dy.double().t() @ b.double()) < 1e-6
     assert rel_err(_ops.dgelu(dev(dy), pre), dy.double() * torch.func.grad(lambda t: gelu_tanh(t).sum())(cpu64(pre))) < 1e-5

@@ -5,7 +5,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import DEVICE, dev, fp8_emulate, rel_err, seeded
+from _util import DEVICE, dev, fp8_emulate, gemm_dim, rel_err, seeded
 
 RECIPES = {"delayed": lambda: recipe.DelayedScaling(amax_history_len=4), "current": recipe.Float8CurrentScaling}
 
@@ -49,6 +49,7 @@ def test_linear_microbatches_fp8_weight_reuse_and_grads(rng):
     g = seeded(rng)
     m = te.Linear(32, 16, bias=False, device=DEVICE)
     r = recipe.DelayedScaling(amax_history_len=4, margin=0)
+    tokens = gemm_dim(8)  # 8 on the CPU, 16 on CUDA (the wgrad GEMM's inner dimension)
     for step in range(2):
         m.zero_grad(set_to_none=True)
         meta = m.fp8_meta
@@ -56,8 +57,8 @@ def test_linear_microbatches_fp8_weight_reuse_and_grads(rng):
         dw_ref = torch.zeros(16, 32, dtype=torch.float64)
         for mb in range(3):
             s_x = meta.scale["fwd"][0].item()
-            x = torch.randn(8, 32, generator=g) * (1 + mb)
-            dy = torch.randn(8, 16, generator=g) * 1e-2
+            x = torch.randn(tokens, 32, generator=g) * (1 + mb)
+            dy = torch.randn(tokens, 16, generator=g) * 1e-2
             with te.fp8_autocast(fp8_recipe=r):
                 y = m(dev(x), is_first_microbatch=(mb == 0))
                 # the weight's amax is recorded only when it is cast (row 0 is zeroed by each recipe step)

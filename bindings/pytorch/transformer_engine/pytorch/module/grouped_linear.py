@@ -43,7 +43,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         live = [i for i in range(n) if splits[i] > 0]  # empty row blocks take no GEMM
         xs = torch.split(x2, list(splits))
         delayed = cfg.scaling == "delayed"
-        bias = [biases[i] if biases else ops.missing(x2.device).to(x2.dtype) for i in live]
+        bias = [biases[i] if n_bias > 0 else ops.missing(x2.device).to(x2.dtype) for i in live]
         if cfg.fp8:
             xq = [ops.quantize(xs[i], fwd_scale if delayed else None, fwd_hist if delayed else None, i, cfg.fwd_dtype,
                                True, cfg.need_wgrad, False, cfg.inp_pow2, cfg.inp_eps) for i in live]
@@ -64,7 +64,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.live, ctx.splits, ctx.cfg = live, tuple(splits), cfg
         ctx.bwd_scale, ctx.bwd_hist = bwd_scale, bwd_hist
-        ctx.has_bias, ctx.weight_dtype = bool(biases), weights[0].dtype
+        ctx.has_bias, ctx.weight_dtype = n_bias > 0, weights[0].dtype  # n_bias, not bool(tuple): traceable on torch 2.11 too
         ctx.weight_shapes = [tuple(w.shape) for w in weights]
         out = torch.empty((x2.shape[0], weights[0].shape[0]), dtype=x2.dtype, device=x2.device)
         for i, o in zip(live, outs):
