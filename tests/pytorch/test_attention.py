@@ -224,8 +224,10 @@ def test_dpa_errors():
         DotProductAttention(2, 4, attn_mask_type="bogus")
     with pytest.raises(ValueError):
         DotProductAttention(3, 4, num_gqa_groups=2)
-    with pytest.raises(NotImplementedError):
-        DotProductAttention(2, 4, qkv_format="thd")
+    with pytest.raises(ValueError, match="qkv_format"):
+        DotProductAttention(2, 4, qkv_format="tbhd")
+    with pytest.raises(ValueError, match="3D"):  # thd takes [t, h, d]
+        DotProductAttention(2, 4, qkv_format="thd")(q, k, v)
     with pytest.raises(ValueError):
         DotProductAttention(2, 4, attn_mask_type="padding")(q, k, v)
     with pytest.raises(ValueError):

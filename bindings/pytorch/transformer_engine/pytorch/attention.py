@@ -1,10 +1,11 @@
-"""te.DotProductAttention and te.MultiheadAttention (unfused attention path).
+"""te.DotProductAttention and te.MultiheadAttention.
 
-DotProductAttention computes softmax(scale * q k^T, masked) v. The softmax (with its scale and
-mask) is always one call into the library's fused softmax kernels (softmax.h), forward and
-backward, through `_FusedSoftmaxFn`. The two batched products q k^T and p v are torch batched
-matmuls: the library's GEMM (_ops.gemm) is a single 2D GEMM, so there is no library op for a
-[batch * heads] batched product yet. The fused attention backend comes later.
+DotProductAttention computes softmax(scale * q k^T, masked) v on one of two paths. The fused path
+(dpa_fused.py: nvte_fused_attn_fwd/bwd, high precision or FP8 under fp8_dpa) is the only one for
+qkv_format "thd", attention bias / ALiBi and FP8 attention. On the unfused path (this file) the
+softmax (with its scale and mask) is one call into the library's fused softmax kernels
+(softmax.h), forward and backward, through `_FusedSoftmaxFn`; the two batched products q k^T and
+p v are torch batched matmuls (the library's GEMM is a single 2D GEMM).
 
 Masks follow TE: `attention_mask` is boolean with True = masked out. For "padding" types it is a
 [b, 1, 1, s] tensor (self attention) or a pair ([b, 1, 1, sq], [b, 1, 1, skv]); for "arbitrary" it
@@ -18,7 +19,11 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _ops, custom_ops
+from . import dpa_fused as _df
 from . import fused_attention as _fa
+from . import fused_attention_fp8 as _fa8
+from .fp8 import FP8Meta
+from .module.base import default_device
 from .module.layernorm_linear import LayerNormLinear
 from .module.linear import Linear
 
@@ -26,7 +31,7 @@ __all__ = ["DotProductAttention", "MultiheadAttention"]
 
 MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
               "padding_causal_bottom_right", "arbitrary")
-QKV_FORMATS = ("sbhd", "bshd")
+QKV_FORMATS = ("sbhd", "bshd", "thd")
 
 
 # ---------------------------------------------------------------- softmax
@@ -131,11 +136,14 @@ def _normalize_window(window_size, mask_type: str) -> Optional[Tuple[int, int]]:
 
 # ------------------------------------------------------------- DotProductAttention
 class DotProductAttention(torch.nn.Module):
-    """Scaled dot-product attention over [s, b, h, d] ("sbhd") or [b, s, h, d] ("bshd") inputs.
+    """Scaled dot-product attention over [s, b, h, d] ("sbhd"), [b, s, h, d] ("bshd") or [t, h, d]
+    ("thd", sequences given by cu_seqlens; see dpa_fused.py) inputs.
 
-    Returns [s, b, h * d_v] (sbhd) or [b, s, h * d_v] (bshd). num_gqa_groups < heads shares each
-    key/value head among heads / groups consecutive query heads. Dropout applies to the softmax
-    probabilities in training mode."""
+    Returns [s, b, h * d_v] (sbhd), [b, s, h * d_v] (bshd) or [t, h * d_v] (thd). Under
+    fp8_autocast with a DelayedScaling recipe whose fp8_dpa is True, attention runs in FP8
+    (fused_attention_fp8.py) with the module's own delayed-scaling state (`fp8_meta`).
+    num_gqa_groups < heads shares each key/value head among heads / groups consecutive query
+    heads. Dropout applies to the softmax probabilities in training mode."""
 
     def __init__(self, num_attention_heads: int, kv_channels: Union[int, Tuple[int, int]],
                  num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0, qkv_format: str = "sbhd",
@@ -174,12 +182,13 @@ class DotProductAttention(torch.nn.Module):
                               else float(softmax_scale))
         self.sequence_parallel, self.get_rng_state_tracker, self.tp_group = (
             sequence_parallel, get_rng_state_tracker, tp_group)
+        # delayed-scaling state of FP8 attention (fused_attention_fp8.py names the slots)
+        self.fp8_meta = FP8Meta(_fa8.NUM_FWD, _fa8.NUM_BWD)
+        self.fp8_meta.allocate(default_device())
 
     @staticmethod
     def _check_format(fmt: str) -> str:
         if fmt not in QKV_FORMATS:
-            if fmt == "thd":
-                raise NotImplementedError("DotProductAttention: qkv_format 'thd' is not implemented")
             raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {fmt!r}")
         return fmt
 
@@ -203,19 +212,18 @@ class DotProductAttention(torch.nn.Module):
                              f"got {core_attention_bias_type!r}")
         if inference_params is not None:
             raise NotImplementedError("DotProductAttention: inference_params (KV cache) is not implemented")
-        if cu_seqlens_q is not None or cu_seqlens_kv is not None:
-            raise NotImplementedError("DotProductAttention: cu_seqlens inputs are not implemented; "
-                                      "use attention_mask with a padding mask type")
-        window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
-        for name, t in (("query_layer", query_layer), ("key_layer", key_layer), ("value_layer", value_layer)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise ValueError(f"DotProductAttention: {name} must be a 4D tensor in {fmt} format")
         h, g = self.num_attention_heads, self.num_gqa_groups
-        if query_layer.shape[2] != h or key_layer.shape[2] != g or value_layer.shape[2] != g:
-            raise ValueError(f"DotProductAttention: expected {h} query heads and {g} key/value heads, got shapes "
-                             f"{tuple(query_layer.shape)}, {tuple(key_layer.shape)}, {tuple(value_layer.shape)}")
-        fused = self._fused(query_layer, key_layer, value_layer, fmt, mask_type, window, attention_mask,
-                            core_attention_bias_type, core_attention_bias, alibi_slopes)
+        _df.check_qkv(query_layer, key_layer, value_layer, fmt, h, g)
+        if fmt == "thd":
+            mask_type = _df.thd_mask_type(mask_type)
+        window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
+        seq = _df.sequences(fmt, mask_type, query_layer, key_layer, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                            cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
+        if seq is not None and fmt != "thd":  # cu_seqlens describe the padding (for the unfused path too)
+            attention_mask = _df.padding_masks(seq)
+        fp8 = _df.fp8_dpa_recipe(self, query_layer.device)
+        fused = _df.run_fused(self, query_layer, key_layer, value_layer, fmt, mask_type, window, attention_mask,
+                              core_attention_bias_type, core_attention_bias, alibi_slopes, seq, fp8)
         if fused is not None:
             return fused
         # Unfused path -> [b, h, s, d]
@@ -242,63 +250,20 @@ class DotProductAttention(torch.nn.Module):
             ctx = ctx.permute(0, 2, 1, 3)
         return ctx.reshape(ctx.shape[0], ctx.shape[1], -1)
 
-    def _fused(self, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes):
-        """The fused attention path (fused_attention.py), or None when the unfused path should run;
+    def _fused(self, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes, seq=None,
+               fp8=None):
+        """The fused attention path (dpa_fused.run_fused), or None when the unfused path should run;
         raises when neither path can run the call."""
-        needs_fused = bias_type != "no_bias"
-        if needs_fused and bias_type in ("pre_scale_bias", "post_scale_bias") and bias is None:
-            raise ValueError(f"core_attention_bias_type {bias_type!r} needs core_attention_bias")
-        why = ""
-        if not _fa.want_fused(q.device, needs_fused):
-            why = "NVTE_FUSED_ATTN=0"
-        elif mask_type == "arbitrary":
-            why = "arbitrary masks run unfused (as in TE)"
-        elif not (q.dtype == k.dtype == v.dtype):
-            why = "query/key/value dtypes differ"
-        elif bias_type == "alibi" and alibi_slopes is not None and q.is_cuda:
-            why = "ALiBi with caller-given slopes is not supported by the GPU backend (cuDNN uses its default slopes)"
-        if not why:
-            b = q.shape[1] if fmt == "sbhd" else q.shape[0]
-            sq, sk = (q.shape[0], k.shape[0]) if fmt == "sbhd" else (q.shape[1], k.shape[1])
-            cu_q = cu_kv = None
-            if "padding" in mask_type:
-                if attention_mask is None:
-                    cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq
-                    cu_kv = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sk
-                else:
-                    qm, km = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,) * 2
-                    cu_q = _fa.padding_to_cu_seqlens(qm.to(q.device), b, sq, "query")
-                    cu_kv = _fa.padding_to_cu_seqlens(km.to(q.device), b, sk, "key/value")
-                    if cu_q is None or cu_kv is None:
-                        why = "the padding mask is not right-padded (valid tokens first)"
-            layout = _fa.LAYOUTS[fmt]
-            wl, wr = window if window is not None else (-1, -1)
-            dropout = self.attention_dropout if self.training else 0.0
-            grads = torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (q, k, v, bias if bias_type != "alibi" else None))
-            is_training = grads or dropout > 0.0
-            if not why:
-                ok, reason = _fa.fused_backend_supports(q, k, v, layout, int(_fa.BIASES[bias_type]),
-                                                        int(_fa.MASKS[mask_type]), dropout, is_training, sq, sk,
-                                                        wl, wr)
-                why = "" if ok else reason
-        if why:
-            if needs_fused or not _fa.unfused_allowed():
-                raise NotImplementedError(f"DotProductAttention: the fused attention path cannot run this call "
-                                          f"({why}) and the unfused path "
-                                          f"{'is disabled (NVTE_UNFUSED_ATTN=0)' if not needs_fused else 'has no attention bias / ALiBi'}")
-            return None
-        bias_t = None
-        if bias_type in ("pre_scale_bias", "post_scale_bias"):
-            bias_t = bias if bias.dim() == 4 else bias.view(1, *bias.shape[-3:])
-            bias_t = bias_t.to(q.dtype).contiguous()
-        elif bias_type == "alibi" and alibi_slopes is not None:
-            bias_t = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
-        rng = _fa.new_rng_state(q.device) if dropout > 0.0 else torch.zeros(2, dtype=torch.int64, device=q.device)
-        cfg = (sq, sk, is_training, float(self.softmax_scale), float(dropout), layout, int(_fa.BIASES[bias_type]),
-               int(_fa.MASKS[mask_type]), int(wl), int(wr), "causal" not in mask_type)
-        o = _fa.FusedAttnFunc.apply(q.contiguous(), k.contiguous(), v.contiguous(), bias_t, cu_q, cu_kv, rng, cfg)
-        return o.reshape(o.shape[0], o.shape[1], -1)
+        return _df.run_fused(self, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes,
+                             seq, fp8)
+
+    # FP8 attention state (fp8_dpa): TE's `_extra_state` entry, as the other modules keep it
+    def get_extra_state(self):
+        return self.fp8_meta.state()
+
+    def set_extra_state(self, state) -> None:
+        h = self.fp8_meta.amax_history.get("fwd")
+        self.fp8_meta.load(state, h.device if h is not None else default_device())
 
     @staticmethod
     def _softmax_plan(mask_type, attention_mask, window, b, sq, sk, device):
@@ -543,7 +508,8 @@ class MultiheadAttention(torch.nn.Module):
         ctx = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type,
                                   window_size=window_size, core_attention_bias_type=core_attention_bias_type,
                                   core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
-                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
+                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                                  max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
         res = self.proj(ctx, is_first_microbatch=is_first_microbatch)
         out = list(res) if self.return_bias else [res]
         if self.input_layernorm and self.return_layernorm_output:

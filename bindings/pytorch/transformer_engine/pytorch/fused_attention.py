@@ -2,8 +2,9 @@
 float64 reference on the CPU) as two torch.library custom ops inside one autograd Function.
 
 The library owns the math, the masks and the dropout stream; this file only shapes tensors:
-Q, K, V in one of the separate layouts (sbhd_sbhd_sbhd / bshd_bshd_bshd, made contiguous),
-cu_seqlens from a padding mask (True = masked out, valid tokens first), the aux tensors the
+Q, K, V in one of the separate layouts (sbhd_sbhd_sbhd / bshd_bshd_bshd / thd_thd_thd, made
+contiguous), cu_seqlens (and for THD the padded offsets) given by the caller or derived from a
+padding mask (True = masked out, valid tokens first), the aux tensors the
 forward keeps for the backward (softmax statistics, the rng_state copy, the bias copy), and
 the backend choice TE documents: NVTE_FUSED_ATTN=0 turns the fused path off,
 NVTE_UNFUSED_ATTN=0 the unfused one (our GEMMs + fused softmax); NVTE_FLASH_ATTN is accepted
@@ -26,12 +27,15 @@ L, M, BT, ST = _nvte.NVTE_QKV_Layout, _nvte.NVTE_Mask_Type, _nvte.NVTE_Bias_Type
 _DT = {torch.float32: _nvte.DType.kFloat32, torch.float16: _nvte.DType.kFloat16,
        torch.bfloat16: _nvte.DType.kBFloat16, torch.int32: _nvte.DType.kInt32, torch.int64: _nvte.DType.kInt64,
        torch.uint8: _nvte.DType.kByte}
-LAYOUTS = {"sbhd": int(L.NVTE_SBHD_SBHD_SBHD), "bshd": int(L.NVTE_BSHD_BSHD_BSHD)}
+LAYOUTS = {"sbhd": int(L.NVTE_SBHD_SBHD_SBHD), "bshd": int(L.NVTE_BSHD_BSHD_BSHD), "thd": int(L.NVTE_THD_THD_THD)}
 MASKS = {"no_mask": M.NVTE_NO_MASK, "padding": M.NVTE_PADDING_MASK, "causal": M.NVTE_CAUSAL_MASK,
          "padding_causal": M.NVTE_PADDING_CAUSAL_MASK, "causal_bottom_right": M.NVTE_CAUSAL_BOTTOM_RIGHT_MASK,
          "padding_causal_bottom_right": M.NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK}
 BIASES = {"no_bias": BT.NVTE_NO_BIAS, "pre_scale_bias": BT.NVTE_PRE_SCALE_BIAS,
           "post_scale_bias": BT.NVTE_POST_SCALE_BIAS, "alibi": BT.NVTE_ALIBI}
+# the same as plain ints: torch.compile traces int lookups, not conversions of the binding's enums
+MASK_INT = {k: int(v) for k, v in MASKS.items()}
+BIAS_INT = {k: int(v) for k, v in BIASES.items()}
 
 
 def _handle(t: Optional[Tensor]):
@@ -58,22 +62,26 @@ def _scalars(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, b
                 bottom_right_diagonal=br)
 
 
-def _stats_shape(q: Tensor, fmt_bshd: bool, max_sq: int) -> List[int]:
-    b = q.shape[0] if fmt_bshd else q.shape[1]
-    return [b, q.shape[2], max_sq, 1]
+def stats_shape(q: Tensor, layout: int, max_sq: int, cu_q: Optional[Tensor]) -> List[int]:
+    """[b, h_q, max_seqlen_q, 1] of the softmax statistics (THD: b from cu_seqlens_q)."""
+    if layout == LAYOUTS["thd"]:
+        b = cu_q.shape[0] - 1
+    else:
+        b = q.shape[0] if layout == LAYOUTS["bshd"] else q.shape[1]
+    return [b, q.shape[-2], max_sq, 1]
 
 
 # ------------------------------------------------------------------ custom ops
 @custom_op("transformer_engine::fused_attn_fwd", mutates_args=())
 def fused_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], cu_q: Optional[Tensor],
-                   cu_kv: Optional[Tensor], rng_state: Tensor, max_sq: int, max_skv: int, is_training: bool,
+                   cu_kv: Optional[Tensor], cu_q_pad: Optional[Tensor], cu_kv_pad: Optional[Tensor], rng_state: Tensor, max_sq: int, max_skv: int, is_training: bool,
                    scale: float, dropout: float, layout: int, bias_type: int, mask: int, wl: int,
                    wr: int, br: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (O, softmax statistics, rng_state copy, bias copy or an empty placeholder)."""
     sc = _scalars(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br)
     H = [_handle(x) for x in (q, k, v)]
     o = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
-    stats = torch.empty(_stats_shape(q, layout == LAYOUTS["bshd"], max_sq), dtype=torch.float32, device=q.device)
+    stats = torch.empty(stats_shape(q, layout, max_sq, cu_q), dtype=torch.float32, device=q.device)
     rng_copy = torch.empty(2, dtype=torch.int64, device=q.device)
     bias_copy = torch.empty_like(bias) if bias is not None else torch.empty(0, dtype=q.dtype, device=q.device)
     ws = _workspace(_nvte.fused_attn_fwd_workspace_size(*H, _handle(bias), max_sq, max_skv, is_training, False,
@@ -84,25 +92,26 @@ def fused_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], cu_q
     if is_training:
         aux = [_handle(stats), _handle(rng_copy)] + ([_handle(bias_copy)] if bias is not None else [])
     _nvte.fused_attn_fwd(*H, Bias=_handle(bias), SoftmaxOffset=None, S=None, O=_handle(o), aux=aux,
-                         cu_seqlens_q=_handle(cu_q), cu_seqlens_kv=_handle(cu_kv), cu_seqlens_q_padded=None,
-                         cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
+                         cu_seqlens_q=_handle(cu_q), cu_seqlens_kv=_handle(cu_kv), cu_seqlens_q_padded=_handle(cu_q_pad),
+                         cu_seqlens_kv_padded=_handle(cu_kv_pad), page_table_k=None, page_table_v=None,
                          rng_state=_handle(rng_state), is_training=is_training, return_max_logit=False,
                          cuda_graph=False, workspace=_handle(ws), stream=_stream(q), **sc)
     return o, stats, rng_copy, bias_copy
 
 
 @fused_attn_fwd.register_fake
-def _(q, k, v, bias, cu_q, cu_kv, rng_state, max_sq, max_skv, is_training, scale, dropout, layout, bias_type,
-      mask, wl, wr, br):
+def _(q, k, v, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, max_sq, max_skv, is_training, scale, dropout,
+      layout, bias_type, mask, wl, wr, br):
     o = q.new_empty(q.shape[:-1] + (v.shape[-1],))
-    stats = q.new_empty(_stats_shape(q, layout == LAYOUTS["bshd"], max_sq), dtype=torch.float32)
+    stats = q.new_empty(stats_shape(q, layout, max_sq, cu_q), dtype=torch.float32)
     bias_copy = torch.empty_like(bias) if bias is not None else q.new_empty(0)
     return o, stats, q.new_empty(2, dtype=torch.int64), bias_copy
 
 
 @custom_op("transformer_engine::fused_attn_bwd", mutates_args=())
 def fused_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, stats: Tensor, rng_copy: Tensor,
-                   bias_copy: Tensor, cu_q: Optional[Tensor], cu_kv: Optional[Tensor], max_sq: int, max_skv: int,
+                   bias_copy: Tensor, cu_q: Optional[Tensor], cu_kv: Optional[Tensor], cu_q_pad: Optional[Tensor],
+                   cu_kv_pad: Optional[Tensor], max_sq: int, max_skv: int,
                    scale: float, dropout: float, layout: int, bias_type: int, mask: int, wl: int, wr: int,
                    br: bool, need_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     sc = _scalars(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br)
@@ -117,14 +126,14 @@ def fused_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, stats
     aux = [_handle(stats), _handle(rng_copy)] + ([_handle(bias_copy)] if has_bias else [])
     _nvte.fused_attn_bwd(*H, _handle(o), _handle(do.contiguous()), None, None, aux, _handle(dq), _handle(dk),
                          _handle(dv), _handle(dbias) if dbias.numel() else None, None, _handle(cu_q), _handle(cu_kv),
-                         None, None, deterministic=True, cuda_graph=False, workspace=_handle(ws),
+                         _handle(cu_q_pad), _handle(cu_kv_pad), deterministic=True, cuda_graph=False, workspace=_handle(ws),
                          stream=_stream(q), **sc)
     return dq, dk, dv, dbias
 
 
 @fused_attn_bwd.register_fake
-def _(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, max_sq, max_skv, scale, dropout, layout, bias_type,
-      mask, wl, wr, br, need_dbias):
+def _(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_sq, max_skv, scale, dropout,
+      layout, bias_type, mask, wl, wr, br, need_dbias):
     has = bias_copy.numel() > 0 and need_dbias
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(bias_copy) if has else q.new_empty(0))
@@ -132,12 +141,12 @@ def _(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, max_sq, max_skv, 
 
 class FusedAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, cu_q, cu_kv, rng_state, cfg):
+    def forward(ctx, q, k, v, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, cfg):
         (max_sq, max_skv, is_training, scale, dropout, layout, bias_type, mask, wl, wr, br) = cfg
-        o, stats, rng_copy, bias_copy = fused_attn_fwd(q, k, v, bias, cu_q, cu_kv, rng_state, max_sq, max_skv,
-                                                       is_training, scale, dropout, layout, bias_type, mask, wl, wr,
-                                                       br)
-        ctx.save_for_backward(q, k, v, o, stats, rng_copy, bias_copy, cu_q, cu_kv)
+        o, stats, rng_copy, bias_copy = fused_attn_fwd(q, k, v, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state,
+                                                       max_sq, max_skv, is_training, scale, dropout, layout,
+                                                       bias_type, mask, wl, wr, br)
+        ctx.save_for_backward(q, k, v, o, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad, cu_kv_pad)
         ctx.cfg = cfg
         ctx.need_dbias = (bias is not None and bias.requires_grad and
                           bias_type in (int(BT.NVTE_PRE_SCALE_BIAS), int(BT.NVTE_POST_SCALE_BIAS)))
@@ -145,12 +154,12 @@ class FusedAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, stats, rng_copy, bias_copy, cu_q, cu_kv = ctx.saved_tensors
+        q, k, v, o, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad, cu_kv_pad = ctx.saved_tensors
         (max_sq, max_skv, _, scale, dropout, layout, bias_type, mask, wl, wr, br) = ctx.cfg
-        dq, dk, dv, dbias = fused_attn_bwd(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, max_sq,
-                                           max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br,
-                                           ctx.need_dbias)
-        return dq, dk, dv, (dbias if ctx.need_dbias else None), None, None, None, None
+        dq, dk, dv, dbias = fused_attn_bwd(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad,
+                                           cu_kv_pad, max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl,
+                                           wr, br, ctx.need_dbias)
+        return dq, dk, dv, (dbias if ctx.need_dbias else None), None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------ backend choice
@@ -164,17 +173,20 @@ def unfused_allowed() -> bool:
 
 
 def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_type: int, mask: int, dropout: float,
-                           is_training: bool, max_sq: int, max_skv: int, wl: int, wr: int) -> Tuple[bool, str]:
-    """(supported, reason) from nvte_get_fused_attn_backend for this configuration. The query has no
-    tensors and answers for the GPU when the library has one; host tensors run the CPU reference,
-    which takes every configuration the adapter passes (the call itself reports anything else)."""
+                           is_training: bool, max_sq: int, max_skv: int, wl: int, wr: int,
+                           fp8: bool = False) -> Tuple[bool, str]:
+    """(supported, reason) from nvte_get_fused_attn_backend for this configuration (fp8: Q, K, V
+    will be passed as float8_e4m3). The query has no tensors and answers for the GPU when the
+    library has one; host tensors run the CPU reference, which takes every configuration the
+    adapter passes (the call itself reports anything else)."""
     if q.dtype not in _DT or k.dtype not in _DT or v.dtype not in _DT:
         return False, f"dtype {q.dtype} is not supported by fused attention"
     if q.device.type == "cpu":
         return True, ""
-    be = _nvte.get_fused_attn_backend(is_training, _DT[q.dtype], _DT[k.dtype], L(layout), BT(bias_type), M(mask),
-                                      ST.NVTE_VANILLA_SOFTMAX, dropout, q.shape[2], k.shape[2], max_sq, max_skv,
-                                      q.shape[3], v.shape[3], wl, wr)
+    qdt, kdt = (_nvte.DType.kFloat8E4M3,) * 2 if fp8 else (_DT[q.dtype], _DT[k.dtype])
+    be = _nvte.get_fused_attn_backend(is_training, qdt, kdt, L(layout), BT(bias_type), M(mask),
+                                      ST.NVTE_VANILLA_SOFTMAX, dropout, q.shape[-2], k.shape[-2], max_sq, max_skv,
+                                      q.shape[-1], v.shape[-1], wl, wr)
     if be == _nvte.NVTE_Fused_Attn_Backend.NVTE_No_Backend:
         return False, _nvte.get_last_error()
     return True, ""

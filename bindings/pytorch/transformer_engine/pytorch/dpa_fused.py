@@ -1,0 +1,236 @@
+"""DotProductAttention's fused path: the sequence description (cu_seqlens, THD), the FP8 attention
+plan (fp8_dpa) and the choice between the fused path (fused_attention.py, fused_attention_fp8.py)
+and the unfused one (attention.py).
+
+Sequences follow TE's DotProductAttention.forward:
+  * qkv_format "thd": Q [t_q, h, d], K/V [t_kv, h_kv, d]; cu_seqlens_q / cu_seqlens_kv (int32
+    [b + 1], cumulative valid lengths) are required (cu_seqlens_kv defaults to cu_seqlens_q);
+    cu_seqlens_q_padded / cu_seqlens_kv_padded give the token offset of each sequence when there
+    are gaps between them (default: no gaps); max_seqlen_q / max_seqlen_kv default to the
+    longest sequence. The mask type always includes padding ("causal" means "padding_causal",
+    per sequence). Only the fused path runs THD; gap tokens of the output and of the gradients
+    are zero.
+  * "bshd" / "sbhd" with a padding mask type: cu_seqlens_q / cu_seqlens_kv, when given, describe
+    the (right-padded) sequence lengths and take precedence over attention_mask; the padded
+    offsets and max_seqlen arguments do not apply (the s dimension is the padded length).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from transformer_engine.common.recipe import DelayedScaling, Format
+
+from . import fused_attention as _fa
+from . import fused_attention_fp8 as _fp8
+from .fp8 import FP8GlobalState
+
+
+class Seq(NamedTuple):
+    cu_q: torch.Tensor
+    cu_kv: torch.Tensor
+    cu_q_pad: Optional[torch.Tensor]
+    cu_kv_pad: Optional[torch.Tensor]
+    max_sq: int
+    max_skv: int
+
+
+_THD_MASKS = {"no_mask": "padding", "padding": "padding", "causal": "padding_causal",
+              "padding_causal": "padding_causal", "causal_bottom_right": "padding_causal_bottom_right",
+              "padding_causal_bottom_right": "padding_causal_bottom_right"}
+
+
+def thd_mask_type(mask_type: str) -> str:
+    if mask_type not in _THD_MASKS:
+        raise ValueError(f"DotProductAttention: attn_mask_type {mask_type!r} cannot be used with qkv_format 'thd' "
+                         f"(the sequences come from cu_seqlens; use one of {sorted(set(_THD_MASKS))})")
+    return _THD_MASKS[mask_type]
+
+
+def check_qkv(q, k, v, fmt: str, h: int, g: int) -> None:
+    rank = 3 if fmt == "thd" else 4
+    dims = "[t, h, d]" if fmt == "thd" else f"{fmt} ([{', '.join(fmt)}])"
+    for name, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            raise ValueError(f"DotProductAttention: {name} must be a {rank}D tensor in {dims} format, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if q.shape[-2] != h or k.shape[-2] != g or v.shape[-2] != g:
+        raise ValueError(f"DotProductAttention: expected {h} query heads and {g} key/value heads, got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"DotProductAttention: key_layer {tuple(k.shape)} and value_layer {tuple(v.shape)} must "
+                         f"agree in all but the head size")
+
+
+def _cu(t, name: str, device, n: Optional[int]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"DotProductAttention: {name} must be a 1D int32 tensor [batch_size + 1], got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                         f"{'' if not isinstance(t, torch.Tensor) else ' ' + str(t.dtype)}")
+    if t.shape[0] < 1 or (n is not None and t.shape[0] != n):
+        raise ValueError(f"DotProductAttention: {name} has {t.shape[0]} entries; expected "
+                         f"{'batch_size + 1' if n is None else n}")
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _max_len(cu: torch.Tensor) -> int:
+    lens = cu[1:] - cu[:-1]
+    return int(lens.max()) if lens.numel() else 0
+
+
+def sequences(fmt: str, mask_type: str, q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_sq, max_skv) -> Optional[Seq]:
+    """The sequence description from the cu_seqlens arguments, or None when they do not apply
+    (bshd/sbhd without a padding mask type or without cu_seqlens)."""
+    if fmt != "thd" and ("padding" not in mask_type or (cu_q is None and cu_kv is None)):
+        return None
+    if cu_q is None:
+        raise ValueError(f"DotProductAttention: {'qkv_format thd' if fmt == 'thd' else 'cu_seqlens_kv'} needs "
+                         f"cu_seqlens_q")
+    if fmt == "thd":
+        n = None
+    else:
+        n = (q.shape[0] if fmt == "bshd" else q.shape[1]) + 1
+    cq = _cu(cu_q, "cu_seqlens_q", q.device, n)
+    if cu_kv is None:  # self attention: the same sequences
+        if fmt != "thd" and q.shape[:2] != k.shape[:2]:
+            raise ValueError("DotProductAttention: cu_seqlens_kv is needed when query and key/value lengths differ")
+        ckv = cq
+        cu_kv_pad = cu_q_pad if cu_kv_pad is None else cu_kv_pad
+    else:
+        ckv = _cu(cu_kv, "cu_seqlens_kv", q.device, cq.shape[0])
+    if fmt != "thd":
+        s_q, s_kv = (q.shape[1], k.shape[1]) if fmt == "bshd" else (q.shape[0], k.shape[0])
+        return Seq(cq, ckv, None, None, s_q, s_kv)
+    pq = None if cu_q_pad is None else _cu(cu_q_pad, "cu_seqlens_q_padded", q.device, cq.shape[0])
+    pkv = None if cu_kv_pad is None else _cu(cu_kv_pad, "cu_seqlens_kv_padded", q.device, cq.shape[0])
+    mq = _max_len(cq) if max_sq is None else int(max_sq)
+    mkv = _max_len(ckv) if max_skv is None else int(max_skv)
+    return Seq(cq, ckv, pq, pkv, mq, mkv)
+
+
+def padding_masks(seq: Seq):
+    """(q_mask [b, 1, 1, sq], kv_mask [b, 1, 1, skv]), True = padded, for the unfused path."""
+    def one(cu, s):
+        lens = (cu[1:] - cu[:-1]).to(torch.int64)
+        return (torch.arange(s, device=cu.device)[None, :] >= lens[:, None]).view(-1, 1, 1, s)
+    return one(seq.cu_q, seq.max_sq), one(seq.cu_kv, seq.max_skv)
+
+
+# ------------------------------------------------------------------ FP8
+def fp8_dpa_recipe(dpa, device: torch.device) -> Optional[DelayedScaling]:
+    """The recipe when this forward runs FP8 attention (fp8_autocast with fp8_dpa=True), else None;
+    prepares the module's FP8 metadata and registers it for the forward recipe step."""
+    st = FP8GlobalState
+    if not st.enabled:
+        return None  # calibration runs attention in high precision and records nothing here
+    r = st.recipe
+    if getattr(r, "fp8_mha", False):
+        raise NotImplementedError(
+            "DotProductAttention: recipe fp8_mha=True is not implemented: the adapter's Linear layers take "
+            "high-precision inputs only, so O cannot stay in FP8 between modules; use fp8_dpa=True with "
+            "fp8_mha=False (O is returned in the input dtype)")
+    if not getattr(r, "fp8_dpa", False):
+        return None
+    if not isinstance(r, DelayedScaling):
+        raise NotImplementedError(f"DotProductAttention: fp8_dpa is implemented for the DelayedScaling recipe only, "
+                                  f"got {type(r).__name__}")
+    if r.fp8_format == Format.E5M2:
+        raise NotImplementedError("DotProductAttention: fp8_dpa needs Q, K, V in float8_e4m3 (fused_attn.h); "
+                                  "use Format.HYBRID or Format.E4M3, not Format.E5M2")
+    dpa.fp8_meta.prepare(r, device)
+    st.register_forward(dpa.fp8_meta)
+    return r
+
+
+def _fp8_fwd_meta(dpa):
+    """(scale, amax history) of the forward casts: under activation recompute the forward's scales
+    and a scratch history (the recipe state is touched once per step)."""
+    meta, st = dpa.fp8_meta, FP8GlobalState
+    if st.recompute_stash is not None:
+        return st.recompute_stash.get(meta, meta.scale["fwd"]), torch.zeros_like(meta.amax_history["fwd"])
+    return meta.scale["fwd"], meta.amax_history["fwd"]
+
+
+# ------------------------------------------------------------------ the fused path
+def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes,
+              seq: Optional[Seq], fp8: Optional[DelayedScaling]):
+    """The fused attention output, or None when the unfused path should run; raises when neither
+    path can run the call."""
+    needs_fused = bias_type != "no_bias" or fmt == "thd" or fp8 is not None
+    if needs_fused and bias_type in ("pre_scale_bias", "post_scale_bias") and bias is None:
+        raise ValueError(f"core_attention_bias_type {bias_type!r} needs core_attention_bias")
+    why = ""
+    if not _fa.want_fused(q.device, needs_fused):
+        why = "NVTE_FUSED_ATTN=0"
+    elif mask_type == "arbitrary":
+        why = "arbitrary masks run unfused (as in TE)"
+    elif not (q.dtype == k.dtype == v.dtype):
+        why = "query/key/value dtypes differ"
+    elif fp8 is not None and bias_type != "no_bias":
+        why = "FP8 attention has no attention bias or ALiBi (as in TE)"
+    elif bias_type == "alibi" and alibi_slopes is not None and q.is_cuda:
+        why = "ALiBi with caller-given slopes is not supported by the GPU backend (cuDNN uses its default slopes)"
+    layout = _fa.LAYOUTS[fmt]
+    wl, wr = window if window is not None else (-1, -1)
+    dropout = dpa.attention_dropout if dpa.training else 0.0
+    cu = (None, None, None, None)
+    sq = sk = 0
+    is_training = False
+    if not why:
+        if seq is not None:
+            cu, sq, sk = tuple(seq[:4]), seq.max_sq, seq.max_skv
+        else:
+            b = q.shape[1] if fmt == "sbhd" else q.shape[0]
+            sq, sk = (q.shape[0], k.shape[0]) if fmt == "sbhd" else (q.shape[1], k.shape[1])
+            if "padding" in mask_type:
+                if attention_mask is None:
+                    cu = (torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq,
+                          torch.arange(b + 1, dtype=torch.int32, device=q.device) * sk, None, None)
+                else:
+                    qm, km = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,) * 2
+                    cu = (_fa.padding_to_cu_seqlens(qm.to(q.device), b, sq, "query"),
+                          _fa.padding_to_cu_seqlens(km.to(q.device), b, sk, "key/value"), None, None)
+                    if cu[0] is None or cu[1] is None:
+                        why = "the padding mask is not right-padded (valid tokens first)"
+        grads = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, bias if bias_type != "alibi" else None))
+        is_training = grads or dropout > 0.0
+        if not why:
+            ok, reason = _fa.fused_backend_supports(q, k, v, layout, _fa.BIAS_INT[bias_type],
+                                                    _fa.MASK_INT[mask_type], dropout, is_training, sq, sk,
+                                                    wl, wr, fp8=fp8 is not None)
+            why = "" if ok else reason
+    if why:
+        if fp8 is not None:
+            raise NotImplementedError(f"DotProductAttention: FP8 attention (recipe fp8_dpa=True) cannot run this "
+                                      f"call ({why}); it does not fall back to high-precision attention")
+        if fmt == "thd":
+            raise NotImplementedError(f"DotProductAttention: qkv_format 'thd' runs only on the fused attention "
+                                      f"path, which cannot run this call ({why})")
+        if needs_fused or not _fa.unfused_allowed():
+            raise NotImplementedError(f"DotProductAttention: the fused attention path cannot run this call "
+                                      f"({why}) and the unfused path "
+                                      f"{'is disabled (NVTE_UNFUSED_ATTN=0)' if not needs_fused else 'has no attention bias / ALiBi'}")
+        return None
+    rng = _fa.new_rng_state(q.device) if dropout > 0.0 else torch.zeros(2, dtype=torch.int64, device=q.device)
+    br = "causal" not in mask_type
+    mask = _fa.MASK_INT[mask_type]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if fp8 is not None:
+        meta = dpa.fp8_meta
+        cfg = (sq, sk, is_training, float(dpa.softmax_scale), float(dropout), layout, mask, int(wl), int(wr), br,
+               meta.fp8_dtype("bwd"), fp8.amax_compute_algo, float(fp8.margin))
+        o = _fp8.FusedAttnFP8Func.apply(q, k, v, *cu, rng, *_fp8_fwd_meta(dpa), meta.scale["bwd"],
+                                        meta.amax_history["bwd"], cfg)
+    else:
+        bias_t = None
+        if bias_type in ("pre_scale_bias", "post_scale_bias"):
+            bias_t = bias if bias.dim() == 4 else bias.view(1, *bias.shape[-3:])
+            bias_t = bias_t.to(q.dtype).contiguous()
+        elif bias_type == "alibi" and alibi_slopes is not None:
+            bias_t = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+        cfg = (sq, sk, is_training, float(dpa.softmax_scale), float(dropout), layout, _fa.BIAS_INT[bias_type],
+               mask, int(wl), int(wr), br)
+        o = _fa.FusedAttnFunc.apply(q, k, v, bias_t, *cu, rng, cfg)
+    return o.reshape(*o.shape[:-2], -1)

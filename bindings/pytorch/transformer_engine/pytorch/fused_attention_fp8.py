@@ -1,0 +1,185 @@
+"""FP8 fused attention for DotProductAttention under fp8_autocast with a recipe's fp8_dpa=True:
+nvte_fused_attn_fwd / _bwd with float8_e4m3 Q, K, V (fused_attn.h, "FP8 attention"), as two
+torch.library custom ops inside one autograd Function.
+
+Quantization points and the delayed-scaling slots of DotProductAttention's FP8Meta:
+  forward  (recipe's forward format, E4M3)   slot 0: Q, K and V (one scale, one amax over all
+           three), slot 1: S (the softmax output), slot 2: O;
+  backward (recipe's backward format: E5M2 under HYBRID, E4M3 under E4M3)   slot 0: dO,
+           slot 1: dP (dS), slot 2: dQ, dK and dV (one scale, one amax).
+Q, K, V and dO are cast by the library's cast (custom_ops.quantize, which max-accumulates their
+amaxes); the attention calls max-accumulate the amaxes of S, O, dP and dQKV into row 0 of the
+same histories, so the library's recipe step (nvte_delayed_scaling_recipe_amax_and_scale_update)
+updates every scale like those of the Linear layers: the forward scales when the outermost
+fp8_autocast exits, the backward scales at the start of this backward. The scale S was quantized
+with is kept from the forward (the backward must rebuild the very same P~), not re-read.
+
+O and dQ/dK/dV leave the library in FP8 and are decoded to the input dtype (fp8_dpa); the FP8
+copy of O is what the backward reads (D = dO . O), as in TE. fp8_mha (FP8 tensors between
+modules) is not implemented: the adapter's Linear layers take high-precision inputs only.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from transformer_engine import _nvte as _nv
+
+from . import custom_ops as ops
+from . import fused_attention as _fa
+
+E4M3 = int(_nv.DType.kFloat8E4M3)
+SLOT_QKV, SLOT_S, SLOT_O = 0, 1, 2      # forward
+SLOT_DO, SLOT_DP, SLOT_DQKV = 0, 1, 2   # backward
+NUM_FWD, NUM_BWD = 3, 3
+
+
+def _fp8(data: Optional[Tensor], fp8_dtype: int, shape, scale_inv: Optional[Tensor] = None,
+         scale: Optional[Tensor] = None, amax: Optional[Tensor] = None):
+    """A handle: FP8 data (uint8 storage, logical `shape`) and/or float32 [1] metadata buffers."""
+    h = _nv.Tensor()
+    refs = []
+    if data is not None:
+        h.set_param(_nv.Param.kRowwiseData, data.data_ptr(), list(shape), _nv.DType(fp8_dtype))
+        refs.append(data)
+    for p, t in ((_nv.Param.kRowwiseScaleInv, scale_inv), (_nv.Param.kScale, scale), (_nv.Param.kAmax, amax)):
+        if t is not None:
+            h.set_param(p, t.data_ptr(), [1], _nv.DType.kFloat32)
+            refs.append(t)
+    h._refs = refs
+    return h
+
+
+def _o_shape(q: Tensor, v: Tensor):
+    return tuple(q.shape[:-1]) + (v.shape[-1],)
+
+
+# ------------------------------------------------------------------ custom ops
+@custom_op("transformer_engine::fused_attn_fp8_fwd", mutates_args=("fwd_hist",))
+def fused_attn_fp8_fwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: Tensor, v_si: Tensor,
+                       cu_q: Optional[Tensor], cu_kv: Optional[Tensor], cu_q_pad: Optional[Tensor],
+                       cu_kv_pad: Optional[Tensor], rng_state: Tensor, fwd_scale: Tensor, fwd_hist: Tensor,
+                       max_sq: int, max_skv: int, is_training: bool, scale: float, dropout: float, layout: int,
+                       mask: int, wl: int, wr: int, br: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """qd, kd, vd: float8_e4m3 bytes (uint8) in the layout's shapes, with their scale_inv [1].
+    Returns (O bytes (E4M3, uint8), O's scale_inv, the S scale used, softmax statistics,
+    rng_state copy); S and O max-accumulate their amaxes into fwd_hist[0, 1] / [0, 2]."""
+    sc = _fa._scalars(max_sq, max_skv, scale, dropout, layout, int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br)
+    dev = qd.device
+    H = [_fp8(x, E4M3, x.shape, si) for x, si in ((qd, q_si), (kd, k_si), (vd, v_si))]
+    o = torch.empty(_o_shape(qd, vd), dtype=torch.uint8, device=dev)
+    o_si = torch.empty(1, dtype=torch.float32, device=dev)
+    s_scale = fwd_scale[SLOT_S:SLOT_S + 1].clone()
+    s_h = _fp8(None, E4M3, (), scale=s_scale, amax=fwd_hist[0, SLOT_S:SLOT_S + 1])
+    o_h = _fp8(o, E4M3, o.shape, scale_inv=o_si, scale=fwd_scale[SLOT_O:SLOT_O + 1],
+               amax=fwd_hist[0, SLOT_O:SLOT_O + 1])
+    stats = torch.empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=torch.float32, device=dev)
+    rng_copy = torch.empty(2, dtype=torch.int64, device=dev)
+    ws = _fa._workspace(_fa._nvte.fused_attn_fwd_workspace_size(*H, None, max_sq, max_skv, is_training, False,
+                                                                dropout, sc["qkv_layout"], sc["bias_type"],
+                                                                sc["attn_mask_type"], sc["softmax_type"], wl, wr,
+                                                                br), dev)
+    aux = [_fa._handle(stats), _fa._handle(rng_copy)] if is_training else None
+    _fa._nvte.fused_attn_fwd(*H, Bias=None, SoftmaxOffset=None, S=s_h, O=o_h, aux=aux,
+                             cu_seqlens_q=_fa._handle(cu_q), cu_seqlens_kv=_fa._handle(cu_kv),
+                             cu_seqlens_q_padded=_fa._handle(cu_q_pad), cu_seqlens_kv_padded=_fa._handle(cu_kv_pad),
+                             page_table_k=None, page_table_v=None, rng_state=_fa._handle(rng_state),
+                             is_training=is_training, return_max_logit=False, cuda_graph=False,
+                             workspace=_fa._handle(ws), stream=_fa._stream(qd), **sc)
+    return o, o_si, s_scale, stats, rng_copy
+
+
+@fused_attn_fp8_fwd.register_fake
+def _(qd, kd, vd, q_si, k_si, v_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist, max_sq,
+      max_skv, is_training, scale, dropout, layout, mask, wl, wr, br):
+    f32 = torch.float32
+    return (qd.new_empty(_o_shape(qd, vd)), q_si.new_empty(1), q_si.new_empty(1),
+            q_si.new_empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=f32), qd.new_empty(2, dtype=torch.int64))
+
+
+@custom_op("transformer_engine::fused_attn_fp8_bwd", mutates_args=("bwd_hist",))
+def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: Tensor, v_si: Tensor, od: Tensor,
+                       o_si: Tensor, dod: Tensor, do_si: Tensor, stats: Tensor, rng_copy: Tensor, s_scale: Tensor,
+                       cu_q: Optional[Tensor], cu_kv: Optional[Tensor], cu_q_pad: Optional[Tensor],
+                       cu_kv_pad: Optional[Tensor], bwd_scale: Tensor, bwd_hist: Tensor, max_sq: int, max_skv: int,
+                       scale: float, dropout: float, layout: int, mask: int, wl: int, wr: int, br: bool,
+                       bwd_dtype: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dO bytes (format bwd_dtype) -> (dQ, dK, dV bytes in bwd_dtype, their scale_invs); dP and
+    dQKV max-accumulate their amaxes into bwd_hist[0, 1] / [0, 2]."""
+    sc = _fa._scalars(max_sq, max_skv, scale, dropout, layout, int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br)
+    dev = qd.device
+    H = [_fp8(x, E4M3, x.shape, si) for x, si in ((qd, q_si), (kd, k_si), (vd, v_si))]
+    o_h = _fp8(od, E4M3, od.shape, o_si)
+    do_h = _fp8(dod, bwd_dtype, dod.shape, do_si)
+    s_h = _fp8(None, E4M3, (), scale=s_scale)
+    dp_h = _fp8(None, bwd_dtype, (), scale=bwd_scale[SLOT_DP:SLOT_DP + 1], amax=bwd_hist[0, SLOT_DP:SLOT_DP + 1])
+    grads = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in (qd, kd, vd)]
+    sis = [torch.empty(1, dtype=torch.float32, device=dev) for _ in range(3)]
+    g_scale, g_amax = bwd_scale[SLOT_DQKV:SLOT_DQKV + 1], bwd_hist[0, SLOT_DQKV:SLOT_DQKV + 1]
+    G = [_fp8(g, bwd_dtype, g.shape, si, g_scale, g_amax) for g, si in zip(grads, sis)]
+    ws = _fa._workspace(_fa._nvte.fused_attn_bwd_workspace_size(*H, None, max_sq, max_skv, dropout,
+                                                                sc["qkv_layout"], sc["bias_type"],
+                                                                sc["attn_mask_type"], sc["softmax_type"], wl, wr,
+                                                                br), dev)
+    aux = [_fa._handle(stats), _fa._handle(rng_copy)]
+    _fa._nvte.fused_attn_bwd(*H, o_h, do_h, s_h, dp_h, aux, G[0], G[1], G[2], None, None, _fa._handle(cu_q),
+                             _fa._handle(cu_kv), _fa._handle(cu_q_pad), _fa._handle(cu_kv_pad), deterministic=True,
+                             cuda_graph=False, workspace=_fa._handle(ws), stream=_fa._stream(qd), **sc)
+    return grads[0], grads[1], grads[2], sis[0], sis[1], sis[2]
+
+
+@fused_attn_fp8_bwd.register_fake
+def _(qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad,
+      bwd_scale, bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br, bwd_dtype):
+    return (torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd), q_si.new_empty(1), q_si.new_empty(1),
+            q_si.new_empty(1))
+
+
+# ------------------------------------------------------------------ autograd
+def _cast(x: Tensor, scale: Tensor, hist: Tensor, slot: int, fp8_dtype: int) -> Tuple[Tensor, Tensor]:
+    """(FP8 bytes shaped like x, scale_inv) through the library's cast; amax into hist[0, slot]."""
+    data, _, si, _ = ops.quantize(x.contiguous(), scale, hist, slot, fp8_dtype, True, False, False, False, 0.0)
+    return data.view(x.shape), si
+
+
+def _decode(data: Tensor, si: Tensor, fp8_dtype: int, dtype: torch.dtype) -> Tensor:
+    return ops.dequantize(data.view(-1, data.shape[-1]), si, fp8_dtype, dtype).view(data.shape)
+
+
+class FusedAttnFP8Func(torch.autograd.Function):
+    """(q, k, v high precision) -> O in q's dtype, through FP8 attention. cfg: (max_sq, max_skv,
+    is_training, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, amax_compute_algo, margin)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist, bwd_scale, bwd_hist,
+                cfg):
+        (max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br, _, _, _) = cfg
+        (qd, q_si), (kd, k_si), (vd, v_si) = (_cast(x, fwd_scale, fwd_hist, SLOT_QKV, E4M3) for x in (q, k, v))
+        od, o_si, s_scale, stats, rng_copy = fused_attn_fp8_fwd(
+            qd, kd, vd, q_si, k_si, v_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist,
+            max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br)
+        ctx.save_for_backward(qd, kd, vd, q_si, k_si, v_si, od, o_si, stats, rng_copy, s_scale, cu_q, cu_kv,
+                              cu_q_pad, cu_kv_pad)
+        # updated in place by the backward's recipe step: kept on ctx, not saved
+        ctx.bwd_scale, ctx.bwd_hist = bwd_scale, bwd_hist
+        ctx.cfg, ctx.dtype = cfg, q.dtype
+        return _decode(od, o_si, E4M3, q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        (qd, kd, vd, q_si, k_si, v_si, od, o_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad,
+         cu_kv_pad) = ctx.saved_tensors
+        (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, algo, margin) = ctx.cfg
+        dtype = ctx.dtype
+        do = do if do.dtype == dtype else do.to(dtype)
+        ops.delayed_scaling_update(ctx.bwd_hist, ctx.bwd_scale, algo, bwd_dtype, margin)
+        dod, do_si = _cast(do, ctx.bwd_scale, ctx.bwd_hist, SLOT_DO, bwd_dtype)
+        dqd, dkd, dvd, dq_si, dk_si, dv_si = fused_attn_fp8_bwd(
+            qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad,
+            cu_kv_pad, ctx.bwd_scale, ctx.bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br,
+            bwd_dtype)
+        dq, dk, dv = (_decode(g, si, bwd_dtype, dtype) for g, si in ((dqd, dq_si), (dkd, dk_si), (dvd, dv_si)))
+        return (dq, dk, dv) + (None,) * 10

@@ -1,0 +1,264 @@
+"""FP8 attention (recipe fp8_dpa=True) in DotProductAttention: outputs and gradients against a
+float64 emulation of the same quantization points (_attn_ref.dpa_thd_ref with fp8 scales), the
+delayed-scaling state of the attention's FP8 tensors, the custom ops under torch.compile, and
+the clear errors (fp8_mha, unsupported recipes, bias, a backend without FP8 attention).
+
+The library's FP8 attention runs on its CPU backend only (the CUDA backend answers NOT_SUPPORTED),
+so the numeric tests run in the CPU mode and are skipped with NVTE_TEST_DEVICE=cuda, where
+test_fp8_dpa_cuda_is_a_clear_error checks that the module refuses instead of falling back.
+
+Comparison rule: the emulation reproduces every FP8 rounding of the library, so the two differ by
+float64 summation order and the float32 rounding of decoded values (~1e-8 relative); 1e-6 is
+held, while the same attention without quantization is ~5e-2 away (checked too, so the
+emulation is not trivially the high-precision math)."""
+import copy
+import math
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine import _nvte
+from transformer_engine.common import recipe
+from transformer_engine.pytorch import fused_attention as fa
+from transformer_engine.pytorch import fused_attention_fp8 as fa8
+from transformer_engine.pytorch.attention import DotProductAttention
+
+from _attn_ref import dpa_thd_ref, from_thd, seqs_from_cu, to_thd
+from _util import ON_CUDA, dev, rel_err
+
+OPS = torch.ops.transformer_engine
+cpu_only = pytest.mark.skipif(ON_CUDA, reason="the library's FP8 attention runs on its CPU backend only (the CUDA "
+                                              "backend answers NOT_SUPPORTED; see test_fp8_dpa_cuda_is_a_clear_error)")
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+def _recipe(fmt="HYBRID", **kw):
+    return recipe.DelayedScaling(fp8_dpa=True, fp8_format=getattr(recipe.Format, fmt), amax_history_len=4, **kw)
+
+
+class Case:
+    """Inputs of one layout: bshd / sbhd [b, s, h, d] or thd with gaps between sequences."""
+
+    def __init__(self, fmt, h=4, g=2, d=16):
+        self.fmt, self.h, self.g, self.d, self.b = fmt, h, g, d, 2
+        if fmt == "thd":
+            self.cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+            self.pad = torch.tensor([0, 6, 14], dtype=torch.int32)  # a gap before sequence 1, one at the end
+            self.shape = lambda n, _=None: (15, n, d)
+        else:
+            s = 9
+            self.cu = self.pad = torch.arange(self.b + 1, dtype=torch.int32) * s
+            self.shape = (lambda n, _=None: (self.b, s, n, d)) if fmt == "bshd" else (lambda n, _=None: (s, self.b, n, d))
+
+    def draw(self, gen, scale=1.0):
+        q, k, v = (torch.randn(*self.shape(n), generator=gen) * scale for n in (self.h, self.g, self.g))
+        dy = torch.randn(*self.shape(self.h), generator=gen) * 0.1
+        return [t.requires_grad_(True) for t in (q, k, v)], dy
+
+    def kwargs(self):
+        if self.fmt != "thd":
+            return {}
+        return dict(cu_seqlens_q=dev(self.cu), cu_seqlens_kv=dev(self.cu), cu_seqlens_q_padded=dev(self.pad),
+                    cu_seqlens_kv_padded=dev(self.pad))
+
+    def ref(self, qkv, dy, mask, fp8):
+        th = (lambda t: t) if self.fmt == "thd" else (lambda t: to_thd(t, self.fmt))
+        back = (lambda t: t) if self.fmt == "thd" else (lambda t: from_thd(t, self.fmt, self.b))
+        seqs = seqs_from_cu(self.cu, self.cu, self.pad, self.pad)
+        o, grads, am = dpa_thd_ref(*(th(t) for t in qkv), seqs, mask, 1.0 / math.sqrt(self.d), th(dy), fp8)
+        return back(o), [back(x) for x in grads], am
+
+
+def fp8_scales(meta_fwd, meta_bwd, fmt):
+    return dict(s_qkv=meta_fwd[0], s_s=meta_fwd[1], s_o=meta_fwd[2], s_do=meta_bwd[0], s_dp=meta_bwd[1],
+                s_dqkv=meta_bwd[2], fmt_bwd="e5m2" if fmt == "HYBRID" else "e4m3")
+
+
+def fp8_step(dpa, r, case, qkv, dy):
+    """One forward (under fp8_autocast) + backward; returns out, the forward scales it used, the
+    forward amaxes it recorded (before the autocast exit rolls the history) and the backward's."""
+    sf = dpa.fp8_meta.scale["fwd"].clone()
+    with te.fp8_autocast(fp8_recipe=r):
+        out = dpa(*(dev(t) for t in qkv), **case.kwargs())
+        am_f = dpa.fp8_meta.amax_history["fwd"][0].clone()
+    out.backward(dev(dy.reshape(out.shape)))
+    return out, sf, am_f, dpa.fp8_meta.scale["bwd"].clone(), dpa.fp8_meta.amax_history["bwd"][0].clone()
+
+
+@cpu_only
+@pytest.mark.parametrize("fmt,mask", [("bshd", "no_mask"), ("sbhd", "causal"), ("bshd", "causal_bottom_right"),
+                                      ("thd", "padding_causal")])
+@pytest.mark.parametrize("fp8_format", ["HYBRID", "E4M3"])
+def test_fp8_dpa_matches_emulation(fmt, mask, fp8_format):
+    case = Case(fmt)
+    r = _recipe(fp8_format)
+    dpa = DotProductAttention(case.h, case.d, num_gqa_groups=case.g, qkv_format=fmt, attn_mask_type=mask)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(3):  # step 0 runs with unit scales, later steps with the recipe's scales
+        qkv, dy = case.draw(gen, scale=1.0 + step)
+        out, sf, am_f, sb, am_b = fp8_step(dpa, r, case, qkv, dy)
+        assert out.dtype == torch.float32 and out.shape == (*case.shape(case.h)[:-2], case.h * case.d)
+        ref, grads, am = case.ref(qkv, dy, mask, fp8_scales(sf, sb, fp8_format))
+        hp, _, _ = case.ref(qkv, dy, mask, None)
+        e = rel_err(out, ref.reshape(out.shape))
+        assert e < 1e-6 and rel_err(out, hp.reshape(out.shape)) > 100 * max(e, 1e-6), (step, e)
+        for name, t, gr in zip("qkv", qkv, grads):
+            e = rel_err(t.grad, gr)
+            assert e < 1e-6, (step, "d" + name, e)
+        for got, keys in ((am_f, ("qkv", "s", "o")), (am_b, ("do", "dp", "dqkv"))):
+            torch.testing.assert_close(got, torch.tensor([am[k] for k in keys], dtype=torch.float32),
+                                       rtol=1e-6, atol=0)
+    assert not torch.equal(sf, torch.ones(3)) and not torch.equal(sb, torch.ones(3))
+
+
+@cpu_only
+def test_fp8_recipe_state_follows_the_library_recipe():
+    """The attention's six FP8 tensors get amax histories that roll once per step and scales
+    fp8_max / max(history) (amax_compute_algo "max", margin 0): forward at the autocast exit
+    (E4M3), backward at the start of each backward (E5M2 under HYBRID)."""
+    case = Case("bshd")
+    r = _recipe("HYBRID")
+    dpa = DotProductAttention(case.h, case.d, num_gqa_groups=case.g, qkv_format="bshd", attn_mask_type="causal")
+    meta = dpa.fp8_meta
+    assert not meta.initialized and dpa.get_extra_state() is None
+    gen = torch.Generator().manual_seed(3)
+    seen = []
+    for step in range(3):
+        qkv, dy = case.draw(gen, scale=1.0 + step)
+        _, _, am_f, _, am_b = fp8_step(dpa, r, case, qkv, dy)
+        seen.append(am_f)
+        hist = meta.amax_history["fwd"]
+        assert meta.initialized and hist.shape == (4, 3)
+        assert int((hist != 0).any(1).sum()) == step + 1  # one history row per step
+        torch.testing.assert_close(hist.max(0).values, torch.stack(seen).max(0).values)
+        torch.testing.assert_close(meta.scale["fwd"], FP8_MAX["e4m3"] / hist.max(0).values)
+        assert torch.all(am_b > 0)
+    # the backward scales were set by the step before the last backward (from the histories then)
+    assert torch.all(meta.scale["bwd"] != 1.0)
+    # _extra_state round trip (TE's DotProductAttention keeps it too)
+    fresh = DotProductAttention(case.h, case.d, num_gqa_groups=case.g, qkv_format="bshd")
+    fresh.load_state_dict(dpa.state_dict())
+    for key in ("fwd", "bwd"):
+        assert torch.equal(fresh.fp8_meta.amax_history[key], meta.amax_history[key].cpu())
+        assert torch.equal(fresh.fp8_meta.scale[key], meta.scale[key].cpu())
+
+
+@cpu_only
+def test_fp8_dpa_inference():
+    case = Case("sbhd", h=2, g=2, d=8)
+    dpa = DotProductAttention(2, 8, qkv_format="sbhd", attn_mask_type="causal")
+    qkv, _ = case.draw(torch.Generator().manual_seed(1))
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=_recipe()):
+        out = dpa(*qkv)
+    ref, _, _ = dpa_thd_ref(*(to_thd(t, "sbhd") for t in qkv), seqs_from_cu(case.cu, case.cu), "causal",
+                            1.0 / math.sqrt(8), None, fp8_scales(torch.ones(3), torch.ones(3), "HYBRID"))
+    assert rel_err(out, from_thd(ref, "sbhd", 2).reshape(out.shape)) < 1e-6
+    # amaxes recorded; no recipe step without grad (as for the other modules)
+    assert torch.all(dpa.fp8_meta.amax_history["fwd"][0] > 0) and torch.all(dpa.fp8_meta.scale["fwd"] == 1.0)
+
+
+def test_fp8_dpa_off_runs_high_precision(monkeypatch):
+    """fp8_autocast with fp8_dpa=False (the default) leaves attention in high precision."""
+    called = []
+    monkeypatch.setattr(fa8.FusedAttnFP8Func, "apply", lambda *a: called.append(1))
+    dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal")
+    q = dev(torch.randn(2, 5, 2, 8, generator=torch.Generator().manual_seed(0)))
+    want = dpa(q, q, q)
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+        got = dpa(q, q, q)
+    assert torch.equal(got, want) and not called and not dpa.fp8_meta.initialized
+
+
+def test_fp8_mha_and_unsupported_recipes_are_clear_errors(monkeypatch):
+    dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="no_mask")
+    q = dev(torch.randn(1, 4, 2, 8, generator=torch.Generator().manual_seed(0)))
+    cases = [(recipe.DelayedScaling(fp8_dpa=True, fp8_mha=True), "fp8_mha"),
+             (recipe.Float8CurrentScaling(fp8_dpa=True), "DelayedScaling recipe only"),
+             (recipe.DelayedScaling(fp8_dpa=True, fp8_format=recipe.Format.E5M2), "float8_e4m3")]
+    for r, msg in cases:
+        with pytest.raises(NotImplementedError, match=msg), te.fp8_autocast(fp8_recipe=r):
+            dpa(q, q, q)
+    with pytest.raises(NotImplementedError, match="FP8 attention has no attention bias"), \
+            te.fp8_autocast(fp8_recipe=_recipe()):
+        dpa(q, q, q, core_attention_bias_type="post_scale_bias", core_attention_bias=dev(torch.zeros(1, 2, 4, 4)))
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    with pytest.raises(NotImplementedError, match="NVTE_FUSED_ATTN=0"), te.fp8_autocast(fp8_recipe=_recipe()):
+        dpa(q, q, q)
+    monkeypatch.delenv("NVTE_FUSED_ATTN")
+    # a backend without FP8 attention (the CUDA backend today) refuses: no silent high-precision fallback
+    monkeypatch.setattr(fa, "fused_backend_supports", lambda *a, **kw: (False, "FP8 runs on the CPU backend only"))
+    with pytest.raises(NotImplementedError, match="does not fall back"), te.fp8_autocast(fp8_recipe=_recipe()):
+        dpa(q, q, q)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA backend's FP8 rejection (NVTE_TEST_DEVICE=cuda only)")
+def test_fp8_dpa_cuda_is_a_clear_error():
+    ok, why = te.is_fp8_available()
+    if not ok:
+        pytest.skip(why)
+    dpa = DotProductAttention(2, 64, qkv_format="bshd", attn_mask_type="causal")
+    q = dev(torch.randn(2, 128, 2, 64).to(torch.bfloat16))
+    with pytest.raises(NotImplementedError, match="FP8 attention .*cannot run"), te.fp8_autocast(fp8_recipe=_recipe()):
+        dpa(q, q, q)
+
+
+# ------------------------------------------------------------------ torch.compile / op registration
+@cpu_only
+def test_compile_fullgraph_aot_eager():
+    """torch.compile(fullgraph=True) of DotProductAttention with fp8_dpa: the casts, the recipe step
+    and both FP8 attention ops are graph nodes, and 3 steps match eager (outputs, grads, recipe state).
+    The module runs one eager step first: FP8 metadata is adopted eagerly (fp8.FP8Meta.prepare)."""
+    from test_compile import GraphRecorder
+    torch._dynamo.reset()
+    r = _recipe()
+    case = Case("bshd")
+    eager = DotProductAttention(case.h, case.d, num_gqa_groups=case.g, qkv_format="bshd", attn_mask_type="causal")
+    gen = torch.Generator().manual_seed(5)
+    fp8_step(eager, r, case, *case.draw(gen))
+    src = copy.deepcopy(eager)
+    rec = GraphRecorder()
+    compiled = torch.compile(src, fullgraph=True, backend=rec.backend())
+    try:
+        for step in range(3):
+            qkv, dy = case.draw(gen, scale=1.0 + step)
+            qkv_c = [t.detach().clone().requires_grad_(True) for t in qkv]
+            oe = fp8_step(eager, r, case, qkv, dy)[0]
+            oc = fp8_step(compiled, r, case, qkv_c, dy)[0]
+            torch.testing.assert_close(oc, oe, rtol=0, atol=0)
+            for a, b in zip(qkv_c, qkv):
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+            for key in ("fwd", "bwd"):
+                assert torch.equal(src.fp8_meta.amax_history[key], eager.fp8_meta.amax_history[key])
+                assert torch.equal(src.fp8_meta.scale[key], eager.fp8_meta.scale[key])
+    finally:
+        torch._dynamo.reset()
+    assert OPS.fused_attn_fp8_fwd.default in rec.targets["fw"] and OPS.quantize.default in rec.targets["fw"]
+    assert OPS.fused_attn_fp8_bwd.default in rec.targets["bw"]
+    assert OPS.delayed_scaling_update.default in rec.targets["bw"]
+
+
+def _op_args():
+    g = torch.Generator().manual_seed(0)
+    e4, e5 = int(_nvte.DType.kFloat8E4M3), int(_nvte.DType.kFloat8E5M2)
+    q, k, v = (torch.randn(2, 5, 2, 8, generator=g) for _ in range(3))
+    scale, hist = torch.tensor([20.0, 400.0, 60.0]), torch.zeros(3, 3)
+    (qd, q_si), (kd, k_si), (vd, v_si) = (fa8._cast(x, scale, hist.clone(), 0, e4) for x in (q, k, v))
+    layout, mask = fa.LAYOUTS["bshd"], int(fa.MASKS["causal"])
+    fwd = (qd, kd, vd, q_si, k_si, v_si, None, None, None, None, torch.zeros(2, dtype=torch.int64), scale, hist,
+           5, 5, True, 0.35, 0.0, layout, mask, -1, -1, False)
+    od, o_si, s_scale, stats, rng = fa8.fused_attn_fp8_fwd(*fwd[:12], hist.clone(), *fwd[13:])
+    dod, do_si = fa8._cast(torch.randn(2, 5, 2, 8, generator=g), torch.full((3,), 1000.0), torch.zeros(3, 3), 0, e5)
+    bwd = (qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng, s_scale, None, None, None, None,
+           torch.tensor([1000.0, 5000.0, 2000.0]), torch.zeros(3, 3), 5, 5, 0.35, 0.0, layout, mask, -1, -1, False,
+           e5)
+    return {"fwd": (OPS.fused_attn_fp8_fwd, fwd), "bwd": (OPS.fused_attn_fp8_bwd, bwd)}
+
+
+@cpu_only
+@pytest.mark.parametrize("which", ["fwd", "bwd"])
+def test_fp8_attention_op_registration(which):
+    """torch.library.opcheck: schema (the declared amax-history mutation), fake implementation and
+    dispatcher registration agree with what the FP8 attention ops really do."""
+    op, args = _op_args()[which]
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
