@@ -1,0 +1,326 @@
+// cuda/normalization_bwd.cu - LayerNorm / RMSNorm backward (normalization.h) on the GPU: per-row
+// dx from registers, deterministic dgamma/dbeta through per-block partials and a fixed-order
+// reduce. The design (units of TPR threads per row, typed 16-bit paths) is described at the top
+// of normalization_fwd.cu; shared pieces are in norm_common.cuh.
+#include <algorithm>
+
+#include "norm_common.cuh"
+#include "normalization.h"
+
+namespace nvte::cuda {
+namespace {
+using namespace norm;
+
+// -------------------------------------------------------------------------- backward
+struct BwdParams {
+  const void *dz, *x, *add, *gamma;
+  const float *mu, *rsigma;  // mu == nullptr: RMSNorm
+  void *dx;
+  float *ws;  // [parts, H] dgamma partials, then (LayerNorm) [parts, H] dbeta partials
+  size_t rows, cols, rows_per_part;  // block c: rows [c * rows_per_part, min(rows, (c + 1) * rows_per_part))
+  size_t parts;
+  NVTEDType dzt, xt, at, gt, dxt;
+  bool zc, ln;
+};
+
+// dx of one element with the CPU's operation order: rs * ((dy - mean_dy) - xhat * mean_dyx).
+__device__ __forceinline__ float dx_value(float rs, float dy, float xh, float mean_dy, float mean_dyx) {
+  return __fmul_rn(rs, __fsub_rn(__fsub_rn(dy, mean_dy), __fmul_rn(xh, mean_dyx)));
+}
+
+
+// Rows in registers (H % 8 == 0, 16-byte aligned rows, H <= 8 * NV * TPR, x and dz of
+// storage type TI). Dynamic shared memory: per unit and output (dgamma, dbeta) [8][NV * TPR]
+// float partials (slot k of column k * 8 + j at [j][k]: a warp's accesses hit distinct banks).
+// xhat and dy are computed twice (before and after the row reduction) from the stored row,
+// with the same operations, so both passes see the same bits. kTyped (16-bit TI, and gamma,
+// dx and the add input of TI's dtype, checked on the host): gamma, add and dx are accessed as
+// raw 16-byte words decoded / packed in pairs, as in norm_fwd_fast, instead of through the
+// run-time dtype switches.
+template <class TI, int TPR, int NV, int CTA, bool kTyped>
+__global__ void __launch_bounds__(CTA) norm_bwd_vec(const BwdParams p) {
+  static_assert(!kTyped || sizeof(TI) == 2, "the typed path is for 16-bit rows");
+  constexpr int R = CTA / TPR, S = NV * TPR;
+  extern __shared__ float part[];
+  __shared__ float red[CTA / 32 * 2];
+  const int unit = threadIdx.x / TPR, t = threadIdx.x % TPR;
+  const int nout = p.ln ? 2 : 1;
+  const size_t h = p.cols, nvec = h / kVec;
+  float *mine = part + (size_t)unit * nout * kVec * S;
+
+  // g = gamma (+ 1) stays in registers across rows when NV == 1, else is re-read (L1).
+  constexpr bool kKeepG = NV == 1;
+  float gk[kKeepG ? NV : 1][kVec];
+  auto gamma_of = [&](int i, size_t k, float (&out)[kVec]) {
+    if (kKeepG) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) out[j] = gk[0][j];  // NV == 1: i == 0
+    } else {
+      if constexpr (kTyped) unpack8<TI>(static_cast<const uint4 *>(p.gamma)[k], out);
+      else ld8(p.gamma, p.gt, k * kVec, out);
+      if (p.zc) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) out[j] += 1.0f;
+      }
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const size_t k = t + (size_t)i * TPR;
+    if (kKeepG && k < nvec) {
+      ld8(p.gamma, p.gt, k * kVec, gk[0]);
+      if (p.zc) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) gk[0][j] += 1.0f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      mine[j * S + k] = 0.0f;
+      if (p.ln) mine[(kVec + j) * S + k] = 0.0f;
+    }
+  }
+
+  const size_t r0 = blockIdx.x * p.rows_per_part;
+  const size_t r1 = min(p.rows, r0 + p.rows_per_part);
+  for (size_t rb = r0; rb < r1; rb += R) {  // the same trip count for every unit of the block
+    const size_t row = rb + unit;
+    const bool live = row < r1;
+    Raw8<TI> xr[NV], dr[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const size_t k = t + (size_t)i * TPR;
+      if (live && k < nvec) {
+        xr[i].load(p.x, row * h + k * kVec);
+        dr[i].load(p.dz, row * h + k * kVec);
+      }
+    }
+    const float m = (live && p.mu) ? p.mu[row] : 0.0f;
+    const float rs = live ? p.rsigma[row] : 0.0f;
+    float sums[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const size_t k = t + (size_t)i * TPR;
+      if (live && k < nvec) {
+        float g[kVec], xf[kVec], df[kVec];
+        gamma_of(i, k, g);
+        xr[i].unpack(xf);
+        dr[i].unpack(df);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float dz = df[j];
+          const float xh = __fmul_rn(__fsub_rn(xf[j], m), rs);
+          const float dy = __fmul_rn(dz, g[j]);
+          sums[0] += dy;
+          sums[1] = fmaf(dy, xh, sums[1]);
+          mine[j * S + k] = fmaf(dz, xh, mine[j * S + k]);
+          if (p.ln) mine[(kVec + j) * S + k] += dz;
+        }
+      }
+    }
+    unit_sum<TPR, 2>(sums, red);
+    if (!live) continue;  // (after the unit's last barrier of this row)
+    const float mean_dy = p.ln ? sums[0] / (float)h : 0.0f;
+    const float mean_dyx = sums[1] / (float)h;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const size_t k = t + (size_t)i * TPR;
+      if (k < nvec) {
+        float g[kVec], o[kVec], xf[kVec], df[kVec];
+        gamma_of(i, k, g);
+        xr[i].unpack(xf);
+        dr[i].unpack(df);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float xh = __fmul_rn(__fsub_rn(xf[j], m), rs);
+          const float dy = __fmul_rn(df[j], g[j]);
+          o[j] = dx_value(rs, dy, xh, mean_dy, mean_dyx);
+        }
+        if (p.add) {
+          float a[kVec];
+          if constexpr (kTyped) unpack8<TI>(static_cast<const uint4 *>(p.add)[row * nvec + k], a);
+          else ld8(p.add, p.at, row * h + k * kVec, a);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o[j] = __fadd_rn(o[j], a[j]);
+        }
+        if constexpr (kTyped) store8<TI>(static_cast<TI *>(p.dx) + row * h + k * kVec, o, 1.0f);
+        else st8(p.dx, p.dxt, row * h + k * kVec, o, 1.0f);
+      }
+    }
+  }
+
+  // The units' partials, added in unit order, become this block's workspace row.
+  __syncthreads();
+  for (int o = 0; o < nout; ++o) {
+    float *dst = p.ws + (o * p.parts + blockIdx.x) * h;
+    for (int j = 0; j < kVec; ++j) {
+      for (size_t k = threadIdx.x; k < nvec; k += CTA) {
+        float acc = part[(o * kVec + j) * S + k];
+#pragma unroll
+        for (int u = 1; u < R; ++u) acc += part[((size_t)(u * nout + o) * kVec + j) * S + k];
+        dst[k * kVec + j] = acc;
+      }
+    }
+  }
+}
+
+// Any H and alignment: block c walks its rows one at a time with two passes over each row,
+// accumulating its partials in its own workspace row.
+template <int CTA>
+__global__ void __launch_bounds__(CTA) norm_bwd_any(const BwdParams p) {
+  __shared__ float red[CTA / 32 * 2];
+  const size_t h = p.cols;
+  float *pg = p.ws + blockIdx.x * h;
+  float *pb = p.ln ? p.ws + (p.parts + blockIdx.x) * h : nullptr;
+  for (size_t c = threadIdx.x; c < h; c += CTA) {
+    pg[c] = 0.0f;
+    if (pb) pb[c] = 0.0f;
+  }
+  const size_t r0 = blockIdx.x * p.rows_per_part;
+  const size_t r1 = min(p.rows, r0 + p.rows_per_part);
+  for (size_t row = r0; row < r1; ++row) {
+    const size_t base = row * h;
+    const float m = p.mu ? p.mu[row] : 0.0f;
+    const float rs = p.rsigma[row];
+    float sums[2] = {0.0f, 0.0f};
+    for (size_t c = threadIdx.x; c < h; c += CTA) {
+      float g = ld1(p.gamma, p.gt, c);
+      if (p.zc) g += 1.0f;
+      const float xh = __fmul_rn(__fsub_rn(ld1(p.x, p.xt, base + c), m), rs);
+      const float dy = __fmul_rn(ld1(p.dz, p.dzt, base + c), g);
+      sums[0] += dy;
+      sums[1] = fmaf(dy, xh, sums[1]);
+    }
+    unit_sum<CTA, 2>(sums, red);
+    const float mean_dy = p.ln ? sums[0] / (float)h : 0.0f;
+    const float mean_dyx = sums[1] / (float)h;
+    for (size_t c = threadIdx.x; c < h; c += CTA) {
+      float g = ld1(p.gamma, p.gt, c);
+      if (p.zc) g += 1.0f;
+      const float dz = ld1(p.dz, p.dzt, base + c);
+      const float xh = __fmul_rn(__fsub_rn(ld1(p.x, p.xt, base + c), m), rs);
+      float o = dx_value(rs, __fmul_rn(dz, g), xh, mean_dy, mean_dyx);
+      if (p.add) o = __fadd_rn(o, ld1(p.add, p.at, base + c));
+      st1(p.dx, p.dxt, base + c, o);
+      pg[c] = fmaf(dz, xh, pg[c]);
+      if (pb) pb[c] += dz;
+    }
+  }
+}
+
+// out[col] = sum over parts (in part order) of ws[part, col]; blockIdx.y: 0 dgamma, 1 dbeta.
+// Block (32, 8): the 8 rows of threads add contiguous slices of the parts, then row 0 adds
+// the 8 slice sums in order.
+__global__ void __launch_bounds__(256) norm_bwd_finalize(const float *ws, size_t parts, size_t h, void *dgamma,
+                                                         NVTEDType gt, void *dbeta, NVTEDType bt) {
+  __shared__ float acc[8][33];
+  const int o = blockIdx.y;
+  const size_t col = (size_t)blockIdx.x * 32 + threadIdx.x;
+  const float *w = ws + o * parts * h;
+  const size_t per = (parts + 7) / 8;
+  const size_t c0 = threadIdx.y * per, c1 = min(parts, c0 + per);
+  float s = 0.0f;
+  if (col < h) {
+#pragma unroll 8
+    for (size_t c = c0; c < c1; ++c) s += w[c * h + col];
+  }
+  acc[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < h) {
+    float tot = acc[0][threadIdx.x];
+#pragma unroll
+    for (int y = 1; y < 8; ++y) tot += acc[y][threadIdx.x];
+    if (o == 0) st1(dgamma, gt, col, tot);
+    else st1(dbeta, bt, col, tot);
+  }
+}
+
+// The backward's split of N rows into parts (blocks): a function of (n, h, sm) only.
+struct Plan {
+  size_t parts, rows_per_part;
+};
+Plan bwd_plan(size_t n, size_t h, int sm) {
+  if (n == 0 || h == 0) return {0, 0};
+  // One resident 512-thread block per SM (its shared partials take up to 128 KiB).
+  const size_t want = (size_t)std::max(sm, 1);
+  const size_t rpp = (n + std::min(n, want) - 1) / std::min(n, want);
+  return {(n + rpp - 1) / rpp, rpp};
+}
+
+template <int TPR, int NV, int CTA>
+void launch_bwd(const BwdParams &p, cudaStream_t stream) {
+  const size_t smem = (size_t)CTA * NV * kVec * (p.ln ? 2 : 1) * sizeof(float);
+  const bool typed = (p.xt == kNVTEBFloat16 || p.xt == kNVTEFloat16) && p.gt == p.xt && p.dxt == p.xt &&
+                     (p.add == nullptr || p.at == p.xt);
+  auto *k = p.xt == kNVTEBFloat16 ? (typed ? norm_bwd_vec<bf16, TPR, NV, CTA, true> : norm_bwd_vec<bf16, TPR, NV, CTA, false>)
+            : p.xt == kNVTEFloat16 ? (typed ? norm_bwd_vec<fp16, TPR, NV, CTA, true> : norm_bwd_vec<fp16, TPR, NV, CTA, false>)
+                                   : norm_bwd_vec<float, TPR, NV, CTA, false>;
+  if (smem > 48 * 1024) NVTE_CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  k<<<(unsigned)p.parts, CTA, smem, stream>>>(p);
+  NVTE_CHECK_LAUNCH();
+}
+}  // namespace
+
+int norm_sm(int hint) { return hint > 0 ? hint : sm_count(); }
+
+size_t norm_bwd_workspace_bytes(size_t n, size_t h, int sm) {
+  return bwd_plan(n, h, sm).parts * h * 2 * sizeof(float);
+}
+
+void norm_bwd(const Tensor &dz, const Tensor &x, const Tensor *add, const Tensor *mu, const Tensor &rsigma,
+              const Tensor &gamma, Tensor &dx, Tensor &dgamma, Tensor *dbeta, bool zero_centered_gamma,
+              void *workspace, int sm, cudaStream_t stream) {
+  const Dims2 d = flat2d(logical_shape(x));
+  const size_t n = d.rows, h = d.cols;
+  if (h == 0) return;  // dx, dgamma and dbeta are empty
+  const Plan plan = bwd_plan(n, h, sm);
+  BwdParams p{};
+  p.dz = data_of(dz);
+  p.x = data_of(x);
+  p.add = add ? data_of(*add) : nullptr;
+  p.gamma = data_of(gamma);
+  p.mu = mu ? static_cast<const float *>(data_of(*mu)) : nullptr;
+  p.rsigma = static_cast<const float *>(data_of(rsigma));
+  p.dx = dx.params[kNVTERowwiseData].data_ptr;
+  p.ws = static_cast<float *>(workspace);
+  p.rows = n;
+  p.cols = h;
+  p.rows_per_part = plan.rows_per_part;
+  p.parts = plan.parts;
+  p.dzt = dtype_of(dz);
+  p.xt = dtype_of(x);
+  p.at = add ? dtype_of(*add) : kNVTEFloat32;
+  p.gt = dtype_of(gamma);
+  p.dxt = dtype_of(dx);
+  p.zc = zero_centered_gamma;
+  p.ln = dbeta != nullptr;
+  NVTE_CHECK(plan.parts == 0 || (workspace != nullptr && aligned(workspace, 4)),
+             "the normalization backward needs a 4-byte aligned workspace of ",
+             norm_bwd_workspace_bytes(n, h, sm), " bytes");
+
+  if (plan.parts > 0) {
+    const size_t nvec = h / kVec;
+    const bool vec = h % kVec == 0 && nvec <= 2048 && p.xt == p.dzt && vec_ok(p.dz) && vec_ok(p.x) && vec_ok(p.add) &&
+                     vec_ok(p.gamma) && vec_ok(p.dx);
+    if (!vec) {
+      norm_bwd_any<512><<<(unsigned)plan.parts, 512, 0, stream>>>(p);
+      NVTE_CHECK_LAUNCH();
+    } else {
+      // Four vectors per thread (x and dz kept as stored), 512-thread blocks, 64 or 128 KiB of partials.
+      switch (unit_threads((nvec + 3) / 4)) {
+        case 32: launch_bwd<32, 4, 512>(p, stream); break;
+        case 64: launch_bwd<64, 4, 512>(p, stream); break;
+        case 128: launch_bwd<128, 4, 512>(p, stream); break;
+        case 256: launch_bwd<256, 4, 512>(p, stream); break;
+        default: launch_bwd<512, 4, 512>(p, stream); break;
+      }
+    }
+  }
+  const dim3 grid((unsigned)((h + 31) / 32), p.ln ? 2 : 1);
+  norm_bwd_finalize<<<grid, dim3(32, 8), 0, stream>>>(p.ws, plan.parts, h, dgamma.params[kNVTERowwiseData].data_ptr, dtype_of(dgamma),
+                                                       dbeta ? dbeta->params[kNVTERowwiseData].data_ptr : nullptr,
+                                                       dbeta ? dtype_of(*dbeta) : kNVTEFloat32);
+  NVTE_CHECK_LAUNCH();
+}
+
+}  // namespace nvte::cuda

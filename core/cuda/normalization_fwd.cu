@@ -1,0 +1,386 @@
+// cuda/normalization_fwd.cu - LayerNorm / RMSNorm forward (normalization.h) on the GPU, and the
+// design of both directions (the backward is in normalization_bwd.cu).
+//
+// Design: a row of H elements is owned by a "unit" of TPR threads (one warp for short rows,
+// up to a whole 512-thread block for long ones); a block holds 512 / TPR units. Each thread
+// owns up to 4 vectors of 8 elements (16-byte accesses of bf16/fp16, two of float32) at
+// vector indices t, t + TPR, ..., so a unit's accesses are coalesced, and keeps them in
+// registers. Forward: a grid of two blocks per SM walks the rows; x is loaded once, the mean
+// and then the sum of squared deviations are reduced from the registers (two-pass variance,
+// float32, warp butterfly then the unit's warps in a fixed order, so every thread of a unit
+// holds the same bits), then z is scaled, shifted, quantized and stored; amax is one atomic
+// per block. Backward: block c (one per SM) owns a fixed chunk of rows (the chunking depends
+// only on N, H and the SM count); its units walk the chunk in lockstep, keep x and dz in
+// their storage type, reduce the two row means, write dx, and add dz * xhat and dz into
+// per-unit partial sums in shared memory (each thread owns its columns: no atomics). The
+// units' partials are then added in unit order into the block's workspace row [c, H], and a
+// second kernel adds the workspace rows in row order: dgamma/dbeta are deterministic.
+// Dtypes other than the backward's x/dz storage type are run-time values read in uniform
+// branches (few instantiations). Rows whose length is not a multiple of 8, misaligned
+// pointers, rows over 16384 elements or a dz dtype unlike x's take a scalar path that
+// re-reads the row from global memory (L1/L2); its backward accumulates its partials straight
+// in its workspace row. Math is float32 with the CPU's operation order for the elementwise
+// parts (explicit _rn intrinsics, no FMA contraction) except the vector forward's z (one FMA,
+// see norm_fwd_vec), so results differ from the CPU's (double-accumulated row sums) through
+// the row sums and, for that z, by a few float32 roundings.
+#include <algorithm>
+
+#include "norm_common.cuh"
+#include "normalization.h"
+
+namespace nvte::cuda {
+namespace {
+using namespace norm;
+
+// --------------------------------------------------------------------------- forward
+struct FwdParams {
+  const void *x, *gamma, *beta;  // beta == nullptr: RMSNorm
+  void *z, *zt;                  // rowwise [N, H] and columnwise [H, N] outputs (either may be null)
+  float *mu, *rsigma, *amax, *scale_inv, *col_scale_inv;
+  const float *scale;  // FP8 z only
+  size_t rows, cols;
+  float eps;
+  NVTEDType xt, gt, bt, zt_dtype;
+  bool zc;  // zero-centered gamma: g = 1 + gamma
+};
+
+__device__ __forceinline__ float out_scale(const FwdParams &p) { return p.scale ? *p.scale : 1.0f; }
+
+// One z value with the CPU's operation order: ((x - m) * rs) * g (+ beta).
+__device__ __forceinline__ float norm_value(float x, float m, float rs, float g, float b, bool ln) {
+  const float v = __fmul_rn(__fmul_rn(__fsub_rn(x, m), rs), g);
+  return ln ? __fadd_rn(v, b) : v;
+}
+
+__device__ __forceinline__ void fwd_finish(const FwdParams &p, float amax) {
+  if (p.amax) block_amax_update(amax, p.amax);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.scale) {
+    const float inv = 1.0f / *p.scale;
+    if (p.scale_inv) *p.scale_inv = inv;
+    if (p.col_scale_inv) *p.col_scale_inv = inv;
+  }
+}
+
+// Rows held in registers: H % 8 == 0, all row pointers 16-byte aligned, H <= 8 * NV * TPR,
+// x of storage type TI, decoded once into float32 registers. The kernel is issue-bound more
+// than memory-bound (ncu on an H200: ~34 instructions per element in an earlier version), so
+// per-element work is kept to the minimum: zero-centred gamma and beta are per-vector uniform
+// branches, z = (x - mu) * (rsigma * gamma) + beta is one subtraction, one multiplication and
+// one FMA (the CPU rounds ((x - mu) * rsigma) * gamma + beta: a few float32 ulps apart, inside
+// tests/gpu's bound), and addresses are per-row pointers.
+template <class TI, int TPR, int NV, int CTA>
+__global__ void __launch_bounds__(CTA, 1024 / CTA) norm_fwd_vec(const FwdParams p) {
+  constexpr int R = CTA / TPR;
+  __shared__ float red[CTA / 32];
+  const int t = threadIdx.x % TPR, unit = threadIdx.x / TPR;
+  const size_t h = p.cols, nvec = h / kVec;
+  const bool ln = p.beta != nullptr;
+  const float s = out_scale(p);
+  float amax = 0.0f;
+  // A grid of a few blocks per SM walks the row groups (one amax atomic per block).
+  for (size_t group = blockIdx.x; group * R < p.rows; group += gridDim.x) {
+    const size_t row = group * R + unit;
+    const bool live = row < p.rows;
+    const TI *xrow = static_cast<const TI *>(p.x) + row * h;
+    float x[NV][kVec];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const size_t k = t + (size_t)i * TPR;
+      if (live && k < nvec) {
+        ld8_t<TI>(xrow, k * kVec, x[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) x[i][j] = 0.0f;
+      }
+    }
+    float m = 0.0f;
+    if (ln) {
+      float a[1] = {0.0f};
+#pragma unroll
+      for (int i = 0; i < NV; ++i)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) a[0] += x[i][j];  // padding is 0
+      unit_sum<TPR, 1>(a, red);
+      m = a[0] / (float)h;
+    }
+    float q[1] = {0.0f};
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (t + (size_t)i * TPR < nvec) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          x[i][j] -= m;  // x now holds x - mu
+          q[0] = fmaf(x[i][j], x[i][j], q[0]);
+        }
+      }
+    }
+    unit_sum<TPR, 1>(q, red);
+    const float rs = 1.0f / sqrtf(q[0] / (float)h + p.eps);
+    if (!live) continue;  // (after the unit's last barrier of this row group)
+    if (t == 0) {
+      if (p.mu) p.mu[row] = m;
+      p.rsigma[row] = rs;
+    }
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const size_t k = t + (size_t)i * TPR;
+      if (k < nvec) {
+        float g[kVec], o[kVec];
+        ld8(p.gamma, p.gt, k * kVec, g);  // L1/L2: every row reads the same vectors
+        if (p.zc) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) g[j] += 1.0f;
+        }
+        if (ln) {
+          float b[kVec];
+          ld8(p.beta, p.bt, k * kVec, b);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o[j] = fmaf(x[i][j], rs * g[j], b[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o[j] = x[i][j] * (rs * g[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) amax = fmaxf(amax, fabsf(o[j]));
+        const size_t e = row * h + k * kVec;
+        if (p.z) st8(p.z, p.zt_dtype, e, o, s);  // s == 1 unless z is FP8
+        if (p.zt) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) st1(p.zt, p.zt_dtype, (k * kVec + j) * p.rows + row, o[j] * s);
+        }
+      }
+    }
+  }  // row groups
+  fwd_finish(p, amax);
+}
+
+template <class TI, class TO, int TPR, int NV, int CTA>
+__global__ void __launch_bounds__(CTA, 1024 / CTA) norm_fwd_fast(const FwdParams p) {
+  constexpr int R = CTA / TPR;
+  __shared__ float red[CTA / 32];
+  const int t = threadIdx.x % TPR, unit = threadIdx.x / TPR;
+  const size_t h = p.cols, nvec = h / kVec;
+  const bool ln = p.beta != nullptr;
+  const float s = out_scale(p);
+  const uint4 *gam = static_cast<const uint4 *>(p.gamma);
+  const uint4 *bet = static_cast<const uint4 *>(p.beta);
+  float amax = 0.0f;
+  for (size_t group = blockIdx.x; group * R < p.rows; group += gridDim.x) {
+    const size_t row = group * R + unit;
+    const bool live = row < p.rows;
+    const uint4 *xrow = static_cast<const uint4 *>(p.x) + row * nvec;
+    float x[NV][kVec];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const size_t k = t + (size_t)i * TPR;
+      if (live && k < nvec) {
+        unpack8<TI>(xrow[k], x[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) x[i][j] = 0.0f;
+      }
+    }
+    float m = 0.0f;
+    if (ln) {
+      float a[1] = {0.0f};
+#pragma unroll
+      for (int i = 0; i < NV; ++i)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) a[0] += x[i][j];  // padding is 0
+      unit_sum<TPR, 1>(a, red);
+      m = a[0] / (float)h;
+    }
+    float q[1] = {0.0f};
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (t + (size_t)i * TPR < nvec) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          x[i][j] -= m;
+          q[0] = fmaf(x[i][j], x[i][j], q[0]);
+        }
+      }
+    }
+    unit_sum<TPR, 1>(q, red);
+    const float rs = 1.0f / sqrtf(q[0] / (float)h + p.eps);
+    if (!live) continue;  // (after the unit's last barrier of this row group)
+    if (t == 0) {
+      if (p.mu) p.mu[row] = m;
+      p.rsigma[row] = rs;
+    }
+    TO *zrow = static_cast<TO *>(p.z) + row * h;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const size_t k = t + (size_t)i * TPR;
+      if (k < nvec) {
+        float g[kVec], o[kVec];
+        unpack8<TI>(gam[k], g);  // L1/L2: every row reads the same vectors
+        if (p.zc) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) g[j] += 1.0f;
+        }
+        if (ln) {
+          float b[kVec];
+          unpack8<TI>(bet[k], b);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o[j] = fmaf(x[i][j], rs * g[j], b[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o[j] = x[i][j] * (rs * g[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) amax = fmaxf(amax, fabsf(o[j]));
+        store8<TO>(zrow + k * kVec, o, s);
+      }
+    }
+  }  // row groups
+  fwd_finish(p, amax);
+}
+
+// Any H and alignment: one block per row (grid-stride), three passes over the row in global memory.
+template <int CTA>
+__global__ void __launch_bounds__(CTA) norm_fwd_any(const FwdParams p) {
+  __shared__ float red[CTA / 32];
+  const size_t h = p.cols;
+  const bool ln = p.beta != nullptr;
+  const float s = out_scale(p);
+  float amax = 0.0f;
+  for (size_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const size_t base = row * h;
+    float m = 0.0f;
+    if (ln && h) {
+      float a[1] = {0.0f};
+      for (size_t c = threadIdx.x; c < h; c += CTA) a[0] += ld1(p.x, p.xt, base + c);
+      unit_sum<CTA, 1>(a, red);
+      m = a[0] / (float)h;
+    }
+    float q[1] = {0.0f};
+    for (size_t c = threadIdx.x; c < h; c += CTA) {
+      const float d = ld1(p.x, p.xt, base + c) - m;
+      q[0] = fmaf(d, d, q[0]);
+    }
+    unit_sum<CTA, 1>(q, red);
+    const float rs = 1.0f / sqrtf((h ? q[0] / (float)h : 0.0f) + p.eps);
+    if (threadIdx.x == 0) {
+      if (p.mu) p.mu[row] = m;
+      p.rsigma[row] = rs;
+    }
+    for (size_t c = threadIdx.x; c < h; c += CTA) {
+      float g = ld1(p.gamma, p.gt, c);
+      if (p.zc) g += 1.0f;
+      const float v = norm_value(ld1(p.x, p.xt, base + c), m, rs, g, ln ? ld1(p.beta, p.bt, c) : 0.0f, ln);
+      amax = fmaxf(amax, fabsf(v));
+      if (p.z) st1(p.z, p.zt_dtype, base + c, v * s);
+      if (p.zt) st1(p.zt, p.zt_dtype, c * p.rows + row, v * s);
+    }
+  }
+  fwd_finish(p, amax);
+}
+
+template <class TI, class TO, int TPR, int NV, int CTA>
+void launch_fast(const FwdParams &p, size_t grid, cudaStream_t stream) {
+  norm_fwd_fast<TI, TO, TPR, NV, CTA><<<(unsigned)grid, CTA, 0, stream>>>(p);
+  NVTE_CHECK_LAUNCH();
+}
+
+template <int TPR, int NV, int CTA>
+void launch_fwd(const FwdParams &p, cudaStream_t stream) {
+  constexpr int R = CTA / TPR;
+  const size_t groups = (p.rows + R - 1) / R;
+  const size_t grid = std::min<size_t>(groups, (size_t)sm_count() * (1024 / CTA));
+  // Typed fast kernel: 16-bit x with gamma/beta of the same dtype, rowwise z only, of x's
+  // dtype or FP8.
+  const bool fast = (p.xt == kNVTEBFloat16 || p.xt == kNVTEFloat16) && p.gt == p.xt &&
+                    (p.beta == nullptr || p.bt == p.xt) && p.z != nullptr && p.zt == nullptr &&
+                    (p.zt_dtype == p.xt || p.zt_dtype == kNVTEFloat8E4M3 || p.zt_dtype == kNVTEFloat8E5M2);
+  if (fast) {
+    const bool b16 = p.xt == kNVTEBFloat16;
+    switch (p.zt_dtype) {
+      case kNVTEFloat8E4M3:
+        return b16 ? launch_fast<bf16, fp8e4m3, TPR, NV, CTA>(p, grid, stream)
+                   : launch_fast<fp16, fp8e4m3, TPR, NV, CTA>(p, grid, stream);
+      case kNVTEFloat8E5M2:
+        return b16 ? launch_fast<bf16, fp8e5m2, TPR, NV, CTA>(p, grid, stream)
+                   : launch_fast<fp16, fp8e5m2, TPR, NV, CTA>(p, grid, stream);
+      default:
+        return b16 ? launch_fast<bf16, bf16, TPR, NV, CTA>(p, grid, stream)
+                   : launch_fast<fp16, fp16, TPR, NV, CTA>(p, grid, stream);
+    }
+  }
+  auto *k = p.xt == kNVTEBFloat16 ? norm_fwd_vec<bf16, TPR, NV, CTA>
+            : p.xt == kNVTEFloat16 ? norm_fwd_vec<fp16, TPR, NV, CTA>
+                                   : norm_fwd_vec<float, TPR, NV, CTA>;
+  k<<<(unsigned)grid, CTA, 0, stream>>>(p);
+  NVTE_CHECK_LAUNCH();
+}
+
+// Checks the output rule of cast.h that the CPU backend's OutputRows applies (dtype, shapes, scale).
+void check_z(const Tensor &z, size_t rows, size_t cols) {
+  const NVTEBasicTensor &rb = z.params[kNVTERowwiseData];
+  const NVTEBasicTensor &cb = z.params[kNVTEColumnwiseData];
+  NVTE_CHECK(buffer_set(rb) || buffer_set(cb), "z has no data buffer");
+  const NVTEDType dt = buffer_set(rb) ? rb.dtype : cb.dtype;
+  NVTE_CHECK(is_high_precision(dt) || is_fp8(dt), "z has dtype ", dtype_name(dt),
+             "; expected float32, float16, bfloat16 or FP8");
+  if (buffer_set(cb)) {
+    NVTE_CHECK(cb.dtype == dt, "z columnwise dtype ", dtype_name(cb.dtype), " differs from rowwise dtype ",
+               dtype_name(dt));
+    NVTE_CHECK(numel(cb.shape) == rows * cols && (cb.shape.ndim == 0 || rows * cols == 0 || cb.shape.data[0] == cols),
+               "z columnwise data has shape ", shape_str(cb.shape), "; expected [", cols, ", ", rows,
+               "] (the transpose)");
+  }
+  if (is_fp8(dt)) NVTE_CHECK(scalar_param(z, kNVTEScale, "z") != nullptr, "z is FP8 (", dtype_name(dt), ") but has no scale");
+}
+
+}  // namespace
+
+void norm_fwd(const Tensor &x, const Tensor &gamma, const Tensor *beta, float epsilon, Tensor &z, Tensor *mu,
+              Tensor &rsigma, bool zero_centered_gamma, cudaStream_t stream) {
+  const Dims2 d = flat2d(logical_shape(x));
+  check_z(z, d.rows, d.cols);
+  FwdParams p{};
+  p.x = data_of(x);
+  p.gamma = data_of(gamma);
+  p.beta = beta ? data_of(*beta) : nullptr;
+  p.z = z.params[kNVTERowwiseData].data_ptr;
+  p.zt = z.params[kNVTEColumnwiseData].data_ptr;
+  p.zt_dtype = buffer_set(z.params[kNVTERowwiseData]) ? z.params[kNVTERowwiseData].dtype
+                                                       : z.params[kNVTEColumnwiseData].dtype;
+  p.mu = mu ? static_cast<float *>(mu->params[kNVTERowwiseData].data_ptr) : nullptr;
+  p.rsigma = static_cast<float *>(rsigma.params[kNVTERowwiseData].data_ptr);
+  p.amax = scalar_param(z, kNVTEAmax, "z");
+  if (is_fp8(p.zt_dtype)) {
+    p.scale = scalar_param(z, kNVTEScale, "z");
+    p.scale_inv = scalar_param(z, kNVTERowwiseScaleInv, "z");
+    p.col_scale_inv = scalar_param(z, kNVTEColumnwiseScaleInv, "z");
+  }
+  p.rows = d.rows;
+  p.cols = d.cols;
+  p.eps = epsilon;
+  p.xt = dtype_of(x);
+  p.gt = dtype_of(gamma);
+  p.bt = beta ? dtype_of(*beta) : kNVTEFloat32;
+  p.zc = zero_centered_gamma;
+  if (p.rows == 0) return;
+
+  const size_t h = p.cols, nvec = h / kVec;
+  const bool vec = h > 0 && h % kVec == 0 && nvec <= 2048 && vec_ok(p.x) && vec_ok(p.gamma) && vec_ok(p.beta) &&
+                   vec_ok(p.z);
+  if (!vec) {
+    const size_t grid = std::min<size_t>(p.rows, (size_t)sm_count() * 4);
+    norm_fwd_any<512><<<(unsigned)grid, 512, 0, stream>>>(p);
+    NVTE_CHECK_LAUNCH();
+    return;
+  }
+  // Four vectors per thread (64 bytes of bf16 x in flight), 512-thread blocks.
+  if (nvec <= 32) return launch_fwd<32, 1, 256>(p, stream);
+  switch (unit_threads((nvec + 3) / 4)) {
+    case 32: return launch_fwd<32, 4, 512>(p, stream);
+    case 64: return launch_fwd<64, 4, 512>(p, stream);
+    case 128: return launch_fwd<128, 4, 512>(p, stream);
+    case 256: return launch_fwd<256, 4, 512>(p, stream);
+    default: return launch_fwd<512, 4, 512>(p, stream);
+  }
+}
+
+}  // namespace nvte::cuda
