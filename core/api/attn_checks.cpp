@@ -15,11 +15,6 @@ namespace {
 // A side tensor was passed and has data.
 bool given(const Tensor *t) { return t != nullptr && present(const_cast<Tensor *>(t)); }
 
-bool is_padding(NVTE_Mask_Type m) {
-  return m == NVTE_PADDING_MASK || m == NVTE_PADDING_CAUSAL_MASK ||
-         m == NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK;
-}
-
 bool is_causal(NVTE_Mask_Type m) {
   return m == NVTE_CAUSAL_MASK || m == NVTE_PADDING_CAUSAL_MASK ||
          m == NVTE_CAUSAL_BOTTOM_RIGHT_MASK || m == NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK;
@@ -99,6 +94,20 @@ void check_packing(const Tensor *const t[3], const char *const names[3], const A
 }
 
 }  // namespace
+
+bool is_padding(NVTE_Mask_Type m) {
+  return m == NVTE_PADDING_MASK || m == NVTE_PADDING_CAUSAL_MASK ||
+         m == NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK;
+}
+
+attn::MaskRule mask_rule(const AttnScalars &s) {
+  const bool causal = is_causal(s.mask_type);
+  // The bottom-right causal types fix the alignment; the others take bottom_right_diagonal.
+  const bool bottom_right = s.mask_type == NVTE_CAUSAL_BOTTOM_RIGHT_MASK ||
+                            s.mask_type == NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK ||
+                            (!causal && s.bottom_right_diagonal);
+  return attn::MaskRule{causal, bottom_right, s.window_left, s.window_right};
+}
 
 NVTEShape make_shape(std::initializer_list<size_t> dims) {
   NVTEShape s{};
@@ -216,11 +225,7 @@ AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, cons
   p.return_max_logit = s.return_max_logit;
   const bool q_thd = l.q_format == NVTE_THD, kv_thd = l.kv_format == NVTE_THD;
   p.padding = is_padding(s.mask_type);
-  const bool causal = is_causal(s.mask_type);
-  const bool bottom_right = s.mask_type == NVTE_CAUSAL_BOTTOM_RIGHT_MASK ||
-                            s.mask_type == NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK ||
-                            (!causal && s.bottom_right_diagonal);
-  p.rule = attn::MaskRule{causal, bottom_right, s.window_left, s.window_right};
+  p.rule = mask_rule(s);
 
   if (l.group == NVTE_3HD || l.group == NVTE_H3D) {
     NVTE_CHECK(tq.rows == tk.rows, "packed layout ", l.name, " shares token rows between Q (",

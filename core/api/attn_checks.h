@@ -31,6 +31,11 @@ struct AttnDims {
   size_t h_q = 0, h_kv = 0, d_qk = 0, d_v = 0;
 };
 
+// Which keys a query sees for s's mask type, bottom-right flag and window (the one rule the
+// backends and the backend query share).
+attn::MaskRule mask_rule(const AttnScalars &s);
+bool is_padding(NVTE_Mask_Type m);
+
 // Throws INVALID_ARGUMENT / NOT_SUPPORTED with a message naming the offending value.
 attn::LayoutInfo check_config(const AttnScalars &s, const AttnDims &d);
 

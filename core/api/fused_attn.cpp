@@ -47,6 +47,27 @@ void reject_fp8_on_cuda(const char *op, NVTEDType dtype) {
 
 Tensor *workspace_of(NVTETensor ws) { return present(ws) ? &require_mut(ws, "workspace") : nullptr; }
 
+// The scalar arguments every entry point shares, in one place.
+AttnScalars scalars(size_t max_sq, size_t max_skv, bool is_training, bool return_max_logit, float scale,
+                    float dropout, NVTE_QKV_Layout layout, NVTE_Bias_Type bias, NVTE_Mask_Type mask,
+                    NVTE_Softmax_Type softmax, int64_t window_left, int64_t window_right, bool bottom_right) {
+  AttnScalars s;
+  s.max_sq = max_sq;
+  s.max_skv = max_skv;
+  s.is_training = is_training;
+  s.return_max_logit = return_max_logit;
+  s.scale = scale;
+  s.dropout = dropout;
+  s.layout = layout;
+  s.bias_type = bias;
+  s.mask_type = mask;
+  s.softmax_type = softmax;
+  s.window_left = window_left;
+  s.window_right = window_right;
+  s.bottom_right_diagonal = bottom_right;
+  return s;
+}
+
 // ------------------------------------------------------------------ aux pack of the forward
 
 // Slot positions of the forward's aux pack (-1: absent), in TE's order.
@@ -441,18 +462,9 @@ NVTE_Fused_Attn_Backend nvte_get_fused_attn_backend(
   // cuDNN in the build) the answer is the GPU's: its static rules (cuda/fused_attn.h); cuDNN
   // itself may still reject a particular shape at the call (NOT_SUPPORTED with its reason).
   const NVTEStatus st = api_call("nvte_get_fused_attn_backend", [&] {
-    AttnScalars s;
-    s.max_sq = max_seqlen_q;
-    s.max_skv = max_seqlen_kv;
-    s.is_training = is_training;
-    s.return_max_logit = return_max_logit;
-    s.dropout = dropout;
-    s.layout = qkv_layout;
-    s.bias_type = bias_type;
-    s.mask_type = attn_mask_type;
-    s.softmax_type = softmax_type;
-    s.window_left = window_size_left;
-    s.window_right = window_size_right;
+    const AttnScalars s = scalars(max_seqlen_q, max_seqlen_kv, is_training, return_max_logit, 1.0f, dropout,
+                                  qkv_layout, bias_type, attn_mask_type, softmax_type, window_size_left,
+                                  window_size_right, false);
     const attn::LayoutInfo l =
         api::check_config(s, {q_dtype, kv_dtype, num_attn_heads, num_gqa_groups, head_dim_qk, head_dim_v});
 #if defined(NVTE_WITH_CUDNN)
@@ -471,12 +483,7 @@ NVTE_Fused_Attn_Backend nvte_get_fused_attn_backend(
       p.softmax_type = softmax_type;
       p.is_training = is_training;
       p.dropout = is_training ? dropout : 0.0f;
-      const bool causal = attn_mask_type == NVTE_CAUSAL_MASK || attn_mask_type == NVTE_PADDING_CAUSAL_MASK ||
-                          attn_mask_type == NVTE_CAUSAL_BOTTOM_RIGHT_MASK ||
-                          attn_mask_type == NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK;
-      const bool br = attn_mask_type == NVTE_CAUSAL_BOTTOM_RIGHT_MASK ||
-                      attn_mask_type == NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK;
-      p.rule = attn::MaskRule{causal, br, window_size_left, window_size_right};
+      p.rule = api::mask_rule(s);
       std::string why;
       reject_fp8_on_cuda("CUDA fused attention", q_dtype);
       NVTE_CHECK_SUPPORTED(cuda::fused_attn_supported(p, &why), "CUDA fused attention: ", why);
@@ -501,20 +508,9 @@ NVTEStatus nvte_fused_attn_fwd(
     NVTETensor workspace, cudaStream_t stream) {
   const char *op = "nvte_fused_attn_fwd";
   return api_call(op, [&] {
-    AttnScalars s;
-    s.max_sq = max_seqlen_q;
-    s.max_skv = max_seqlen_kv;
-    s.is_training = is_training;
-    s.return_max_logit = return_max_logit;
-    s.scale = attn_scale;
-    s.dropout = dropout;
-    s.layout = qkv_layout;
-    s.bias_type = bias_type;
-    s.mask_type = attn_mask_type;
-    s.softmax_type = softmax_type;
-    s.window_left = window_size_left;
-    s.window_right = window_size_right;
-    s.bottom_right_diagonal = bottom_right_diagonal;
+    const AttnScalars s = scalars(max_seqlen_q, max_seqlen_kv, is_training, return_max_logit, attn_scale, dropout,
+                                  qkv_layout, bias_type, attn_mask_type, softmax_type, window_size_left,
+                                  window_size_right, bottom_right_diagonal);
     run_fwd(op, Q, K, V, Bias, SoftmaxOffset, S, O, Aux_CTX_Tensors, cu_seqlens_q, cu_seqlens_kv,
             cu_seqlens_q_padded, cu_seqlens_kv_padded, page_table_k, page_table_v, rng_state, s,
             workspace, stream);
@@ -534,19 +530,9 @@ NVTEStatus nvte_fused_attn_bwd(
     cudaStream_t stream) {
   const char *op = "nvte_fused_attn_bwd";
   return api_call(op, [&] {
-    AttnScalars s;
-    s.max_sq = max_seqlen_q;
-    s.max_skv = max_seqlen_kv;
-    s.is_training = true;
-    s.scale = attn_scale;
-    s.dropout = dropout;
-    s.layout = qkv_layout;
-    s.bias_type = bias_type;
-    s.mask_type = attn_mask_type;
-    s.softmax_type = softmax_type;
-    s.window_left = window_size_left;
-    s.window_right = window_size_right;
-    s.bottom_right_diagonal = bottom_right_diagonal;
+    const AttnScalars s = scalars(max_seqlen_q, max_seqlen_kv, true, false, attn_scale, dropout, qkv_layout,
+                                  bias_type, attn_mask_type, softmax_type, window_size_left, window_size_right,
+                                  bottom_right_diagonal);
     run_bwd(op, Q, K, V, O, dO, S, dP, Aux_CTX_Tensors, dQ, dK, dV, dBias, dSoftmaxOffset, cu_seqlens_q,
             cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, s, workspace, stream);
   });
@@ -561,19 +547,9 @@ NVTEStatus nvte_fused_attn_fwd_workspace_size(
   const char *op = "nvte_fused_attn_fwd_workspace_size";
   return api_call(op, [&] {
     NVTE_CHECK(bytes != nullptr, "bytes is NULL");
-    AttnScalars s;
-    s.max_sq = max_seqlen_q;
-    s.max_skv = max_seqlen_kv;
-    s.is_training = is_training;
-    s.return_max_logit = return_max_logit;
-    s.dropout = dropout;
-    s.layout = qkv_layout;
-    s.bias_type = bias_type;
-    s.mask_type = attn_mask_type;
-    s.softmax_type = softmax_type;
-    s.window_left = window_size_left;
-    s.window_right = window_size_right;
-    s.bottom_right_diagonal = bottom_right_diagonal;
+    const AttnScalars s = scalars(max_seqlen_q, max_seqlen_kv, is_training, return_max_logit, 1.0f, dropout,
+                                  qkv_layout, bias_type, attn_mask_type, softmax_type, window_size_left,
+                                  window_size_right, bottom_right_diagonal);
     *bytes = workspace_bytes(op, Q, K, V, Bias, s, false);
   });
 }
@@ -587,17 +563,9 @@ NVTEStatus nvte_fused_attn_bwd_workspace_size(
   const char *op = "nvte_fused_attn_bwd_workspace_size";
   return api_call(op, [&] {
     NVTE_CHECK(bytes != nullptr, "bytes is NULL");
-    AttnScalars s;
-    s.max_sq = max_seqlen_q;
-    s.max_skv = max_seqlen_kv;
-    s.dropout = dropout;
-    s.layout = qkv_layout;
-    s.bias_type = bias_type;
-    s.mask_type = attn_mask_type;
-    s.softmax_type = softmax_type;
-    s.window_left = window_size_left;
-    s.window_right = window_size_right;
-    s.bottom_right_diagonal = bottom_right_diagonal;
+    const AttnScalars s = scalars(max_seqlen_q, max_seqlen_kv, true, false, 1.0f, dropout, qkv_layout, bias_type,
+                                  attn_mask_type, softmax_type, window_size_left, window_size_right,
+                                  bottom_right_diagonal);
     *bytes = workspace_bytes(op, Q, K, V, dBias, s, true);
   });
 }
