@@ -61,6 +61,36 @@ __device__ __forceinline__ void fwd_finish(const FwdParams &p, float amax) {
   }
 }
 
+// Mean (LayerNorm; 0 for RMSNorm) and 1/sqrt(var + eps) of a unit's row held in x (padding
+// slots 0), two-pass in float32; x is left holding x - mean. Every thread of the block calls it.
+template <int TPR, int NV>
+__device__ __forceinline__ void row_stats(float (&x)[NV][kVec], int t, size_t nvec, size_t h, float eps, bool ln,
+                                          float *red, float &m, float &rs) {
+  m = 0.0f;
+  if (ln) {
+    float a[1] = {0.0f};
+#pragma unroll
+    for (int i = 0; i < NV; ++i)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) a[0] += x[i][j];  // padding is 0
+    unit_sum<TPR, 1>(a, red);
+    m = a[0] / (float)h;
+  }
+  float q[1] = {0.0f};
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    if (t + (size_t)i * TPR < nvec) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        x[i][j] -= m;
+        q[0] = fmaf(x[i][j], x[i][j], q[0]);
+      }
+    }
+  }
+  unit_sum<TPR, 1>(q, red);
+  rs = 1.0f / sqrtf(q[0] / (float)h + eps);
+}
+
 // Rows held in registers: H % 8 == 0, all row pointers 16-byte aligned, H <= 8 * NV * TPR,
 // x of storage type TI, decoded once into float32 registers. The kernel is issue-bound more
 // than memory-bound (ncu on an H200: ~34 instructions per element in an earlier version), so
@@ -93,29 +123,8 @@ __global__ void __launch_bounds__(CTA, 1024 / CTA) norm_fwd_vec(const FwdParams 
         for (int j = 0; j < kVec; ++j) x[i][j] = 0.0f;
       }
     }
-    float m = 0.0f;
-    if (ln) {
-      float a[1] = {0.0f};
-#pragma unroll
-      for (int i = 0; i < NV; ++i)
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) a[0] += x[i][j];  // padding is 0
-      unit_sum<TPR, 1>(a, red);
-      m = a[0] / (float)h;
-    }
-    float q[1] = {0.0f};
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      if (t + (size_t)i * TPR < nvec) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          x[i][j] -= m;  // x now holds x - mu
-          q[0] = fmaf(x[i][j], x[i][j], q[0]);
-        }
-      }
-    }
-    unit_sum<TPR, 1>(q, red);
-    const float rs = 1.0f / sqrtf(q[0] / (float)h + p.eps);
+    float m, rs;
+    row_stats<TPR, NV>(x, t, nvec, h, p.eps, ln, red, m, rs);  // x now holds x - mu
     if (!live) continue;  // (after the unit's last barrier of this row group)
     if (t == 0) {
       if (p.mu) p.mu[row] = m;
@@ -180,29 +189,8 @@ __global__ void __launch_bounds__(CTA, 1024 / CTA) norm_fwd_fast(const FwdParams
         for (int j = 0; j < kVec; ++j) x[i][j] = 0.0f;
       }
     }
-    float m = 0.0f;
-    if (ln) {
-      float a[1] = {0.0f};
-#pragma unroll
-      for (int i = 0; i < NV; ++i)
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) a[0] += x[i][j];  // padding is 0
-      unit_sum<TPR, 1>(a, red);
-      m = a[0] / (float)h;
-    }
-    float q[1] = {0.0f};
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      if (t + (size_t)i * TPR < nvec) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          x[i][j] -= m;
-          q[0] = fmaf(x[i][j], x[i][j], q[0]);
-        }
-      }
-    }
-    unit_sum<TPR, 1>(q, red);
-    const float rs = 1.0f / sqrtf(q[0] / (float)h + p.eps);
+    float m, rs;
+    row_stats<TPR, NV>(x, t, nvec, h, p.eps, ln, red, m, rs);  // x now holds x - mu
     if (!live) continue;  // (after the unit's last barrier of this row group)
     if (t == 0) {
       if (p.mu) p.mu[row] = m;
