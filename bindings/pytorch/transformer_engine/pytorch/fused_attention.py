@@ -23,6 +23,8 @@ from torch.library import custom_op
 
 from transformer_engine import _nvte
 
+from . import _ops
+
 L, M, BT, ST = _nvte.NVTE_QKV_Layout, _nvte.NVTE_Mask_Type, _nvte.NVTE_Bias_Type, _nvte.NVTE_Softmax_Type
 _DT = {torch.float32: _nvte.DType.kFloat32, torch.float16: _nvte.DType.kFloat16,
        torch.bfloat16: _nvte.DType.kBFloat16, torch.int32: _nvte.DType.kInt32, torch.int64: _nvte.DType.kInt64,
@@ -39,20 +41,12 @@ BIAS_INT = {k: int(v) for k, v in BIASES.items()}
 
 
 def _handle(t: Optional[Tensor]):
-    if t is None:
-        return None
-    h = _nvte.Tensor()
-    h.set_param(_nvte.Param.kRowwiseData, t.data_ptr(), list(t.shape), _DT[t.dtype])
-    h._refs = t
-    return h
+    """The library handle of a (possibly absent) torch tensor (_ops' wrapping)."""
+    return None if t is None else _ops._tensor(t)
 
 
-def _stream(t: Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
-
-
-def _workspace(nbytes: int, device) -> Optional[Tensor]:
-    return torch.empty(int(nbytes), dtype=torch.uint8, device=device) if nbytes > 0 else None
+_stream = _ops._stream
+_workspace = _ops._workspace  # an _nvte.Tensor of nbytes, or None
 
 
 def _scalars(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br):
@@ -95,7 +89,7 @@ def fused_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], cu_q
                          cu_seqlens_q=_handle(cu_q), cu_seqlens_kv=_handle(cu_kv), cu_seqlens_q_padded=_handle(cu_q_pad),
                          cu_seqlens_kv_padded=_handle(cu_kv_pad), page_table_k=None, page_table_v=None,
                          rng_state=_handle(rng_state), is_training=is_training, return_max_logit=False,
-                         cuda_graph=False, workspace=_handle(ws), stream=_stream(q), **sc)
+                         cuda_graph=False, workspace=ws, stream=_stream(q), **sc)
     return o, stats, rng_copy, bias_copy
 
 
@@ -126,7 +120,7 @@ def fused_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, stats
     aux = [_handle(stats), _handle(rng_copy)] + ([_handle(bias_copy)] if has_bias else [])
     _nvte.fused_attn_bwd(*H, _handle(o), _handle(do.contiguous()), None, None, aux, _handle(dq), _handle(dk),
                          _handle(dv), _handle(dbias) if dbias.numel() else None, None, _handle(cu_q), _handle(cu_kv),
-                         _handle(cu_q_pad), _handle(cu_kv_pad), deterministic=True, cuda_graph=False, workspace=_handle(ws),
+                         _handle(cu_q_pad), _handle(cu_kv_pad), deterministic=True, cuda_graph=False, workspace=ws,
                          stream=_stream(q), **sc)
     return dq, dk, dv, dbias
 

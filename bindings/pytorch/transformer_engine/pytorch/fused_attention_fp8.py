@@ -88,7 +88,7 @@ def fused_attn_fp8_fwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
                              cu_seqlens_q_padded=_fa._handle(cu_q_pad), cu_seqlens_kv_padded=_fa._handle(cu_kv_pad),
                              page_table_k=None, page_table_v=None, rng_state=_fa._handle(rng_state),
                              is_training=is_training, return_max_logit=False, cuda_graph=False,
-                             workspace=_fa._handle(ws), stream=_fa._stream(qd), **sc)
+                             workspace=ws, stream=_fa._stream(qd), **sc)
     return o, o_si, s_scale, stats, rng_copy
 
 
@@ -127,7 +127,7 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
     aux = [_fa._handle(stats), _fa._handle(rng_copy)]
     _fa._nvte.fused_attn_bwd(*H, o_h, do_h, s_h, dp_h, aux, G[0], G[1], G[2], None, None, _fa._handle(cu_q),
                              _fa._handle(cu_kv), _fa._handle(cu_q_pad), _fa._handle(cu_kv_pad), deterministic=True,
-                             cuda_graph=False, workspace=_fa._handle(ws), stream=_fa._stream(qd), **sc)
+                             cuda_graph=False, workspace=ws, stream=_fa._stream(qd), **sc)
     return grads[0], grads[1], grads[2], sis[0], sis[1], sis[2]
 
 
