@@ -17,6 +17,7 @@
 #include "../common/dtype_switch.h"
 #include "activation.h"
 #include "common.cuh"
+#include "pdl.cuh"
 
 namespace nvte::cuda {
 namespace {
@@ -49,6 +50,8 @@ __device__ __forceinline__ void load_chunk(const void *p, size_t off, float (&f)
     for (int e = 0; e < P; ++e) f[k * P + e] = load_f32(v.v[e]);
   }
 }
+// FP8 values are converted in pairs (cvt.satfinite.*x2: the single conversion's rounding,
+// half the instructions).
 template <class T, int N>
 __device__ __forceinline__ void store_chunk(void *p, size_t off, const float (&f)[N]) {
   constexpr int P = per16<T>();
@@ -56,10 +59,24 @@ __device__ __forceinline__ void store_chunk(void *p, size_t off, const float (&f
   T *q = static_cast<T *>(p) + off;
 #pragma unroll
   for (int k = 0; k < N / P; ++k) {
-    Vec<T, P> v;
+    if constexpr (is_fp8_type<T>::value) {
+      constexpr __nv_fp8_interpretation_t kKind = std::is_same_v<T, fp8e4m3> ? __NV_E4M3 : __NV_E5M2;
+      uint32_t w[P / 4];
 #pragma unroll
-    for (int e = 0; e < P; ++e) v.v[e] = store_f32<T>(f[k * P + e]);
-    store_vec<T, P>(q + k * P, v);
+      for (int i = 0; i < P / 4; ++i) {
+        const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[k * P + 4 * i], f[k * P + 4 * i + 1]),
+                                                     __NV_SATFINITE, kKind);
+        const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(f[k * P + 4 * i + 2], f[k * P + 4 * i + 3]),
+                                                     __NV_SATFINITE, kKind);
+        w[i] = lo | (hi << 16);
+      }
+      *reinterpret_cast<uint4 *>(q + k * P) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      Vec<T, P> v;
+#pragma unroll
+      for (int e = 0; e < P; ++e) v.v[e] = store_f32<T>(f[k * P + e]);
+      store_vec<T, P>(q + k * P, v);
+    }
   }
 }
 
@@ -96,6 +113,7 @@ __device__ __forceinline__ void put(const ActParams &p, size_t r, size_t j, size
 // Forward: out = act(in); backward: out = grad * act'(in). Flat over rows * cols.
 template <Act A, bool kBwd, class TI, class TG, class TO>
 __global__ void __launch_bounds__(kThreads) act_kernel(const ActParams p) {
+  pdl_begin();
   const float s = output_scale(p);
   float m = 0.0f;
   const size_t n = p.rows * p.cols;
@@ -103,17 +121,27 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const ActParams p) {
   size_t scalar_from = 0;
   if constexpr (!std::is_same_v<TI, AnyT>) {
     constexpr int N = chunk_elems<TI, TG, TO>();
-    constexpr int U = 2;  // chunks in flight per thread
+    constexpr int PI = per16<TI>(), PG = per16<TG>();
+    // Chunks in flight per thread, kept as loaded (decoded when used, so registers hold twice
+    // the bytes that float copies would): 128 bytes of input per thread for the forward.
+    constexpr int U = kBwd ? 2 : 4;
     if (p.vec) {
       const size_t nch = n / N;
       for (size_t c0 = (size_t)blockIdx.x * blockDim.x * U + threadIdx.x; c0 < nch; c0 += nthreads * U) {
-        float x[U][N], g[U][N];
+        Vec<TI, PI> xr[U][N / PI];
+        Vec<TG, PG> gr[kBwd ? U : 1][N / PG];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const size_t c = c0 + (size_t)u * blockDim.x;
           if (c < nch) {
-            load_chunk<TI, N>(p.in, c * N, x[u]);
-            if constexpr (kBwd) load_chunk<TG, N>(p.grad, c * N, g[u]);
+            const TI *xp = static_cast<const TI *>(p.in) + c * N;
+#pragma unroll
+            for (int k = 0; k < N / PI; ++k) xr[u][k] = load_vec<TI, PI>(xp + k * PI);
+            if constexpr (kBwd) {
+              const TG *gp = static_cast<const TG *>(p.grad) + c * N;
+#pragma unroll
+              for (int k = 0; k < N / PG; ++k) gr[u][k] = load_vec<TG, PG>(gp + k * PG);
+            }
           }
         }
 #pragma unroll
@@ -123,11 +151,12 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const ActParams p) {
             float y[N];
 #pragma unroll
             for (int e = 0; e < N; ++e) {
+              const float x = load_f32(xr[u][e / PI].v[e % PI]);
               float v;
               if constexpr (kBwd) {
-                v = g[u][e] * dact_f(A, x[u][e]);
+                v = load_f32(gr[u][e / PG].v[e % PG]) * dact_f(A, x);
               } else {
-                v = act_f(A, x[u][e]);
+                v = act_f(A, x);
               }
               m = fmaxf(m, fabsf(v));
               y[e] = v * s;
@@ -160,6 +189,7 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const ActParams p) {
 // elements before writing them, so the backward output may alias the input.
 template <Act A, bool kBwd, class TI, class TG, class TO>
 __global__ void __launch_bounds__(kThreads) gated_kernel(const ActParams p) {
+  pdl_begin();
   const float s = output_scale(p);
   float m = 0.0f;
   const size_t h = p.cols, ocols = kBwd ? 2 * h : h;
@@ -308,8 +338,7 @@ bool vector_ok(const ActParams &p) {
 
 template <class Kernel>
 void launch(Kernel kernel, size_t work, int items_per_thread, const ActParams &p, cudaStream_t stream) {
-  kernel<<<grid_for(work, kThreads, items_per_thread), kThreads, 0, stream>>>(p);
-  NVTE_CHECK_LAUNCH();
+  launch_pdl(kernel, grid_for(work, kThreads, items_per_thread), kThreads, 0, stream, p);
 }
 
 }  // namespace
@@ -336,7 +365,8 @@ void activation(Act a, const Tensor *grad, const Tensor &in, Tensor &out, cudaSt
           using TO = typename decltype(to)::type;
           constexpr int N = chunk_elems<TI, TI, TO>();
           p.vec = vector_ok(p);
-          launch(act_kernel<A, decltype(kBwd)::value, TI, TI, TO>, p.vec ? n / N + 1 : n, p.vec ? 2 : 1, p,
+          constexpr int U = decltype(kBwd)::value ? 2 : 4;  // chunks per thread and step (act_kernel)
+          launch(act_kernel<A, decltype(kBwd)::value, TI, TI, TO>, p.vec ? n / N + 1 : n, p.vec ? U : 1, p,
                  stream);
         });
       });

@@ -23,6 +23,7 @@ template <class InT, class OutT>
 __global__ void __launch_bounds__(kCastThreads)
     cast_kernel(const InT *in, OutT *out, size_t n, size_t nvec, const float *in_si_p, const float *scale_p,
                 float *amax_p, float *si_p, float *csi_p, const float *noop) {
+  pdl_begin();
   constexpr int N = tiles::vec_elems<InT, OutT>();
   constexpr bool kFp8Out = is_fp8_type<OutT>::value;
   constexpr bool kFp8In = is_fp8_type<InT>::value;
@@ -72,6 +73,7 @@ __global__ void __launch_bounds__(kCastThreads)
 template <class DT>
 __global__ void __launch_bounds__(256)
     dbias_reduce_kernel(const float *partial, DT *dbias, size_t ntiles, size_t cols) {
+  pdl_begin();
   const size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   float s = 0.0f;
@@ -146,10 +148,8 @@ void convert(const void *in, NVTEDType in_t, size_t rows, size_t cols, const flo
         const bool vec = aligned(in, N * sizeof(InT)) && aligned(o.row, N * sizeof(OutT));
         const size_t nvec = vec ? n / N : 0;
         const unsigned blocks = nvec ? grid_for(nvec, kCastThreads, kCastUnroll) : grid_for(n, kCastThreads, 4);
-        cast_kernel<InT, OutT><<<blocks, kCastThreads, 0, stream>>>(
-            static_cast<const InT *>(in), static_cast<OutT *>(o.row), n, nvec, in_si, o.scale, o.amax, o.scale_inv,
-            o.col_scale_inv, noop);
-        NVTE_CHECK_LAUNCH();
+        launch_pdl(cast_kernel<InT, OutT>, blocks, kCastThreads, 0, stream, static_cast<const InT *>(in),
+                   static_cast<OutT *>(o.row), n, nvec, in_si, o.scale, o.amax, o.scale_inv, o.col_scale_inv, noop);
       }
     });
   });
@@ -236,9 +236,8 @@ void quantize_dbias(const Tensor &in, const Tensor *act_in, std::optional<Act> a
       NVTE_FAIL(NVTE_ERROR_INVALID_ARGUMENT, "dbias must be float32, float16 or bfloat16");
     } else {
       const unsigned blocks = (unsigned)((d.cols + 255) / 256);
-      dbias_reduce_kernel<DT><<<blocks, 256, 0, stream>>>(a.dbias_partial, static_cast<DT *>(db.data_ptr),
-                                                          tiles::row_tiles(d.rows), d.cols);
-      NVTE_CHECK_LAUNCH();
+      launch_pdl(dbias_reduce_kernel<DT>, blocks, 256, 0, stream, (const float *)a.dbias_partial,
+                 static_cast<DT *>(db.data_ptr), tiles::row_tiles(d.rows), d.cols);
     }
   });
 }

@@ -16,10 +16,12 @@
 #pragma once
 
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "../common/activation_math.h"
 #include "common.cuh"
+#include "pdl.cuh"
 
 namespace nvte::cuda {
 
@@ -66,6 +68,24 @@ __device__ __forceinline__ float ld_dyn(const void *p, size_t i, NVTEDType t) {
     case kNVTEFloat32: return static_cast<const float *>(p)[i];
     case kNVTEFloat16: return ld_exact(static_cast<const fp16 *>(p)[i]);
     default: return ld_exact(static_cast<const bf16 *>(p)[i]);
+  }
+}
+
+// All N elements of a vector as float32 (ld_exact for each; bf16 two per 32-bit word with one
+// shift or mask each, which the per-element form compiles to twice as many instructions).
+template <class T, int N>
+__device__ __forceinline__ void decode_vec(const Vec<T, N> &v, float (&f)[N]) {
+  if constexpr (std::is_same_v<T, bf16> && N % 2 == 0) {
+    uint32_t w[N / 2];
+    memcpy(w, &v, sizeof(w));
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] = ld_exact(v.v[k]);
   }
 }
 
@@ -147,6 +167,7 @@ __global__ void __launch_bounds__(kThreads) tile_kernel(const Args a) {
   __shared__ __align__(32) unsigned char s_img[kCols * kRowBytes];
   __shared__ float s_db[kDbias ? kRowGroups * kCols : 1];
 
+  pdl_begin();
   if (a.noop != nullptr && *a.noop == 1.0f) return;
   const size_t rows = a.rows, cols = a.cols;
   const int v = threadIdx.x % kVecCols, g = threadIdx.x / kVecCols;
@@ -202,23 +223,39 @@ __global__ void __launch_bounds__(kThreads) tile_kernel(const Args a) {
         y[i] = x[i];
       } else {
         float gv[N];
+        const Act act = kAct == kRuntimeAct ? static_cast<Act>(a.act_kind) : static_cast<Act>(kAct);
+        if constexpr (kVec) {
+          // Whole vectors: one branch per row (not per element), bf16 decoded two per word.
+          if (row_ok) {
+            decode_vec(x[i], gv);
+            float av[N];
+            if constexpr (kHasAct) decode_vec(ax[i], av);
 #pragma unroll
-        for (int k = 0; k < N; ++k) {
-          const bool ok = kVec ? row_ok : (row_ok && c0 + k < cols);
-          gv[k] = 0.0f;
-          if (ok) {
-            float t = ld_exact(x[i].v[k]);
-            if constexpr (kFp8In) t = mul_like_host(t, in_si);
-            if constexpr (kHasAct) {
-              float av;
-              if constexpr (kVec) av = ld_exact(ax[i].v[k]);
-              else av = act_at<InT, ActT>(a, r * cols + c0 + k);
-              const Act act = kAct == kRuntimeAct ? static_cast<Act>(a.act_kind) : static_cast<Act>(kAct);
-              t = t * dact_f(act, av);
+            for (int k = 0; k < N; ++k) {
+              float t = gv[k];
+              if constexpr (kFp8In) t = mul_like_host(t, in_si);
+              if constexpr (kHasAct) t = t * dact_f(act, av[k]);
+              amax = fmaxf(amax, fabsf(t));
+              if constexpr (kDbias) csum[k] += t;
+              gv[k] = t;
             }
-            amax = fmaxf(amax, fabsf(t));
-            if constexpr (kDbias) csum[k] += t;
-            gv[k] = t;
+          } else {
+#pragma unroll
+            for (int k = 0; k < N; ++k) gv[k] = 0.0f;
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < N; ++k) {
+            const bool ok = row_ok && c0 + k < cols;
+            gv[k] = 0.0f;
+            if (ok) {
+              float t = ld_exact(x[i].v[k]);
+              if constexpr (kFp8In) t = mul_like_host(t, in_si);
+              if constexpr (kHasAct) t = t * dact_f(act, act_at<InT, ActT>(a, r * cols + c0 + k));
+              amax = fmaxf(amax, fabsf(t));
+              if constexpr (kDbias) csum[k] += t;
+              gv[k] = t;
+            }
           }
         }
 #pragma unroll
@@ -317,8 +354,7 @@ void launch(Args a, cudaStream_t stream) {
   a.tiles = row_tiles(a.rows) * ct;
   NVTE_CHECK_SUPPORTED(ct <= 0xFFFFFFFFu && a.tiles <= 0x7FFFFFFFu, "tensor of ", a.rows, " x ", a.cols,
                        " is too large for one launch");
-  tile_kernel<InT, ActT, OutT, kAct, kDbias, kVec, kRaw><<<(unsigned)a.tiles, kThreads, 0, stream>>>(a);
-  NVTE_CHECK_LAUNCH();
+  launch_pdl(tile_kernel<InT, ActT, OutT, kAct, kDbias, kVec, kRaw>, (unsigned)a.tiles, kThreads, 0, stream, a);
 }
 
 // Host-side choice of the vector path for given pointers (nullptr counts as aligned).

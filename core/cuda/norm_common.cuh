@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "pdl.cuh"
 
 namespace nvte::cuda::norm {
 
@@ -95,6 +96,21 @@ __device__ __forceinline__ void unit_sum(float (&v)[K], float *red) {
       v[k] = s;
     }
     __syncthreads();  // red is reused by the next call
+  }
+}
+
+// The sum of W per-warp partials red[0], red[S], ..., red[(W - 1) S] (written before a barrier):
+// for many warps each warp adds them with a butterfly (one shared load per thread instead of W),
+// for few in a plain loop; either way every thread of the block gets the same bits.
+template <int W, int S = 1>
+__device__ __forceinline__ float sum_partials(const float *red, int lane) {
+  if constexpr (W >= 8) {
+    return warp_sum(lane < W ? red[lane * S] : 0.0f);
+  } else {
+    float v = red[0];
+#pragma unroll
+    for (int w = 1; w < W; ++w) v += red[w * S];
+    return v;
   }
 }
 

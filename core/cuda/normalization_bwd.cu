@@ -35,7 +35,7 @@ __device__ __forceinline__ float dx_value(float rs, float dy, float xh, float me
 // xhat and dy are computed twice (before and after the row reduction) from the stored row,
 // with the same operations, so both passes see the same bits. kTyped (16-bit TI, and gamma,
 // dx and the add input of TI's dtype, checked on the host): gamma, add and dx are accessed as
-// raw 16-byte words decoded / packed in pairs, as in norm_fwd_fast, instead of through the
+// raw 16-byte words decoded / packed in pairs, as in norm_fwd_row, instead of through the
 // run-time dtype switches.
 template <class TI, int TPR, int NV, int CTA, bool kTyped>
 __global__ void __launch_bounds__(CTA) norm_bwd_vec(const BwdParams p) {
@@ -164,6 +164,150 @@ __global__ void __launch_bounds__(CTA) norm_bwd_vec(const BwdParams p) {
   }
 }
 
+// The common 16-bit case for rows of up to 8 * NV * TPR elements (x, dz, gamma, dx and add of
+// one dtype TI): one row at a time per block of TPR threads, each thread owning the same NV
+// vectors of columns in every row, so its dgamma / dbeta partials stay in registers for the
+// block's whole chunk of rows (no shared-memory read-modify-write per element, which made
+// norm_bwd_vec issue-bound at one resident block per SM). The row reduction of the two means
+// uses double-buffered shared slots: one barrier per row. At the end each thread writes its
+// columns of the block's workspace row; norm_bwd_finalize adds the rows in order.
+template <int TPR, int NV>
+constexpr int bwd_row_blocks_per_sm() {  // NV > 1 needs up to 128 registers (partials of 8 NV columns)
+  return NV == 1 ? 1024 / TPR : 1;
+}
+
+template <class TI, int TPR, int NV>
+__global__ void __launch_bounds__(TPR, (bwd_row_blocks_per_sm<TPR, NV>())) norm_bwd_row(const BwdParams p) {
+  pdl_begin();
+  constexpr int W = TPR / 32;
+  __shared__ float red[2][W][2];
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int nvec = (int)(p.cols / kVec);
+  const float inv_h = 1.0f / (float)p.cols;
+  const uint4 *gam = static_cast<const uint4 *>(p.gamma);
+  float pg[NV][kVec], pb[NV][kVec];
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) pg[i][j] = pb[i][j] = 0.0f;
+
+  const size_t r0 = blockIdx.x * p.rows_per_part;
+  const size_t r1 = min(p.rows, r0 + p.rows_per_part);
+  // Row loads (x, dz, mu, rsigma); the next row's are issued before this row's work, so a
+  // block keeps two rows of loads in flight across its per-row barrier (NV <= 2: with four
+  // vectors the partials leave no registers for a second row).
+  constexpr bool kPrefetch = NV <= 2;
+  uint4 xr[NV], dr[NV];
+  float m = 0.0f, rs = 0.0f;
+  auto load_row = [&](size_t row, uint4 (&xo)[NV], uint4 (&dout)[NV], float &mo, float &rso) {
+    const uint4 *xrow = static_cast<const uint4 *>(p.x) + row * (size_t)nvec;
+    const uint4 *drow = static_cast<const uint4 *>(p.dz) + row * (size_t)nvec;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int k = t + i * TPR;
+      if (k < nvec) {
+        xo[i] = xrow[k];
+        dout[i] = drow[k];
+      }
+    }
+    mo = p.mu ? p.mu[row] : 0.0f;
+    rso = p.rsigma[row];
+  };
+  if (r0 < r1) load_row(r0, xr, dr, m, rs);
+  int buf = 0;
+  for (size_t row = r0; row < r1; ++row, buf ^= 1) {
+    uint4 xn[NV], dn[NV];
+    float mn = 0.0f, rsn = 0.0f;
+    if (kPrefetch && row + 1 < r1) load_row(row + 1, xn, dn, mn, rsn);
+    // xhat, dz and dy = dz * g of vector i, with the CPU's operation order; computed in both
+    // passes from the stored row (the same operations give the same bits).
+    auto terms = [&](int i, int k, float (&xh)[kVec], float (&dz)[kVec], float (&dy)[kVec]) {
+      float g[kVec], xf[kVec];
+      unpack8<TI>(__ldg(gam + k), g);
+      unpack8<TI>(xr[i], xf);
+      unpack8<TI>(dr[i], dz);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        xh[j] = __fmul_rn(__fsub_rn(xf[j], m), rs);
+        dy[j] = __fmul_rn(dz[j], p.zc ? g[j] + 1.0f : g[j]);
+      }
+    };
+    float a = 0.0f, b = 0.0f;  // sums of dy and dy * xhat
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int k = t + i * TPR;
+      if (k < nvec) {
+        float xh[kVec], dz[kVec], dy[kVec];
+        terms(i, k, xh, dz, dy);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          a += dy[j];
+          b = fmaf(dy[j], xh[j], b);
+          pg[i][j] = fmaf(dz[j], xh[j], pg[i][j]);
+          pb[i][j] += dz[j];
+        }
+      }
+    }
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if constexpr (W > 1) {
+      if (lane == 0) {
+        red[buf][warp][0] = a;
+        red[buf][warp][1] = b;
+      }
+      __syncthreads();
+      a = sum_partials<W, 2>(&red[buf][0][0], lane);
+      b = sum_partials<W, 2>(&red[buf][0][1], lane);
+    }
+    const float mean_dy = p.ln ? a * inv_h : 0.0f;
+    const float mean_dyx = b * inv_h;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int k = t + i * TPR;
+      if (k < nvec) {
+        float xh[kVec], dz[kVec], dy[kVec], o[kVec];
+        terms(i, k, xh, dz, dy);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) o[j] = dx_value(rs, dy[j], xh[j], mean_dy, mean_dyx);
+        if (p.add) {
+          float ad[kVec];
+          unpack8<TI>(static_cast<const uint4 *>(p.add)[row * (size_t)nvec + k], ad);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o[j] = __fadd_rn(o[j], ad[j]);
+        }
+        store8<TI>(static_cast<TI *>(p.dx) + row * p.cols + (size_t)k * kVec, o, 1.0f);
+      }
+    }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        xr[i] = xn[i];
+        dr[i] = dn[i];
+      }
+      m = mn;
+      rs = rsn;
+    } else if (row + 1 < r1) {
+      load_row(row + 1, xr, dr, m, rs);
+    }
+  }
+  float *dg = p.ws + blockIdx.x * p.cols;
+  float *db = p.ws + (p.parts + blockIdx.x) * p.cols;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int k = t + i * TPR;
+    if (k < nvec) {
+      float4 *g4 = reinterpret_cast<float4 *>(dg + (size_t)k * kVec);
+      g4[0] = make_float4(pg[i][0], pg[i][1], pg[i][2], pg[i][3]);
+      g4[1] = make_float4(pg[i][4], pg[i][5], pg[i][6], pg[i][7]);
+      if (p.ln) {
+        float4 *b4 = reinterpret_cast<float4 *>(db + (size_t)k * kVec);
+        b4[0] = make_float4(pb[i][0], pb[i][1], pb[i][2], pb[i][3]);
+        b4[1] = make_float4(pb[i][4], pb[i][5], pb[i][6], pb[i][7]);
+      }
+    }
+  }
+}
+
 // Any H and alignment: block c walks its rows one at a time with two passes over each row,
 // accumulating its partials in its own workspace row.
 template <int CTA>
@@ -213,6 +357,7 @@ __global__ void __launch_bounds__(CTA) norm_bwd_any(const BwdParams p) {
 // the 8 slice sums in order.
 __global__ void __launch_bounds__(256) norm_bwd_finalize(const float *ws, size_t parts, size_t h, void *dgamma,
                                                          NVTEDType gt, void *dbeta, NVTEDType bt) {
+  pdl_begin();
   __shared__ float acc[8][33];
   const int o = blockIdx.y;
   const size_t col = (size_t)blockIdx.x * 32 + threadIdx.x;
@@ -235,16 +380,49 @@ __global__ void __launch_bounds__(256) norm_bwd_finalize(const float *ws, size_t
   }
 }
 
-// The backward's split of N rows into parts (blocks): a function of (n, h, sm) only.
+// Rows up to this long (H % 8 == 0) can take norm_bwd_row; its block size for a row length.
+constexpr size_t kRowMaxH = 16 * 1024;
+int row_threads(size_t h) { return h / kVec <= 512 ? unit_threads(h / kVec) : 512; }
+
+// The backward's split of N rows into parts (blocks): a function of (n, h, sm) only, so the
+// workspace query agrees with the launch whichever kernel runs.
 struct Plan {
   size_t parts, rows_per_part;
 };
 Plan bwd_plan(size_t n, size_t h, int sm) {
   if (n == 0 || h == 0) return {0, 0};
-  // One resident 512-thread block per SM (its shared partials take up to 128 KiB).
-  const size_t want = (size_t)std::max(sm, 1);
+  // norm_bwd_row's lengths: as many parts as resident row blocks (1024 / TPR per SM, its
+  // launch bound). Longer rows: one resident 512-thread block per SM (norm_bwd_vec's shared
+  // partials take up to 128 KiB).
+  size_t per_sm = 1;
+  if (h % kVec == 0 && h <= kRowMaxH)
+    per_sm = h <= (size_t)kVec * row_threads(h) ? 1024 / row_threads(h) : bwd_row_blocks_per_sm<512, 2>();
+  const size_t want = (size_t)std::max(sm, 1) * per_sm;
   const size_t rpp = (n + std::min(n, want) - 1) / std::min(n, want);
   return {(n + rpp - 1) / rpp, rpp};
+}
+
+template <class TI, int TPR>
+void launch_bwd_row(const BwdParams &p, cudaStream_t stream) {
+  if constexpr (TPR == 512) {  // rows of 4096 < H <= 16384 elements: two or four vectors per thread
+    if (p.cols > (size_t)kVec * TPR) {
+      if (p.cols <= (size_t)2 * kVec * TPR) launch_pdl(norm_bwd_row<TI, TPR, 2>, (unsigned)p.parts, TPR, 0, stream, p);
+      else launch_pdl(norm_bwd_row<TI, TPR, 4>, (unsigned)p.parts, TPR, 0, stream, p);
+      return;
+    }
+  }
+  launch_pdl(norm_bwd_row<TI, TPR, 1>, (unsigned)p.parts, TPR, 0, stream, p);
+}
+
+template <class TI>
+void launch_bwd_row_for(const BwdParams &p, cudaStream_t stream) {
+  switch (row_threads(p.cols)) {
+    case 32: return launch_bwd_row<TI, 32>(p, stream);
+    case 64: return launch_bwd_row<TI, 64>(p, stream);
+    case 128: return launch_bwd_row<TI, 128>(p, stream);
+    case 256: return launch_bwd_row<TI, 256>(p, stream);
+    default: return launch_bwd_row<TI, 512>(p, stream);
+  }
 }
 
 template <int TPR, int NV, int CTA>
@@ -302,9 +480,14 @@ void norm_bwd(const Tensor &dz, const Tensor &x, const Tensor *add, const Tensor
     const size_t nvec = h / kVec;
     const bool vec = h % kVec == 0 && nvec <= 2048 && p.xt == p.dzt && vec_ok(p.dz) && vec_ok(p.x) && vec_ok(p.add) &&
                      vec_ok(p.gamma) && vec_ok(p.dx);
+    const bool row = vec && h <= kRowMaxH && (p.xt == kNVTEBFloat16 || p.xt == kNVTEFloat16) && p.gt == p.xt &&
+                     p.dxt == p.xt && (p.add == nullptr || p.at == p.xt);
     if (!vec) {
       norm_bwd_any<512><<<(unsigned)plan.parts, 512, 0, stream>>>(p);
       NVTE_CHECK_LAUNCH();
+    } else if (row) {
+      if (p.xt == kNVTEBFloat16) launch_bwd_row_for<bf16>(p, stream);
+      else launch_bwd_row_for<fp16>(p, stream);
     } else {
       // Four vectors per thread (x and dz kept as stored), 512-thread blocks, 64 or 128 KiB of partials.
       switch (unit_threads((nvec + 3) / 4)) {
@@ -317,10 +500,9 @@ void norm_bwd(const Tensor &dz, const Tensor &x, const Tensor *add, const Tensor
     }
   }
   const dim3 grid((unsigned)((h + 31) / 32), p.ln ? 2 : 1);
-  norm_bwd_finalize<<<grid, dim3(32, 8), 0, stream>>>(p.ws, plan.parts, h, dgamma.params[kNVTERowwiseData].data_ptr, dtype_of(dgamma),
-                                                       dbeta ? dbeta->params[kNVTERowwiseData].data_ptr : nullptr,
-                                                       dbeta ? dtype_of(*dbeta) : kNVTEFloat32);
-  NVTE_CHECK_LAUNCH();
+  launch_pdl(norm_bwd_finalize, grid, dim3(32, 8), 0, stream, (const float *)p.ws, plan.parts, h,
+             dgamma.params[kNVTERowwiseData].data_ptr, dtype_of(dgamma),
+             dbeta ? dbeta->params[kNVTERowwiseData].data_ptr : nullptr, dbeta ? dtype_of(*dbeta) : kNVTEFloat32);
 }
 
 }  // namespace nvte::cuda

@@ -5,11 +5,12 @@
 // up to a whole 512-thread block for long ones); a block holds 512 / TPR units. Each thread
 // owns up to 4 vectors of 8 elements (16-byte accesses of bf16/fp16, two of float32) at
 // vector indices t, t + TPR, ..., so a unit's accesses are coalesced, and keeps them in
-// registers. Forward: a grid of two blocks per SM walks the rows; x is loaded once, the mean
-// and then the sum of squared deviations are reduced from the registers (two-pass variance,
-// float32, warp butterfly then the unit's warps in a fixed order, so every thread of a unit
-// holds the same bits), then z is scaled, shifted, quantized and stored; amax is one atomic
-// per block. Backward: block c (one per SM) owns a fixed chunk of rows (the chunking depends
+// registers. Forward: x is loaded once, the mean and then the sum of squared deviations are
+// reduced from the registers (two-pass variance, float32, warp butterfly then the unit's warps
+// in a fixed order, so every thread of a unit holds the same bits), then z is scaled, shifted,
+// quantized and stored; amax is one atomic per block. The common 16-bit case runs
+// norm_fwd_row (one row per small block, see there); other dtypes run norm_fwd_vec (a grid of
+// two 512-thread blocks per SM walking groups of rows). Backward: block c (one per SM) owns a fixed chunk of rows (the chunking depends
 // only on N, H and the SM count); its units walk the chunk in lockstep, keep x and dz in
 // their storage type, reduce the two row means, write dx, and add dz * xhat and dz into
 // per-unit partial sums in shared memory (each thread owns its columns: no atomics). The
@@ -163,65 +164,99 @@ __global__ void __launch_bounds__(CTA, 1024 / CTA) norm_fwd_vec(const FwdParams 
   fwd_finish(p, amax);
 }
 
-template <class TI, class TO, int TPR, int NV, int CTA>
-__global__ void __launch_bounds__(CTA, 1024 / CTA) norm_fwd_fast(const FwdParams p) {
-  constexpr int R = CTA / TPR;
-  __shared__ float red[CTA / 32];
-  const int t = threadIdx.x % TPR, unit = threadIdx.x / TPR;
-  const size_t h = p.cols, nvec = h / kVec;
+// The common case with every storage type known at compile time: 16-bit x, gamma and beta of
+// x's dtype, rowwise z of x's dtype or FP8. One row per block of TPR threads (blocks of a
+// few warps, many per SM, so one row's reductions stall only its own warps), each thread
+// holding NV vectors of 8 (kExact: H == 8 * NV * TPR, no bounds checks). Per element this is
+// about a dozen instructions (decode, mean and variance terms, one FMA for z, amax, the
+// scaled paired FP8 conversion): zero-centred gamma folds into the row factor
+// (g * rs + rs, one FFMA either way) and RMSNorm is beta = 0, so neither branches per element.
+// The mean and 1 / sigma use 1 / H and rsqrtf: a few float32 ulps from the CPU's, inside
+// tests/gpu's bound. Partial sums go through two shared-memory slots (sum, squares): the
+// second barrier of a row also orders the first slot's reads before the next row's writes.
+template <class TI, class TO, int TPR, int NV, bool kExact>
+__global__ void __launch_bounds__(TPR) norm_fwd_row(const FwdParams p) {
+  pdl_begin();
+  constexpr int W = TPR / 32;
+  __shared__ float red[2][W];
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int nvec = (int)(p.cols / kVec);
   const bool ln = p.beta != nullptr;
-  const float s = out_scale(p);
+  const float s = out_scale(p), inv_h = 1.0f / (float)p.cols;
   const uint4 *gam = static_cast<const uint4 *>(p.gamma);
   const uint4 *bet = static_cast<const uint4 *>(p.beta);
   float amax = 0.0f;
-  for (size_t group = blockIdx.x; group * R < p.rows; group += gridDim.x) {
-    const size_t row = group * R + unit;
-    const bool live = row < p.rows;
-    const uint4 *xrow = static_cast<const uint4 *>(p.x) + row * nvec;
+  for (size_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const uint4 *xrow = static_cast<const uint4 *>(p.x) + row * (size_t)nvec;
     float x[NV][kVec];
+    float a = 0.0f;
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      const size_t k = t + (size_t)i * TPR;
-      if (live && k < nvec) {
+      const int k = t + i * TPR;
+      if (kExact || k < nvec) {
         unpack8<TI>(xrow[k], x[i]);
       } else {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) x[i][j] = 0.0f;
       }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) a += x[i][j];
     }
-    float m, rs;
-    row_stats<TPR, NV>(x, t, nvec, h, p.eps, ln, red, m, rs);  // x now holds x - mu
-    if (!live) continue;  // (after the unit's last barrier of this row group)
+    float m = 0.0f;
+    if (ln) {
+      a = warp_sum(a);
+      if constexpr (W > 1) {
+        if (lane == 0) red[0][warp] = a;
+        __syncthreads();
+        a = sum_partials<W>(red[0], lane);
+      }
+      m = a * inv_h;
+    }
+    float q = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (kExact || t + i * TPR < nvec) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          x[i][j] -= m;
+          q = fmaf(x[i][j], x[i][j], q);
+        }
+      }
+    }
+    q = warp_sum(q);
+    if constexpr (W > 1) {
+      if (lane == 0) red[1][warp] = q;
+      __syncthreads();
+      q = sum_partials<W>(red[1], lane);
+    }
+    const float rs = rsqrtf(q * inv_h + p.eps);
+    const float rz = p.zc ? rs : 0.0f;  // row factor rs * g (+ rs when gamma is zero-centred)
     if (t == 0) {
       if (p.mu) p.mu[row] = m;
       p.rsigma[row] = rs;
     }
-    TO *zrow = static_cast<TO *>(p.z) + row * h;
+    TO *zrow = static_cast<TO *>(p.z) + row * p.cols;
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      const size_t k = t + (size_t)i * TPR;
-      if (k < nvec) {
-        float g[kVec], o[kVec];
-        unpack8<TI>(gam[k], g);  // L1/L2: every row reads the same vectors
-        if (p.zc) {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) g[j] += 1.0f;
-        }
+      const int k = t + i * TPR;
+      if (kExact || k < nvec) {
+        float g[kVec], b[kVec], o[kVec];
+        unpack8<TI>(__ldg(gam + k), g);  // L1: every row reads the same vectors
         if (ln) {
-          float b[kVec];
-          unpack8<TI>(bet[k], b);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) o[j] = fmaf(x[i][j], rs * g[j], b[j]);
+          unpack8<TI>(__ldg(bet + k), b);
         } else {
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) o[j] = x[i][j] * (rs * g[j]);
+          for (int j = 0; j < kVec; ++j) b[j] = 0.0f;
         }
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) amax = fmaxf(amax, fabsf(o[j]));
-        store8<TO>(zrow + k * kVec, o, s);
+        for (int j = 0; j < kVec; ++j) {
+          o[j] = fmaf(x[i][j], fmaf(g[j], rs, rz), b[j]);
+          amax = fmaxf(amax, fabsf(o[j]));
+        }
+        store8<TO>(zrow + (size_t)k * kVec, o, s);
       }
     }
-  }  // row groups
+  }
   fwd_finish(p, amax);
 }
 
@@ -265,10 +300,56 @@ __global__ void __launch_bounds__(CTA) norm_fwd_any(const FwdParams p) {
   fwd_finish(p, amax);
 }
 
-template <class TI, class TO, int TPR, int NV, int CTA>
-void launch_fast(const FwdParams &p, size_t grid, cudaStream_t stream) {
-  norm_fwd_fast<TI, TO, TPR, NV, CTA><<<(unsigned)grid, CTA, 0, stream>>>(p);
-  NVTE_CHECK_LAUNCH();
+// Blocks of one norm_fwd_row instantiation that fit on the device at once (cached per kernel).
+template <class K>
+size_t resident_blocks(K *kernel, int threads) {
+  static int per_sm = 0;  // one static per kernel instantiation
+  if (per_sm == 0) {
+    int v = 0;
+    NVTE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, threads, 0));
+    per_sm = std::max(v, 1);
+  }
+  return (size_t)per_sm * sm_count();
+}
+
+template <class TI, class TO, int TPR>
+void launch_row(const FwdParams &p, cudaStream_t stream) {
+  constexpr int NV = 4;
+  const bool exact = p.cols == (size_t)kVec * NV * TPR;
+  auto *k = exact ? norm_fwd_row<TI, TO, TPR, NV, true> : norm_fwd_row<TI, TO, TPR, NV, false>;
+  const size_t grid = std::min(p.rows, resident_blocks(k, TPR));
+  launch_pdl(k, (unsigned)grid, TPR, 0, stream, p);
+}
+
+template <class TI, class TO>
+void launch_row_for(const FwdParams &p, cudaStream_t stream) {
+  switch (unit_threads((p.cols / kVec + 3) / 4)) {
+    case 32: return launch_row<TI, TO, 32>(p, stream);
+    case 64: return launch_row<TI, TO, 64>(p, stream);
+    case 128: return launch_row<TI, TO, 128>(p, stream);
+    case 256: return launch_row<TI, TO, 256>(p, stream);
+    default: return launch_row<TI, TO, 512>(p, stream);
+  }
+}
+
+// The typed row kernel's conditions: 16-bit x with gamma/beta of the same dtype, rowwise z
+// only, of x's dtype or FP8 (vector conditions checked by the caller).
+bool row_kernel_applies(const FwdParams &p) {
+  return (p.xt == kNVTEBFloat16 || p.xt == kNVTEFloat16) && p.gt == p.xt && (p.beta == nullptr || p.bt == p.xt) &&
+         p.z != nullptr && p.zt == nullptr &&
+         (p.zt_dtype == p.xt || p.zt_dtype == kNVTEFloat8E4M3 || p.zt_dtype == kNVTEFloat8E5M2);
+}
+
+void launch_row_kernel(const FwdParams &p, cudaStream_t stream) {
+  const bool b16 = p.xt == kNVTEBFloat16;
+  switch (p.zt_dtype) {
+    case kNVTEFloat8E4M3:
+      return b16 ? launch_row_for<bf16, fp8e4m3>(p, stream) : launch_row_for<fp16, fp8e4m3>(p, stream);
+    case kNVTEFloat8E5M2:
+      return b16 ? launch_row_for<bf16, fp8e5m2>(p, stream) : launch_row_for<fp16, fp8e5m2>(p, stream);
+    default:
+      return b16 ? launch_row_for<bf16, bf16>(p, stream) : launch_row_for<fp16, fp16>(p, stream);
+  }
 }
 
 template <int TPR, int NV, int CTA>
@@ -276,25 +357,6 @@ void launch_fwd(const FwdParams &p, cudaStream_t stream) {
   constexpr int R = CTA / TPR;
   const size_t groups = (p.rows + R - 1) / R;
   const size_t grid = std::min<size_t>(groups, (size_t)sm_count() * (1024 / CTA));
-  // Typed fast kernel: 16-bit x with gamma/beta of the same dtype, rowwise z only, of x's
-  // dtype or FP8.
-  const bool fast = (p.xt == kNVTEBFloat16 || p.xt == kNVTEFloat16) && p.gt == p.xt &&
-                    (p.beta == nullptr || p.bt == p.xt) && p.z != nullptr && p.zt == nullptr &&
-                    (p.zt_dtype == p.xt || p.zt_dtype == kNVTEFloat8E4M3 || p.zt_dtype == kNVTEFloat8E5M2);
-  if (fast) {
-    const bool b16 = p.xt == kNVTEBFloat16;
-    switch (p.zt_dtype) {
-      case kNVTEFloat8E4M3:
-        return b16 ? launch_fast<bf16, fp8e4m3, TPR, NV, CTA>(p, grid, stream)
-                   : launch_fast<fp16, fp8e4m3, TPR, NV, CTA>(p, grid, stream);
-      case kNVTEFloat8E5M2:
-        return b16 ? launch_fast<bf16, fp8e5m2, TPR, NV, CTA>(p, grid, stream)
-                   : launch_fast<fp16, fp8e5m2, TPR, NV, CTA>(p, grid, stream);
-      default:
-        return b16 ? launch_fast<bf16, bf16, TPR, NV, CTA>(p, grid, stream)
-                   : launch_fast<fp16, fp16, TPR, NV, CTA>(p, grid, stream);
-    }
-  }
   auto *k = p.xt == kNVTEBFloat16 ? norm_fwd_vec<bf16, TPR, NV, CTA>
             : p.xt == kNVTEFloat16 ? norm_fwd_vec<fp16, TPR, NV, CTA>
                                    : norm_fwd_vec<float, TPR, NV, CTA>;
@@ -360,6 +422,7 @@ void norm_fwd(const Tensor &x, const Tensor &gamma, const Tensor *beta, float ep
     NVTE_CHECK_LAUNCH();
     return;
   }
+  if (row_kernel_applies(p)) return launch_row_kernel(p, stream);
   // Four vectors per thread (64 bytes of bf16 x in flight), 512-thread blocks.
   if (nvec <= 32) return launch_fwd<32, 1, 256>(p, stream);
   switch (unit_threads((nvec + 3) / 4)) {

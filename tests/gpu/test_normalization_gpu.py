@@ -205,9 +205,18 @@ def bwd_inputs(shape, xdt, gdt, zc, seed, ln, misalign=False):
 
 
 def ws_bytes(n, h, sm):
+    """The backward's workspace, restated from its plan: one float32 dgamma and dbeta row per part;
+    parts = resident row blocks (1024 / threads per SM) for rows of H % 8 == 0 up to 4096 elements,
+    one per SM otherwise (normalization_bwd.cu's bwd_plan)."""
     if n == 0 or h == 0:
         return 0
-    want = sm
+    per_sm = 1
+    if h % 8 == 0 and h <= 4096:
+        threads = 32
+        while threads < 1024 and threads < h // 8:
+            threads *= 2
+        per_sm = 1024 // threads
+    want = sm * per_sm
     g = min(n, want)
     rpp = -(-n // g)
     return -(-n // rpp) * h * 8
