@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_harness import Report, copy_bandwidth_gbs, time_ms  # noqa: E402
+from gpu_harness import Report, copy_bandwidth_gbs, host_us, time_ms  # noqa: E402
 
 from transformer_engine import _nvte as nvte  # noqa: E402
 
@@ -81,7 +81,7 @@ def _act_fp8(report, name, m, n_in, iters):
     gbs = nbytes / (t_ours * 1e-3) / 1e9
     report.add("activation", f"{name} bf16 [{m}, {n_in}] -> fp8 e4m3", ms=t_ours, GBps=gbs,
                frac_copy_bw=gbs / copy_bandwidth_gbs(), torch_ms=t_theirs, ratio_vs_torch=t_theirs / t_ours,
-               codes_differing=diff_codes)
+               codes_differing=diff_codes, host_us=host_us(ours))
     del sets
 
 

@@ -2,6 +2,7 @@
 rotation over several input sets (so repeated runs do not just measure the L2), and the
 measured device-copy bandwidth used as the memory ceiling."""
 import statistics
+import time
 
 import torch
 
@@ -10,10 +11,11 @@ from transformer_engine import _nvte as nvte  # noqa: F401  (fail early if the b
 
 def time_ms(fn, iters=30, warmup=10, inner=8):
     """Median milliseconds per fn() call: `iters` samples, each a batch of `inner` back-to-back
-    calls between two CUDA events (per call = batch time / inner). Back-to-back calls keep the
-    GPU's queue filled, as in a training step, so the host-side cost of a call (Python, handle
-    wrapping) is hidden whenever it is shorter than the kernel; one call between events with a
-    synchronisation after each would add that host latency to every kernel's time.
+    calls between two CUDA events (per call = batch time / inner). Before each batch the GPU is
+    given ~1 ms of sleep, during which the host queues the whole batch: the kernels then run from
+    a full queue, as in a training step, so the host-side cost of a call (Python, handle wrapping,
+    dispatch; see host_us) is not counted even where it exceeds a short kernel's time (without
+    the sleep a 30 us kernel whose call costs the host more than 30 us measures the host).
     fn may take the call index (to rotate among input sets)."""
     takes_index = fn.__code__.co_argcount >= 1
     for i in range(warmup):
@@ -22,6 +24,7 @@ def time_ms(fn, iters=30, warmup=10, inner=8):
     times = []
     for r in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # ~1 ms at ~2 GHz
         a.record()
         for j in range(inner):
             fn(r * inner + j) if takes_index else fn()
@@ -29,6 +32,21 @@ def time_ms(fn, iters=30, warmup=10, inner=8):
         b.synchronize()
         times.append(a.elapsed_time(b) / inner)
     return statistics.median(times)
+
+
+def host_us(fn, calls=64):
+    """Host microseconds per fn() call (Python + binding + library dispatch + launch), measured
+    while the GPU sleeps, so that nothing waits for the device."""
+    takes_index = fn.__code__.co_argcount >= 1
+    fn(0) if takes_index else fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(40_000_000)  # ~20 ms, longer than the calls take to queue
+    t0 = time.perf_counter()
+    for j in range(calls):
+        fn(j) if takes_index else fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
 
 
 _COPY_BW = None
