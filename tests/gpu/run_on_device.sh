@@ -3,11 +3,15 @@
 # (CUDA vs the CPU oracle), compute-sanitizer memcheck over it, and the GPU benchmarks.
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
 #   tests/gpu/run_on_device.sh [build] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
-#                              [tutorial] [cpu]   (default: build test bench)
+#                              [tutorial] [quickstart] [cpu] [pack]   (default: build test bench)
 # pytorch: tests/pytorch with NVTE_TEST_DEVICE=cuda; acceptance: the shared seed scripts, from
 # .acceptance/ (a carried copy of ../shared/acceptance) or ../shared/acceptance; tutorial: the
 # tutorial-layer benchmark (torchao from carried wheels in .whl/ when present).
 # profile: Nsight Compute over one call of each memory-bound kernel (clocks left alone).
+# quickstart: the main job on the GPU (examples/quickstart.py, 300 steps, its GPU sizes; one run
+# per seed in QUICKSTART_SEEDS, default 0). SANITIZE_TESTS / PYTORCH_TESTS: the test paths for
+# sanitize / pytorch; GPU_TEST_ARGS: extra pytest arguments for test (e.g. -s).
+# pack: every file under $OUT into one $OUT/logs.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/nvte_out}
@@ -40,13 +44,14 @@ if [[ " $steps " == *" cpu "* ]]; then
 fi
 
 if [[ " $steps " == *" test "* ]]; then
-  $PY -m pytest -q tests/gpu -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  $PY -m pytest -q tests/gpu -p no:cacheprovider -rs ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 
 if [[ " $steps " == *" sanitize "* ]]; then
   compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
-    $PY -m pytest -q -x tests/gpu -p no:cacheprovider -k "not large" 2>&1 | tee "$OUT/sanitizer.log" | tail -15
+    $PY -m pytest -q -x ${SANITIZE_TESTS:-tests/gpu} -p no:cacheprovider -k "not large" 2>&1 \
+    | tee "$OUT/sanitizer.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 
@@ -55,7 +60,8 @@ if [[ " $steps " == *" bench "* ]]; then
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [[ " $steps " == *" pytorch "* ]]; then
-  NVTE_TEST_DEVICE=cuda $PY -m pytest -q tests/pytorch -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytorch_cuda.log" | tail -25
+  NVTE_TEST_DEVICE=cuda $PY -m pytest -q ${PYTORCH_TESTS:-tests/pytorch} -p no:cacheprovider -rfs --tb=short 2>&1 \
+    | tee "$OUT/pytorch_cuda.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 
@@ -75,11 +81,22 @@ if [[ " $steps " == *" tutorial "* ]]; then
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 
+if [[ " $steps " == *" quickstart "* ]]; then
+  for seed in ${QUICKSTART_SEEDS:-0}; do
+    $PY examples/quickstart.py --device cuda --steps 300 --no-sample --seed "$seed" \
+      --plot "$OUT/quickstart_loss_seed$seed.png" >"$OUT/quickstart_seed$seed.log" 2>&1 || rc=1
+    echo "quickstart seed $seed:"; tail -5 "$OUT/quickstart_seed$seed.log"
+  done
+fi
+
 if [[ " $steps " == *" profile "* ]]; then
-  ncu --clock-control none -k "regex:tile_kernel|norm_fwd|norm_bwd_vec|act_kernel" \
+  ncu --clock-control none -k "regex:tile_kernel|norm_fwd|norm_bwd|act_kernel" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section MemoryWorkloadAnalysis $PY benchmarks/gpu_profile_memory.py >"$OUT/ncu.txt" 2>&1 || rc=1
   grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots|No Eligible|Stall" \
     "$OUT/ncu.txt" | head -80
+fi
+if [[ " $steps " == *" pack "* ]]; then
+  (cd "$OUT" && tar czf /tmp/nvte_logs.tgz --exclude=logs.tgz . && find . -mindepth 1 -delete && mv /tmp/nvte_logs.tgz logs.tgz)
 fi
 exit $rc
