@@ -35,16 +35,6 @@ const Tensor *opt(const NVTETensor t, const char *name) {
 }
 #endif
 
-#if defined(NVTE_WITH_CUDNN)
-// The CUDA backend has no FP8 attention yet (cuda/cudnn/fused_attn_cudnn.cpp takes float16 and
-// bfloat16 only); say so before any aux slot is bound.
-void reject_fp8_on_cuda(const char *op, NVTEDType dtype) {
-  NVTE_CHECK_SUPPORTED(!is_fp8(dtype), op, ": FP8 fused attention (", dtype_name(dtype),
-                       " Q/K/V) runs on the CPU backend only; the CUDA (cuDNN) FP8 path is not "
-                       "implemented yet");
-}
-#endif
-
 Tensor *workspace_of(NVTETensor ws) { return present(ws) ? &require_mut(ws, "workspace") : nullptr; }
 
 // The scalar arguments every entry point shares, in one place.
@@ -221,7 +211,6 @@ void run_fwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
       return cpu::fused_attn_fwd(p, t);
     case Backend::CUDA:
 #if defined(NVTE_WITH_CUDNN)
-      reject_fp8_on_cuda(op, p.dtype);
       if (aux != nullptr) {
         t.aux_rng = bind_copy_slot(slot(aux, a.rng), rng);
         if (a.bias >= 0) t.aux_bias = bind_copy_slot(slot(aux, a.bias), side.bias);
@@ -366,7 +355,6 @@ void run_bwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
     case Backend::CPU: return cpu::fused_attn_bwd(p, t);
     case Backend::CUDA:
 #if defined(NVTE_WITH_CUDNN)
-      reject_fp8_on_cuda(op, p.dtype);
       return cuda::fused_attn_bwd(p, t, workspace_of(workspace), stream);
 #elif defined(NVTE_WITH_CUDA)
       cuda_attn_missing(op);
@@ -387,7 +375,6 @@ size_t workspace_bytes(const char *op, const NVTETensor Q, const NVTETensor K, c
     case Backend::CUDA:
 #if defined(NVTE_WITH_CUDNN)
     {
-      reject_fp8_on_cuda(op, logical_dtype(q));
       const attn::LayoutInfo l = attn::parse_layout(s.layout).info;
       NVTE_CHECK_SUPPORTED(l.q_format != NVTE_THD && l.kv_format != NVTE_THD, op, ": layout ", l.name,
                            " (THD) is not supported by the CUDA backend yet");
@@ -485,7 +472,6 @@ NVTE_Fused_Attn_Backend nvte_get_fused_attn_backend(
       p.dropout = is_training ? dropout : 0.0f;
       p.rule = api::mask_rule(s);
       std::string why;
-      reject_fp8_on_cuda("CUDA fused attention", q_dtype);
       NVTE_CHECK_SUPPORTED(cuda::fused_attn_supported(p, &why), "CUDA fused attention: ", why);
       NVTE_CHECK_SUPPORTED(!return_max_logit, "CUDA fused attention: return_max_logit is not supported yet");
     }

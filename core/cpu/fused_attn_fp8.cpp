@@ -11,12 +11,22 @@
 //
 // Forward, query row i of head h:
 //   z_j   = attn_scale * (dq Q_i) . (dk K_j)                for the visible keys j
-//   lse   = log(sum_j exp z_j (+ exp sink)),  P_j = exp(z_j - lse)
-//   Pd_j  = P_j * keep_j / (1 - p)  (training with dropout; else P_j)
-//   amax_S = max Pd_j;  P~_j = Q8(Pd_j, s_S, E4M3)          (quantization point 1)
-//   O_i   = sum_j P~_j (dv V_j);  amax_O = max |O|;  O stored as fp8(O * s_O), or as
+//   m     = max_j z_j (and the sink),  l = sum_j exp(z_j - m) (+ exp(sink - m)),  lse = m + log l
+//   U_j   = exp(z_j - m) * keep_j / (1 - p)   (unnormalized, in (0, 1] without dropout)
+//   amax_S = max U_j;  U~_j = Q8(U_j, s_S, E4M3)            (quantization point 1)
+//   O_i   = (sum_j U~_j (dv V_j)) / l;  amax_O = max |O|;  O stored as fp8(O * s_O), or as
 //           float16/bfloat16 (TE's current scaling: O unscaled).
+//   cuDNN's FP8 kernel is a flash (online-softmax) kernel that quantizes the exponentials before
+//   the division by the row sum (on an H200 its O agrees with this to within one FP8 step for
+//   >99% of elements, with the same error against float64; quantizing normalized P instead
+//   disagreed by up to ~180 steps). amax_S is that of U, i.e. 1 (the row maximum's exp(0));
+//   cuDNN's own amax output is the normalized P's, which the CUDA backend replaces (see
+//   cuda/cudnn/fused_attn_cudnn.cpp). The kernel's running maximum is per key block; the
+//   reference uses the row's final maximum, which changes only the rounding of rows whose
+//   maximum lies past the first block.
 // Backward, from the stored float32 lse (P and P~ are recomputed as in the forward):
+//   P_j   = exp(z_j - lse) (normalized: the backward recomputes it from the stored lse),
+//   Pd_j  = P_j * keep_j / (1 - p),  P~_j = Q8(Pd_j, s_S, E4M3)
 //   D_i   = (dO_s dO_i) . (O_s O_i)            (O_s = 1 for a float16/bfloat16 O)
 //   dP_j  = (dO_s dO_i) . (dv V_j)
 //   dS_j  = attn_scale * P_j * (keep_j / (1 - p) * dP_j - D_i)
@@ -95,14 +105,20 @@ void fused_attn_fp8_fwd(const AttnParams &p, const attn::AttnFwdTensors &t) {
         if (n > 0) row_logits(c, b, h, i, q.data(), kv, r, z.data(), bias_row);
         const RowStats st = row_softmax_stats(c, h, z.data(), n);
         std::fill(acc.begin(), acc.end(), 0.0);
-        for (size_t k = 0; k < n && st.lse != kNegInf; ++k) {
-          const int64_t j = r.lo + static_cast<int64_t>(k);
-          const double pd = std::exp(z[k] - st.lse) * drop_factor(c, b, h, i, j);
-          const float a = static_cast<float>(pd);
-          amax_s = a > amax_s ? a : amax_s;
-          const double pq = s_point.qdq(pd);
-          const double *vj = &kv.v[static_cast<size_t>(j) * p.d_v];
-          for (size_t e = 0; e < p.d_v; ++e) acc[e] += pq * vj[e];
+        if (st.lse != kNegInf) {
+          // m as in row_softmax_stats (the sink counts), l = exp(lse - m).
+          const double m = (!c.alpha.empty() && c.alpha[h] > st.max_logit) ? c.alpha[h] : st.max_logit;
+          const double l = std::exp(st.lse - m);
+          for (size_t k = 0; k < n; ++k) {
+            const int64_t j = r.lo + static_cast<int64_t>(k);
+            const double u = std::exp(z[k] - m) * drop_factor(c, b, h, i, j);
+            const float a = static_cast<float>(u);
+            amax_s = a > amax_s ? a : amax_s;
+            const double uq = s_point.qdq(u);
+            const double *vj = &kv.v[static_cast<size_t>(j) * p.d_v];
+            for (size_t e = 0; e < p.d_v; ++e) acc[e] += uq * vj[e];
+          }
+          for (size_t e = 0; e < p.d_v; ++e) acc[e] /= l;
         }
         o.store(attn::element_offset(p.out, c.q_row(b, i), h), p.d_v, acc.data());
         if (stats) stats[stats_index(p, b, h, i)] = static_cast<float>(st.lse);

@@ -57,12 +57,14 @@
  * v is stored as fp8(float32(v) * scale) (round to nearest even, saturating to +-max; the rule of
  * cast.h), its amax is max-accumulated (*amax = max(*amax, max |v|), when the tensor has an amax
  * buffer) and its scale_inv is written as 1 / scale (when it has one). Per query row:
- *   forward   z = attn_scale * Q K^T (decoded inputs), masked as above; P = softmax(z) (lse kept as
- *             for float inputs), Pd = dropout(P);
- *             S:  amax_S = max Pd;  P~ = fp8_E4M3(Pd * scale_S), used as P~ / scale_S;
- *             O = (P~ / scale_S) V;  O: FP8 (E4M3 or E5M2) with scale, or float16/bfloat16 stored
- *             unscaled (TE's current scaling; amax still recorded).
- *   backward  P, Pd, P~ recomputed from the stored lse; D = dO . O (decoded with their
+ *   forward   z = attn_scale * Q K^T (decoded inputs), masked as above; m = max z, l = sum exp(z - m)
+ *             (lse = m + log l kept as for float inputs); U = dropout(exp(z - m)) (unnormalized,
+ *             as cuDNN's flash kernel quantizes it);
+ *             S:  amax_S = max U (1 without dropout);  U~ = fp8_E4M3(U * scale_S), used as U~ / scale_S;
+ *             O = (U~ / scale_S) V / l;  O: FP8 (E4M3 or E5M2) with scale, or float16/bfloat16
+ *             stored unscaled (TE's current scaling; amax still recorded).
+ *   backward  P = exp(z - lse) (normalized), Pd = dropout(P), P~ = fp8_E4M3(Pd * scale_S)
+ *             recomputed from the stored lse; D = dO . O (decoded with their
  *             scale_inv; a float16/bfloat16 O is taken as is);
  *             dS = attn_scale * P * (dropout(dO V^T) - D);
  *             dP: amax_dP = max |dS|;  dS~ = fp8_{dO's format}(dS * scale_dP), used as dS~ / scale_dP;
@@ -74,7 +76,9 @@
  * forward writes S's scale_inv and amax, the backward dP's; the backward's S is only read), and
  * amax_S is taken after dropout. FP8 has no bias and no max logit (NOT_SUPPORTED, as in TE); the
  * aux pack is the one of float inputs (statistics, rng_state, softmax offset). The CPU backend
- * implements it as the reference; the CUDA backend rejects FP8 inputs with NOT_SUPPORTED for now.
+ * implements it as the reference; the CUDA backend runs cuDNN's FP8 graphs (BSHD/SBHD, no mask /
+ * causal / padding, GQA; no dropout, bias or window: NOT_SUPPORTED; cuDNN's own limits, e.g. head
+ * dim 128 for the backward on Hopper, are reported the same way).
  *
  * Dropout (applied only when is_training in the forward, always in the backward when
  * dropout > 0) keeps element (b, h, i, j) when a counter-based Philox-4x32-10 draw keyed by
@@ -200,7 +204,7 @@ NVTE_API NVTE_QKV_Format nvte_get_kv_format(NVTE_QKV_Layout qkv_layout);
  *
  *  The query has no tensors: when the library has its CUDA backend with cuDNN and a CUDA device
  *  is visible it answers for the GPU (cuDNN's rules: bfloat16/float16, BSHD/SBHD layouts, no
- *  pre-scale bias, ALiBi only causal with default slopes, no FP8 yet, ...); otherwise for the
+ *  pre-scale bias, ALiBi only causal with default slopes, FP8 without dropout/bias, ...); otherwise for the
  *  CPU reference backend, which runs every valid configuration. cuDNN may still reject a
  *  concrete shape at the call (NVTE_ERROR_NOT_SUPPORTED with its reason). Returns
  *  NVTE_F16_arbitrary_seqlen (float inputs) or NVTE_FP8 (float8_e4m3 inputs) when supported and

@@ -7,8 +7,9 @@ multiplied by the float32 scale in float32, rounded to nearest even in the FP8 f
 saturated; dequantizing multiplies the FP8 number by float32(1 / scale). Inputs are the decoded
 values (FP8 number * scale_inv), exact in float64.
 
-Forward:  P = softmax(z), Pd = dropout(P), amax_S = max Pd, P~ = qdq(Pd, s_S, E4M3),
-          O = P~ V (unscaled; the caller quantizes it with s_O).
+Forward:  m = row max of z (and the sink), l = sum exp(z - m) (+ sink), U = dropout(exp(z - m))
+          (unnormalized, as cuDNN's flash kernel quantizes it), amax_S = max U,
+          U~ = qdq(U, s_S, E4M3), O = U~ V / l (unscaled; the caller quantizes it with s_O).
 Backward: P from the stored lse, P~ as above, D = dO . O, dS = attn_scale * P (drop dP - D),
           amax_dP = max |dS|, dS~ = qdq(dS, s_dP, dO's format), dQ = dS~ K, dK = dS~^T Q,
           dV = P~^T dO (dK, dV summed over each K/V head's Q heads).
@@ -50,12 +51,17 @@ def delayed_scale(amax, fmt, margin=1.25):
 
 def fp8_attn_fwd_ref(q, k, v, cfg, ex, scale_s, fmt_s="e4m3"):
     """O [b, sq, hq, dv] before its own quantization, lse [b, hq, sq], amax_S."""
-    _, lse, _ = fused_attn_ref(q, k, v, cfg, ex)
+    _, lse, mx = fused_attn_ref(q, k, v, cfg, ex)
     z, _ = logits(q, k, cfg, ex)
-    pd = _probs(z, lse) * _drop(cfg, ex)
-    pq = qdq(pd, scale_s, fmt_s)
-    o = np.einsum("bhij,bjhd->bihd", pq, _expand_kv(v, q.shape[2]))
-    return o, lse, amax_f32(pd)
+    sink = _sink(cfg, ex, q.shape[2])
+    m = mx if sink is None else np.maximum(mx, sink[None, :, None])
+    fin = np.isfinite(lse)
+    m0 = np.where(fin, m, 0.0)
+    u = np.where(fin[..., None], np.exp(z - m0[..., None]), 0.0) * _drop(cfg, ex)
+    l_sum = np.where(fin, np.exp(lse - m0), 1.0)  # [b, hq, sq]
+    uq = qdq(u, scale_s, fmt_s)
+    o = np.einsum("bhij,bjhd->bihd", uq, _expand_kv(v, q.shape[2])) / l_sum.transpose(0, 2, 1)[..., None]
+    return o, lse, amax_f32(u)
 
 
 def fp8_attn_bwd_ref(q, k, v, o, do, lse, cfg, ex, scale_s, scale_dp, fmt_s="e4m3", fmt_dp="e5m2"):

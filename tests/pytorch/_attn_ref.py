@@ -83,8 +83,13 @@ def dpa_thd_ref(q, k, v, seqs, mask_type, scale, do=None, fp8=None):
         lse = torch.logsumexp(z, -1, keepdim=True) if lkv else torch.full((h, lq, 1), -math.inf, dtype=torch.float64)
         fin = torch.isfinite(lse)
         p = torch.where(fin, torch.exp(z - torch.where(fin, lse, 0.0)), 0.0)
-        am["s"] = max(am["s"], amax32(p))
-        o = qq(p, "s_s") @ V
+        if fp8:  # cuDNN's flash kernel quantizes exp(z - row max) and divides by the row sum after P V
+            m = torch.where(fin, z.amax(-1, keepdim=True), 0.0)
+            u = torch.where(fin, torch.exp(z - m), 0.0)
+            am["s"] = max(am["s"], amax32(u))
+            o = (qq(u, "s_s") @ V) / torch.where(fin, torch.exp(lse - m), 1.0)
+        else:
+            o = p @ V
         am["o"] = max(am["o"], amax32(o))
         ot = qq(o, "s_o")
         out[oq:oq + lq] = ot.transpose(0, 1)

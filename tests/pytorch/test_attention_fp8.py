@@ -3,9 +3,10 @@ float64 emulation of the same quantization points (_attn_ref.dpa_thd_ref with fp
 delayed-scaling state of the attention's FP8 tensors, the custom ops under torch.compile, and
 the clear errors (fp8_mha, unsupported recipes, bias, a backend without FP8 attention).
 
-The library's FP8 attention runs on its CPU backend only (the CUDA backend answers NOT_SUPPORTED),
-so the numeric tests run in the CPU mode and are skipped with NVTE_TEST_DEVICE=cuda, where
-test_fp8_dpa_cuda_is_a_clear_error checks that the module refuses instead of falling back.
+The emulation comparisons hold to float64 rounding, which only the CPU backend's float64 FP8
+reference reaches, so they run in the CPU mode and are skipped with NVTE_TEST_DEVICE=cuda; there
+test_fp8_dpa_cuda_forward_matches_the_cpu_backend / ..._gradients_... compare the CUDA backend
+(cuDNN's FP8 attention) with the CPU one.
 
 Comparison rule: the emulation reproduces every FP8 rounding of the library, so the two differ by
 float64 summation order and the float32 rounding of decoded values (~1e-8 relative); 1e-6 is
@@ -28,8 +29,8 @@ from _attn_ref import dpa_thd_ref, from_thd, seqs_from_cu, to_thd
 from _util import ON_CUDA, dev, rel_err
 
 OPS = torch.ops.transformer_engine
-cpu_only = pytest.mark.skipif(ON_CUDA, reason="the library's FP8 attention runs on its CPU backend only (the CUDA "
-                                              "backend answers NOT_SUPPORTED; see test_fp8_dpa_cuda_is_a_clear_error)")
+cpu_only = pytest.mark.skipif(ON_CUDA, reason="float64-exact FP8 emulation comparisons: the CPU backend only (CUDA is "
+                                              "compared with it in test_fp8_dpa_cuda_*_match*_the_cpu_backend)")
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
 
@@ -186,21 +187,77 @@ def test_fp8_mha_and_unsupported_recipes_are_clear_errors(monkeypatch):
     with pytest.raises(NotImplementedError, match="NVTE_FUSED_ATTN=0"), te.fp8_autocast(fp8_recipe=_recipe()):
         dpa(q, q, q)
     monkeypatch.delenv("NVTE_FUSED_ATTN")
-    # a backend without FP8 attention (the CUDA backend today) refuses: no silent high-precision fallback
+    # a backend without FP8 attention for the call refuses: no silent high-precision fallback
     monkeypatch.setattr(fa, "fused_backend_supports", lambda *a, **kw: (False, "FP8 runs on the CPU backend only"))
     with pytest.raises(NotImplementedError, match="does not fall back"), te.fp8_autocast(fp8_recipe=_recipe()):
         dpa(q, q, q)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="the CUDA backend's FP8 rejection (NVTE_TEST_DEVICE=cuda only)")
-def test_fp8_dpa_cuda_is_a_clear_error():
+def _cuda_vs_cpu_steps(mask):
+    """The same module steps on both backends (bf16 Q/K/V, head dim 128: cuDNN's FP8 backward on
+    Hopper takes 128 only): {(device, fp8): [per step: out, dq, dk, dv]} (CPU float32 copies)."""
+    b, s, h, d = 2, 128, 2, 128
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(b, s, h, d, generator=gen) for _ in range(3))
+    dy = torch.randn(b, s, h * d, generator=gen) * 0.1
+    res = {}
+    for device, fp8 in (("cpu", True), ("cuda", True), ("cpu", False)):
+        dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask)
+        qkv = [t.to(device, torch.bfloat16).requires_grad_(True) for t in (q, k, v)]
+        steps = []
+        for _ in range(2):  # the second step runs with the recipe's scales
+            for t in qkv:
+                t.grad = None
+            with te.fp8_autocast(enabled=fp8, fp8_recipe=_recipe()):
+                out = dpa(*qkv)
+            out.backward(dy.to(device, torch.bfloat16).reshape(out.shape))
+            steps.append([x.float().cpu() for x in (out, *(t.grad for t in qkv))])
+        res[(device, fp8)] = steps
+    return res
+
+
+def _cuda_vs_cpu_errors(res, mask, names):
+    """(name, step, CUDA-vs-CPU error, FP8-vs-high-precision error) for the outputs in names."""
+    rows = []
+    for step in range(2):
+        gpu, cpu, hp = (res[key][step] for key in (("cuda", True), ("cpu", True), ("cpu", False)))
+        for i, name in enumerate(("out", "dq", "dk", "dv")):
+            if name in names:
+                rows.append((name, step, rel_err(gpu[i], cpu[i]), rel_err(cpu[i], hp[i])))
+                print(f"{mask} step {step} {name}: cuda vs cpu {rows[-1][2]:.2e}, fp8 vs high precision "
+                      f"{rows[-1][3]:.2e}")
+    return rows
+
+
+needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="compares the CUDA backend (cuDNN FP8 attention) with the CPU "
+                                                    "one: NVTE_TEST_DEVICE=cuda only")
+
+
+@needs_cuda
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_fp8_dpa_cuda_forward_matches_the_cpu_backend(mask):
+    """cuDNN accumulates in float32 in its own order, so some FP8 roundings of the exponentials and
+    of O land on the other side of a boundary: the backends are compared by relative error
+    against how far FP8 attention is from the same attention in high precision."""
     ok, why = te.is_fp8_available()
     if not ok:
         pytest.skip(why)
-    dpa = DotProductAttention(2, 64, qkv_format="bshd", attn_mask_type="causal")
-    q = dev(torch.randn(2, 128, 2, 64).to(torch.bfloat16))
-    with pytest.raises(NotImplementedError, match="FP8 attention .*cannot run"), te.fp8_autocast(fp8_recipe=_recipe()):
-        dpa(q, q, q)
+    for name, step, e, fp8_effect in _cuda_vs_cpu_errors(_cuda_vs_cpu_steps(mask), mask, ("out",)):
+        assert e < 2e-2 and e < 0.5 * fp8_effect, (name, step, e, fp8_effect)
+
+
+@needs_cuda
+@pytest.mark.xfail(strict=True, reason="open: measured on an H200 (cuDNN 9.19) the module's dQ differs from the CPU "
+                                       "backend's by 2.7e-2 (no mask) / 8.9e-2 (causal) relative after two steps, "
+                                       "while the C-level FP8 backward matches the CPU reference "
+                                       "(tests/gpu/test_fused_attn_gpu.py); the adapter-level cause is not found yet")
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_fp8_dpa_cuda_gradients_match_the_cpu_backend(mask):
+    ok, why = te.is_fp8_available()
+    if not ok:
+        pytest.skip(why)
+    for name, step, e, fp8_effect in _cuda_vs_cpu_errors(_cuda_vs_cpu_steps(mask), mask, ("dq", "dk", "dv")):
+        assert e < 2e-2 and e < 0.5 * fp8_effect, (name, step, e, fp8_effect)
 
 
 # ------------------------------------------------------------------ torch.compile / op registration

@@ -15,9 +15,16 @@
 // no bias or post-scale bias, ALiBi with the default slopes, GQA/MQA, head_dim_qk != head_dim_v
 // where cuDNN accepts it, dropout from rng_state (seed, offset) on the device, windows with
 // an unbounded right side or the causal one. Anything else (THD, pre-scale bias, custom ALiBi
-// slopes, float32, FP8, learnable softmax) reports NVTE_ERROR_NOT_SUPPORTED with the reason.
-#define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING 1
-#include <cudnn_frontend.h>
+// slopes, float32, learnable softmax) reports NVTE_ERROR_NOT_SUPPORTED with the reason.
+//
+// FP8 (fused_attn.h "FP8 attention", graphs in fused_attn_cudnn_fp8.cpp): E4M3 Q/K/V, BSHD/SBHD
+// (packed too), no_mask / causal / padding / padding_causal (bottom-right where cuDNN allows:
+// Blackwell), GQA/MQA, no bias, no dropout, no window, vanilla softmax; head dims, sequence
+// lengths, float16/bfloat16 O or gradients (Blackwell only) are cuDNN's call (its reason is
+// reported; on Hopper the backward takes head_dim 128 only). The scales live on the device:
+// before a graph runs, a tiny kernel writes 1/scale_S, 1/scale_dP (and 1 for float16/bfloat16
+// outputs) into the workspace; after it, amax values are max-folded into the tensors' amax
+// buffers and every FP8 output's scale_inv is written as 1/scale, as the CPU reference does.
 #include <dlfcn.h>
 
 #include <cstdlib>
@@ -30,7 +37,7 @@
 #include <vector>
 
 #include "../cuda_check.h"
-#include "../fused_attn.h"
+#include "fused_attn_cudnn_internal.h"
 #include "fused_attn_seqlens.h"
 
 // The frontend's shim resolves every cuDNN symbol through this handle.
@@ -39,8 +46,7 @@ void *cudnn_dlhandle = nullptr;
 }
 
 namespace nvte::cuda {
-namespace fe = cudnn_frontend;
-using attn::AttnParams;
+using namespace cudnn_attn;
 
 namespace {
 
@@ -103,7 +109,29 @@ cudnnHandle_t handle_for(cudaStream_t stream) {
 }
 
 // ------------------------------------------------------------------ static support rules
+std::string fp8_unsupported_reason(const AttnParams &p) {
+  if (p.dtype != kNVTEFloat8E4M3)
+    return concat("cuDNN FP8 attention takes float8_e4m3 Q, K, V; got ", dtype_name(p.dtype));
+  if (p.layout.q_format == NVTE_THD || p.layout.kv_format == NVTE_THD || p.layout.paged)
+    return concat("layout ", p.layout.name, " (THD / paged) is not supported by the CUDA FP8 attention yet");
+  if (p.softmax_type != NVTE_VANILLA_SOFTMAX) return "FP8 attention on the GPU takes the vanilla softmax only";
+  if (p.bias_type != NVTE_NO_BIAS) return "FP8 attention has no bias or ALiBi (cuDNN's sdpa_fp8, as in TE)";
+  if (p.dropout > 0.0f) return "FP8 attention with dropout is not supported by the CUDA backend yet";
+  if (p.return_max_logit) return "FP8 attention has no max logit";
+  if (p.rule.window_left >= 0 || (p.rule.window_right >= 0 && !(p.rule.causal && p.rule.window_right == 0)))
+    return "FP8 attention with a sliding window is not supported by the CUDA backend yet";
+  // Measured on an H200 with cuDNN 9.19: at s = 200 the FP8 backward's dQ was twice as far from
+  // float64 attention as the reference's (at 128 and 256 it matched); cuDNN's validation accepts
+  // it, so the rule is here.
+  if (p.is_training && (p.max_sq % 128 != 0 || p.max_skv % 128 != 0))
+    return concat("FP8 attention training (cuDNN's FP8 backward) needs max_seqlen_q and max_seqlen_kv that are "
+                  "multiples of 128 on the GPU (got ", p.max_sq, ", ", p.max_skv,
+                  "; other lengths gave a wrong dQ): pad the sequences");
+  return "";
+}
+
 std::string unsupported_reason(const AttnParams &p) {
+  if (is_fp8(p.dtype)) return fp8_unsupported_reason(p);
   if (p.dtype != kNVTEBFloat16 && p.dtype != kNVTEFloat16)
     return concat("cuDNN attention takes bfloat16/float16 Q, K, V; got ", dtype_name(p.dtype));
   if (p.layout.q_format == NVTE_THD || p.layout.kv_format == NVTE_THD || p.layout.paged)
@@ -120,15 +148,6 @@ std::string unsupported_reason(const AttnParams &p) {
 }
 
 // ------------------------------------------------------------------ graph description
-enum Uid : int64_t { kUQ = 1, kUK, kUV, kUO, kUStats, kUBias, kUSeqQ, kUSeqKV, kUSeed, kUOffset, kUdO, kUdQ, kUdK, kUdV, kUdBias };
-
-// [b, h, s, d] strides of a tensor with the given placement and padded sequence length.
-std::vector<int64_t> strides_of(const attn::TensorPlacement &t, size_t batch, size_t seq) {
-  const int64_t rs = (int64_t)t.row_stride, hs = (int64_t)t.head_stride;
-  if (t.format == NVTE_BSHD) return {(int64_t)seq * rs, hs, rs, 1};
-  return {rs, hs, (int64_t)batch * rs, 1};  // SBHD
-}
-
 // Everything a graph depends on; calls with equal keys share one built graph.
 struct Key {
   bool bwd;
@@ -137,7 +156,8 @@ struct Key {
   bool operator<(const Key &o) const { return std::tie(bwd, device, v) < std::tie(o.bwd, o.device, o.v); }
 };
 
-Key key_of(const AttnParams &p, bool bwd, bool has_dbias) {
+// fp8: the output / gradient element types of an FP8 call (null otherwise).
+Key key_of(const AttnParams &p, bool bwd, bool has_dbias, const Fp8Types *fp8) {
   Key k{bwd, 0, {}};
   NVTE_CHECK_CUDA(cudaGetDevice(&k.device));
   auto add = [&](std::initializer_list<int64_t> l) { k.v.insert(k.v.end(), l); };
@@ -152,44 +172,9 @@ Key key_of(const AttnParams &p, bool bwd, bool has_dbias) {
   add({sb});
   std::memcpy(&sb, &p.dropout, 4);
   add({sb});
+  if (fp8) add({(int64_t)fp8->o, (int64_t)fp8->d_o, (int64_t)fp8->grad});
+  else add({-1, -1, -1});
   return k;
-}
-
-struct Built {
-  std::shared_ptr<fe::graph::Graph> graph;
-  int64_t workspace = 0;
-  std::string error;  // non-empty: cuDNN rejected the configuration (cached too)
-};
-
-#define NVTE_FE_TRY(call)                                                      \
-  do {                                                                         \
-    auto e_ = (call);                                                          \
-    if (e_.is_bad()) return concat(#call, ": ", e_.get_message());             \
-  } while (0)
-
-fe::DataType_t fe_type(NVTEDType t) {
-  return t == kNVTEBFloat16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
-}
-
-using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
-
-TensorPtr qkv_tensor(fe::graph::Graph &g, const AttnParams &p, int role, int64_t uid, const char *name) {
-  const bool q = role == attn::kQ;
-  const size_t h = q ? p.h_q : p.h_kv, s = q ? p.max_sq : p.max_skv, d = role == attn::kV ? p.d_v : p.d_qk;
-  return g.tensor(fe::graph::Tensor_attributes()
-                      .set_name(name)
-                      .set_uid(uid)
-                      .set_dim({(int64_t)p.batch, (int64_t)h, (int64_t)s, (int64_t)d})
-                      .set_stride(strides_of(p.qkv.t[role], p.batch, s)));
-}
-
-TensorPtr scalar_tensor(fe::graph::Graph &g, int64_t uid, const char *name, fe::DataType_t t, int64_t n = 1) {
-  return g.tensor(fe::graph::Tensor_attributes()
-                      .set_name(name)
-                      .set_uid(uid)
-                      .set_dim({n, 1, 1, 1})
-                      .set_stride({1, 1, 1, 1})
-                      .set_data_type(t));
 }
 
 // The mask / bias / dropout options shared by forward and backward attributes.
@@ -230,16 +215,6 @@ void common_options(fe::graph::Graph &g, const AttnParams &p, Attr &a, bool has_
   }
 }
 
-std::string finish(fe::graph::Graph &g, cudnnHandle_t h, Built &b) {
-  NVTE_FE_TRY(g.validate());
-  NVTE_FE_TRY(g.build_operation_graph(h));
-  NVTE_FE_TRY(g.create_execution_plans({fe::HeurMode_t::A}));
-  NVTE_FE_TRY(g.check_support(h));
-  NVTE_FE_TRY(g.build_plans(h));
-  NVTE_FE_TRY(g.get_workspace_size(b.workspace));
-  return "";
-}
-
 std::string build_fwd(const AttnParams &p, cudnnHandle_t h, Built &b) {
   b.graph = std::make_shared<fe::graph::Graph>();
   fe::graph::Graph &g = *b.graph;
@@ -260,8 +235,8 @@ std::string build_fwd(const AttnParams &p, cudnnHandle_t h, Built &b) {
     stats->set_output(true)
         .set_uid(kUStats)
         .set_data_type(fe::DataType_t::FLOAT)
-        .set_dim({(int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.max_sq, 1})
-        .set_stride({(int64_t)(p.h_q * p.max_sq), (int64_t)p.max_sq, 1, 1});
+        .set_dim(stats_dim(p))
+        .set_stride(stats_stride(p));
   }
   return finish(g, h, b);
 }
@@ -281,8 +256,8 @@ std::string build_bwd(const AttnParams &p, bool has_dbias, cudnnHandle_t h, Buil
   auto stats = g.tensor(fe::graph::Tensor_attributes()
                             .set_name("stats")
                             .set_uid(kUStats)
-                            .set_dim({(int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.max_sq, 1})
-                            .set_stride({(int64_t)(p.h_q * p.max_sq), (int64_t)p.max_sq, 1, 1})
+                            .set_dim(stats_dim(p))
+                            .set_stride(stats_stride(p))
                             .set_data_type(fe::DataType_t::FLOAT));
   fe::graph::SDPA_backward_attributes a;
   a.set_name("nvte_sdpa_bwd");
@@ -299,17 +274,21 @@ std::mutex g_cache_mutex;
 std::map<Key, std::shared_ptr<Built>> g_cache;
 
 // The built graph of p (building it on first use). Throws NOT_SUPPORTED when cuDNN rejects it.
-std::shared_ptr<Built> graph_for(const AttnParams &p, bool bwd, bool has_dbias, cudaStream_t stream) {
+// fp8: the FP8 element types (FP8 calls only).
+std::shared_ptr<Built> graph_for(const AttnParams &p, bool bwd, bool has_dbias, cudaStream_t stream,
+                                 const Fp8Types *fp8 = nullptr) {
   const std::string why = unsupported_reason(p);
   NVTE_CHECK_SUPPORTED(why.empty(), why);
-  const Key key = key_of(p, bwd, has_dbias);
+  NVTE_CHECK(is_fp8(p.dtype) == (fp8 != nullptr), "internal: FP8 attention graph requested without its types");
+  const Key key = key_of(p, bwd, has_dbias, fp8);
   cudnnHandle_t h = handle_for(stream);
   std::lock_guard<std::mutex> lock(g_cache_mutex);
   auto it = g_cache.find(key);
   if (it == g_cache.end()) {
     auto b = std::make_shared<Built>();
     try {
-      b->error = bwd ? build_bwd(p, has_dbias, h, *b) : build_fwd(p, h, *b);
+      if (fp8) b->error = bwd ? build_fp8_bwd(p, *fp8, h, *b) : build_fp8_fwd(p, *fp8, h, *b);
+      else b->error = bwd ? build_bwd(p, has_dbias, h, *b) : build_fwd(p, h, *b);
     } catch (const std::exception &e) {  // the frontend throws on loader failures
       b->error = e.what();
     }
@@ -320,9 +299,13 @@ std::shared_ptr<Built> graph_for(const AttnParams &p, bool bwd, bool has_dbias, 
   return it->second;
 }
 
-// Workspace: cuDNN's, then (padding masks) two int32 [b] sequence-length arrays.
+// Workspace: cuDNN's, then (padding masks) two int32 [b] sequence-length arrays, then (FP8) a
+// block of float32 scalars (descales the graph reads, amax values it writes).
 size_t seqlen_bytes(const AttnParams &p) { return p.padding ? 2 * ((p.batch * 4 + 255) / 256 * 256) : 0; }
 size_t cudnn_bytes(const Built &b) { return ((size_t)b.workspace + 255) / 256 * 256; }
+constexpr size_t kFp8ScalarBytes = 256;
+size_t fp8_scalar_bytes(const AttnParams &p) { return is_fp8(p.dtype) ? kFp8ScalarBytes : 0; }
+size_t total_bytes(const AttnParams &p, const Built &b) { return cudnn_bytes(b) + seqlen_bytes(p) + fp8_scalar_bytes(p); }
 
 void *data(const Tensor *t) { return t ? t->params[kNVTERowwiseData].data_ptr : nullptr; }
 
@@ -366,25 +349,9 @@ void run(const Built &b, std::unordered_map<int64_t, void *> &pack, void *ws, cu
   NVTE_CHECK(e.is_good(), "cuDNN attention execution failed: ", e.get_message(), " (", cudnn_description(), ")");
 }
 
-}  // namespace
+// ------------------------------------------------------------------ float16 / bfloat16 calls
 
-bool fused_attn_supported(const AttnParams &p, std::string *why) {
-  const std::string r = unsupported_reason(p);
-  if (why) *why = r;
-  return r.empty();
-}
-
-size_t fused_attn_fwd_workspace_bytes(const AttnParams &p) {
-  return cudnn_bytes(*graph_for(p, false, false, nullptr)) + seqlen_bytes(p);
-}
-
-size_t fused_attn_bwd_workspace_bytes(const AttnParams &p) {
-  // dBias is only known at the call; size for the larger graph.
-  const bool db = p.bias_type == NVTE_POST_SCALE_BIAS;
-  return cudnn_bytes(*graph_for(p, true, db, nullptr)) + seqlen_bytes(p);
-}
-
-void fused_attn_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
   auto b = graph_for(p, false, false, stream);
   char *ws = workspace_ptr(workspace, cudnn_bytes(*b) + seqlen_bytes(p));
   std::unordered_map<int64_t, void *> pack{{kUQ, data(t.q)}, {kUK, data(t.k)}, {kUV, data(t.v)}, {kUO, data(t.o)}};
@@ -399,14 +366,9 @@ void fused_attn_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *
   // Padded positions are not computed by cuDNN: O starts as zeros there (fused_attn.h promise).
   if (p.padding) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));
   run(*b, pack, ws, stream);
-  if (t.aux_rng && t.rng_state)
-    NVTE_CHECK_CUDA(cudaMemcpyAsync(data(t.aux_rng), data(t.rng_state), 16, cudaMemcpyDeviceToDevice, stream));
-  if (t.aux_bias && t.bias)
-    NVTE_CHECK_CUDA(cudaMemcpyAsync(data(t.aux_bias), data(t.bias), bytes_of(*t.bias), cudaMemcpyDeviceToDevice, stream));
-  if (t.max_logit) NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "return_max_logit is not supported by the CUDA backend yet");
 }
 
-void fused_attn_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {
   const bool db = p.bias_type == NVTE_POST_SCALE_BIAS && t.dbias != nullptr && data(t.dbias) != nullptr;
   auto b = graph_for(p, true, db, stream);
   char *ws = workspace_ptr(workspace, cudnn_bytes(*b) + seqlen_bytes(p));
@@ -430,6 +392,172 @@ void fused_attn_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *
     for (int i = 0; i < 3; ++i) NVTE_CHECK_CUDA(cudaMemsetAsync(data(grads[i]), 0, ext[i], stream));
   }
   run(*b, pack, ws, stream);
+}
+
+// ------------------------------------------------------------------ FP8 calls
+
+// A float32 [1] metadata buffer of t (scale, amax, scale_inv), or null.
+float *meta(const Tensor *t, NVTETensorParam k) {
+  return t ? static_cast<float *>(t->params[k].data_ptr) : nullptr;
+}
+
+float *required_meta(const Tensor *t, NVTETensorParam k, const char *what) {
+  float *m = meta(t, k);
+  NVTE_CHECK(m != nullptr, "FP8 attention: ", what, " is missing");
+  return m;
+}
+
+NVTEDType dtype_of(const Tensor *t) { return t->params[kNVTERowwiseData].dtype; }
+
+// The workspace queries see only Q, K, V: they size the graph of TE's HYBRID recipe (E4M3 O,
+// E5M2 dO and gradients). Other output formats build their own graph at the call, whose cuDNN
+// workspace is checked against the one given.
+const Fp8Types kQueryFp8Types{};
+
+// The pointers both FP8 graphs bind: Q, K, V, O and the descales of Q, K, V (their scale_inv),
+// S's descale and scale.
+template <class Tensors>
+std::unordered_map<int64_t, void *> fp8_common_pack(const Tensors &t, float *descale_s, float *scale_s) {
+  return {{kUQ, data(t.q)},
+          {kUK, data(t.k)},
+          {kUV, data(t.v)},
+          {kUO, data(t.o)},
+          {kUDescaleQ, required_meta(t.q, kNVTERowwiseScaleInv, "Q's scale_inv")},
+          {kUDescaleK, required_meta(t.k, kNVTERowwiseScaleInv, "K's scale_inv")},
+          {kUDescaleV, required_meta(t.v, kNVTERowwiseScaleInv, "V's scale_inv")},
+          {kUDescaleS, descale_s},
+          {kUScaleS, scale_s}};
+}
+
+void fp8_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+  Fp8Types ty;
+  ty.o = dtype_of(t.o);
+  auto b = graph_for(p, false, false, stream, &ty);
+  char *ws = workspace_ptr(workspace, total_bytes(p, *b));
+  float *sc = reinterpret_cast<float *>(ws + cudnn_bytes(*b) + seqlen_bytes(p));
+  float *descale_s = sc, *scale_o = sc + 1, *amax_s = sc + 2, *amax_o = sc + 3;
+  const bool o8 = is_fp8(ty.o);
+  float *scale_s = required_meta(t.s, kNVTEScale, "S's scale");
+  ScalarOps pre;
+  pre.add(descale_s, scale_s, ScalarOp::kRecip);
+  pre.add(scale_o, o8 ? required_meta(t.o, kNVTEScale, "O's scale") : nullptr, ScalarOp::kSet);
+  run_scalar_ops(pre, stream);
+  std::unordered_map<int64_t, void *> pack = fp8_common_pack(t, descale_s, scale_s);
+  pack.insert({{kUScaleO, scale_o}, {kUAmaxS, amax_s}, {kUAmaxO, amax_o}});
+  if (p.is_training) pack[kUStats] = data(t.stats);
+  bind_seqlens(p, t.cu_q, t.cu_kv, ws + cudnn_bytes(*b), pack, stream);
+  if (p.padding) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));  // +0 in FP8 too
+  run(*b, pack, ws, stream);
+  ScalarOps post;
+  // cuDNN quantizes the unnormalized exp(z - row max) (at most 1; O matches that on an H200)
+  // but reports the amax of the normalized probabilities (0.2-0.4 in no-mask tests). A
+  // delayed-scaling recipe fed the latter picks an S scale under which every exponential above
+  // it saturates (a 30% O error in a no-mask module test), so S's amax is that of the tensor
+  // actually quantized: 1 whenever some row had a key (cuDNN's value > 0), as on the CPU.
+  post.add(meta(t.s, kNVTEAmax), amax_s, ScalarOp::kFoldUnit);
+  post.add(meta(t.s, kNVTERowwiseScaleInv), scale_s, ScalarOp::kRecip);
+  post.add(meta(t.o, kNVTEAmax), amax_o, ScalarOp::kFoldMax);
+  if (o8) post.add(meta(t.o, kNVTERowwiseScaleInv), meta(t.o, kNVTEScale), ScalarOp::kRecip);
+  run_scalar_ops(post, stream);
+}
+
+void fp8_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+  Fp8Types ty;
+  ty.o = dtype_of(t.o);
+  ty.d_o = dtype_of(t.d_o);
+  ty.grad = dtype_of(t.dq);
+  NVTE_CHECK_SUPPORTED(dtype_of(t.dk) == ty.grad && dtype_of(t.dv) == ty.grad,
+                       "FP8 attention on the GPU writes dQ, dK, dV in one dtype");
+  auto b = graph_for(p, true, false, stream, &ty);
+  char *ws = workspace_ptr(workspace, total_bytes(p, *b));
+  float *sc = reinterpret_cast<float *>(ws + cudnn_bytes(*b) + seqlen_bytes(p));
+  float *descale_s = sc, *descale_dp = sc + 1, *descale_o = sc + 2, *scale_g = sc + 3, *amax_g = sc + 6,
+        *amax_dp = sc + 9;  // scale_g / amax_g: dQ, dK, dV
+  const bool o8 = is_fp8(ty.o), g8 = is_fp8(ty.grad);
+  float *scale_s = required_meta(t.s, kNVTEScale, "S's scale");
+  float *scale_dp = required_meta(t.dp, kNVTEScale, "dP's scale");
+  const Tensor *grads[3] = {t.dq, t.dk, t.dv};
+  const char *gscale[3] = {"dQ's scale", "dK's scale", "dV's scale"};
+  ScalarOps pre;
+  pre.add(descale_s, scale_s, ScalarOp::kRecip);
+  pre.add(descale_dp, scale_dp, ScalarOp::kRecip);
+  pre.add(descale_o, o8 ? required_meta(t.o, kNVTERowwiseScaleInv, "O's scale_inv") : nullptr, ScalarOp::kSet);
+  for (int i = 0; i < 3; ++i)
+    pre.add(scale_g + i, g8 ? required_meta(grads[i], kNVTEScale, gscale[i]) : nullptr, ScalarOp::kSet);
+  run_scalar_ops(pre, stream);
+  std::unordered_map<int64_t, void *> pack = fp8_common_pack(t, descale_s, scale_s);
+  pack.insert({
+      {kUdO, data(t.d_o)},
+      {kUStats, data(t.stats)},
+      {kUdQ, data(t.dq)},
+      {kUdK, data(t.dk)},
+      {kUdV, data(t.dv)},
+      {kUDescaleO, descale_o},
+      {kUDescaledO, required_meta(t.d_o, kNVTERowwiseScaleInv, "dO's scale_inv")},
+      {kUDescaledP, descale_dp},
+      {kUScaledQ, scale_g},
+      {kUScaledK, scale_g + 1},
+      {kUScaledV, scale_g + 2},
+      {kUScaledP, scale_dp},
+      {kUAmaxdQ, amax_g},
+      {kUAmaxdK, amax_g + 1},
+      {kUAmaxdV, amax_g + 2},
+      {kUAmaxdP, amax_dp}});
+  bind_seqlens(p, t.cu_q, t.cu_kv, ws + cudnn_bytes(*b), pack, stream);
+  if (p.padding) {
+    // Gradients of padded positions are zero; packed gradients share one buffer (set whole).
+    const size_t ext[3] = {extent_bytes(p.qkv.t[attn::kQ], p.rows_q, p.h_q, p.d_qk, ty.grad),
+                           extent_bytes(p.qkv.t[attn::kK], p.rows_kv, p.h_kv, p.d_qk, ty.grad),
+                           extent_bytes(p.qkv.t[attn::kV], p.rows_kv, p.h_kv, p.d_v, ty.grad)};
+    for (int i = 0; i < 3; ++i) NVTE_CHECK_CUDA(cudaMemsetAsync(data(grads[i]), 0, ext[i], stream));
+  }
+  run(*b, pack, ws, stream);
+  ScalarOps post;
+  for (int i = 0; i < 3; ++i) {
+    post.add(meta(grads[i], kNVTEAmax), amax_g + i, ScalarOp::kFoldMax);
+    if (g8) post.add(meta(grads[i], kNVTERowwiseScaleInv), meta(grads[i], kNVTEScale), ScalarOp::kRecip);
+  }
+  post.add(meta(t.dp, kNVTEAmax), amax_dp, ScalarOp::kFoldMax);
+  post.add(meta(t.dp, kNVTERowwiseScaleInv), scale_dp, ScalarOp::kRecip);
+  run_scalar_ops(post, stream);
+}
+
+}  // namespace
+
+bool fused_attn_supported(const AttnParams &p, std::string *why) {
+  const std::string r = unsupported_reason(p);
+  if (why) *why = r;
+  return r.empty();
+}
+
+size_t fused_attn_fwd_workspace_bytes(const AttnParams &p) {
+  const Fp8Types *fp8 = is_fp8(p.dtype) ? &kQueryFp8Types : nullptr;
+  return total_bytes(p, *graph_for(p, false, false, nullptr, fp8));
+}
+
+size_t fused_attn_bwd_workspace_bytes(const AttnParams &p) {
+  // dBias is only known at the call; size for the larger graph.
+  const bool db = p.bias_type == NVTE_POST_SCALE_BIAS;
+  const Fp8Types *fp8 = is_fp8(p.dtype) ? &kQueryFp8Types : nullptr;
+  return total_bytes(p, *graph_for(p, true, db, nullptr, fp8));
+}
+
+void fused_attn_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+  if (is_fp8(p.dtype)) {
+    fp8_fwd(p, t, workspace, stream);
+  } else {
+    fwd_f16(p, t, workspace, stream);
+  }
+  if (t.aux_rng && t.rng_state)
+    NVTE_CHECK_CUDA(cudaMemcpyAsync(data(t.aux_rng), data(t.rng_state), 16, cudaMemcpyDeviceToDevice, stream));
+  if (t.aux_bias && t.bias)
+    NVTE_CHECK_CUDA(cudaMemcpyAsync(data(t.aux_bias), data(t.bias), bytes_of(*t.bias), cudaMemcpyDeviceToDevice, stream));
+  if (t.max_logit) NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "return_max_logit is not supported by the CUDA backend yet");
+}
+
+void fused_attn_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+  if (is_fp8(p.dtype)) return fp8_bwd(p, t, workspace, stream);
+  bwd_f16(p, t, workspace, stream);
 }
 
 }  // namespace nvte::cuda

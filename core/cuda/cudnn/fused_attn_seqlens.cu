@@ -1,5 +1,7 @@
 // cuda/cudnn/fused_attn_seqlens.cu - see fused_attn_seqlens.h. Clamping keeps a malformed
-// cu_seqlens from sending cuDNN lengths beyond the padded tensors.
+// cu_seqlens from sending cuDNN lengths beyond the padded tensors. The FP8 scalar operations use
+// __frcp_rn (IEEE round-to-nearest reciprocal, whatever the fast-math flags) so that a
+// scale_inv / descale equals the host's 1.0f / scale bit for bit.
 #include "../common.cuh"
 #include "fused_attn_seqlens.h"
 
@@ -15,7 +17,26 @@ __global__ void seqlens_kernel(const int32_t *cu_q, const int32_t *cu_kv, int32_
   seq_kv[i] = lkv < 0 ? 0 : (lkv > max_kv ? max_kv : lkv);
 }
 
+__global__ void scalar_ops_kernel(ScalarOps ops) {
+  const int i = (int)threadIdx.x;
+  if (i >= ops.n) return;
+  const ScalarOp o = ops.op[i];
+  if (o.dst == nullptr) return;
+  switch (o.kind) {
+    case ScalarOp::kSet: *o.dst = o.src ? *o.src : 1.0f; break;
+    case ScalarOp::kRecip: *o.dst = __frcp_rn(*o.src); break;
+    case ScalarOp::kFoldUnit: *o.dst = fmaxf(*o.dst, *o.src > 0.0f ? 1.0f : 0.0f); break;
+    default: *o.dst = fmaxf(*o.dst, *o.src); break;
+  }
+}
+
 }  // namespace
+
+void run_scalar_ops(const ScalarOps &ops, cudaStream_t stream) {
+  if (ops.n == 0) return;
+  scalar_ops_kernel<<<1, kMaxScalarOps, 0, stream>>>(ops);
+  NVTE_CHECK_LAUNCH();
+}
 
 void seqlens_from_cu(const int32_t *cu_q, const int32_t *cu_kv, int32_t *seq_q, int32_t *seq_kv, size_t batch,
                      size_t max_q, size_t max_kv, cudaStream_t stream) {

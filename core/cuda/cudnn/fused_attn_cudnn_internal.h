@@ -1,0 +1,110 @@
+// cuda/cudnn/fused_attn_cudnn_internal.h - what the two cuDNN attention translation units share:
+// fused_attn_cudnn.cpp (loading, support rules, graph cache, binding and execution, the
+// float16/bfloat16 graphs) and fused_attn_cudnn_fp8.cpp (the FP8 graphs). Internal to
+// core/cuda/cudnn/; includes the cuDNN frontend, so only those two files include it.
+#pragma once
+
+#define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING 1
+#include <cudnn_frontend.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../fused_attn.h"
+
+namespace nvte::cuda::cudnn_attn {
+namespace fe = cudnn_frontend;
+using attn::AttnParams;
+
+// Graph tensor ids (variant-pack keys). FP8 graphs add their scale tensors and amax outputs.
+enum Uid : int64_t {
+  kUQ = 1, kUK, kUV, kUO, kUStats, kUBias, kUSeqQ, kUSeqKV, kUSeed, kUOffset, kUdO, kUdQ, kUdK, kUdV, kUdBias,
+  kUDescaleQ, kUDescaleK, kUDescaleV, kUDescaleO, kUDescaledO, kUDescaleS, kUDescaledP,
+  kUScaleS, kUScaleO, kUScaledQ, kUScaledK, kUScaledV, kUScaledP,
+  kUAmaxS, kUAmaxO, kUAmaxdQ, kUAmaxdK, kUAmaxdV, kUAmaxdP
+};
+
+// Element types of an FP8 call beyond Q/K/V (always E4M3): O (E4M3/E5M2, or float16/bfloat16),
+// dO (E4M3/E5M2; dS~ takes its format) and the gradients dQ = dK = dV (FP8 or float16/bfloat16).
+struct Fp8Types {
+  NVTEDType o = kNVTEFloat8E4M3, d_o = kNVTEFloat8E5M2, grad = kNVTEFloat8E5M2;
+};
+
+struct Built {
+  std::shared_ptr<fe::graph::Graph> graph;
+  int64_t workspace = 0;
+  std::string error;  // non-empty: cuDNN rejected the configuration (cached too)
+};
+
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+#define NVTE_FE_TRY(call)                                                      \
+  do {                                                                         \
+    auto e_ = (call);                                                          \
+    if (e_.is_bad()) return concat(#call, ": ", e_.get_message());             \
+  } while (0)
+
+inline fe::DataType_t fe_type(NVTEDType t) {
+  switch (t) {
+    case kNVTEBFloat16: return fe::DataType_t::BFLOAT16;
+    case kNVTEFloat16: return fe::DataType_t::HALF;
+    case kNVTEFloat8E4M3: return fe::DataType_t::FP8_E4M3;
+    case kNVTEFloat8E5M2: return fe::DataType_t::FP8_E5M2;
+    default: return fe::DataType_t::FLOAT;
+  }
+}
+
+// [b, h, s, d] strides of a tensor with the given placement and padded sequence length.
+inline std::vector<int64_t> strides_of(const attn::TensorPlacement &t, size_t batch, size_t seq) {
+  const int64_t rs = (int64_t)t.row_stride, hs = (int64_t)t.head_stride;
+  if (t.format == NVTE_BSHD) return {(int64_t)seq * rs, hs, rs, 1};
+  return {rs, hs, (int64_t)batch * rs, 1};  // SBHD
+}
+
+inline TensorPtr qkv_tensor(fe::graph::Graph &g, const AttnParams &p, int role, int64_t uid, const char *name) {
+  const bool q = role == attn::kQ;
+  const size_t h = q ? p.h_q : p.h_kv, s = q ? p.max_sq : p.max_skv, d = role == attn::kV ? p.d_v : p.d_qk;
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({(int64_t)p.batch, (int64_t)h, (int64_t)s, (int64_t)d})
+                      .set_stride(strides_of(p.qkv.t[role], p.batch, s)));
+}
+
+inline TensorPtr scalar_tensor(fe::graph::Graph &g, int64_t uid, const char *name, fe::DataType_t t,
+                               int64_t n = 1) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({n, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1})
+                      .set_data_type(t));
+}
+
+// The [b, h_q, max_sq, 1] float32 softmax statistics (natural-log LSE), as the aux pack holds them.
+inline std::vector<int64_t> stats_dim(const AttnParams &p) {
+  return {(int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.max_sq, 1};
+}
+inline std::vector<int64_t> stats_stride(const AttnParams &p) {
+  return {(int64_t)(p.h_q * p.max_sq), (int64_t)p.max_sq, 1, 1};
+}
+
+// validate, build the operation graph, pick plans (heuristics A), check support, build plans and
+// read the workspace size; "" or the first failure.
+inline std::string finish(fe::graph::Graph &g, cudnnHandle_t h, Built &b) {
+  NVTE_FE_TRY(g.validate());
+  NVTE_FE_TRY(g.build_operation_graph(h));
+  NVTE_FE_TRY(g.create_execution_plans({fe::HeurMode_t::A}));
+  NVTE_FE_TRY(g.check_support(h));
+  NVTE_FE_TRY(g.build_plans(h));
+  NVTE_FE_TRY(g.get_workspace_size(b.workspace));
+  return "";
+}
+
+// The FP8 graphs (fused_attn_cudnn_fp8.cpp): cuDNN's sdpa_fp8 / sdpa_fp8_backward with per-tensor
+// scales bound by uid (kUDescale*, kUScale*) and float32 [1] amax outputs (kUAmax*).
+std::string build_fp8_fwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t h, Built &b);
+std::string build_fp8_bwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t h, Built &b);
+
+}  // namespace nvte::cuda::cudnn_attn
