@@ -11,7 +11,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import DEVICE, cpu64, dev, fp8_emulate, gelu_tanh, gemm_dim, rel_err, seeded
+from _util import DEVICE, cpu64, dev, fp8_emulate, fp8_gemm_tol, gelu_tanh, gemm_dim, rel_err, seeded
 
 FMT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
@@ -64,9 +64,9 @@ def test_linear_current_scaling_matches_float64(rng, fmt, qparams):
         y.backward(dev(dy))
         x2, dy2 = x.detach().double().reshape(-1, 32), dy.double().reshape(-1, n_out)
         yr, dxr, dwr = _grads_ref_linear(x2, m.weight, dy2, "e4m3", bwd_fmt, r)
-        assert rel_err(y.reshape(-1, n_out), yr + cpu64(m.bias)) < 1e-5, step
-        assert rel_err(x.grad.reshape(-1, 32), dxr) < 1e-5, step
-        assert rel_err(m.weight.grad, dwr) < 1e-5, step
+        assert rel_err(y.reshape(-1, n_out), yr + cpu64(m.bias)) < fp8_gemm_tol(1e-5), step
+        assert rel_err(x.grad.reshape(-1, 32), dxr) < fp8_gemm_tol(1e-5), step
+        assert rel_err(m.weight.grad, dwr) < fp8_gemm_tol(1e-5), step
         assert rel_err(m.bias.grad, dy2.sum(0)) < 1e-5, step
         exact = x2 @ cpu64(m.weight).t()
         prod = cpu64(y).reshape(-1, n_out) - cpu64(m.bias)
@@ -104,13 +104,13 @@ def test_layernorm_linear_current_scaling(rng):
                                             cpu64(m.layer_norm_bias), 1e-5)
     assert rel_err(ln64, ref_ln) < 1e-6
     yr, dlnr, dwr = _grads_ref_linear(ln64, m.weight, dy.double())
-    assert rel_err(y, yr + cpu64(m.bias)) < 1e-5
-    assert rel_err(m.weight.grad, dwr) < 1e-5
+    assert rel_err(y, yr + cpu64(m.bias)) < fp8_gemm_tol(1e-5)
+    assert rel_err(m.weight.grad, dwr) < fp8_gemm_tol(1e-5)
     # dx = layernorm backward of the FP8 dgrad (float64 autograd through the reference norm)
     xr = x.detach().double().requires_grad_()
     lnr = torch.nn.functional.layer_norm(xr, (32,), cpu64(m.layer_norm_weight), cpu64(m.layer_norm_bias), 1e-5)
     lnr.backward(dlnr)
-    assert rel_err(x.grad, xr.grad) < 1e-5
+    assert rel_err(x.grad, xr.grad) < fp8_gemm_tol(1e-5)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
@@ -129,7 +129,7 @@ def test_layernorm_mlp_current_scaling(rng, activation):
     else:
         a = torch.nn.functional.silu(h[:, :32]) * h[:, 32:]
     yr = cs_q(a, "e4m3") @ cs_q(m.fc2_weight, "e4m3").t() + cpu64(m.fc2_bias)
-    assert rel_err(y, yr) < 1e-5
+    assert rel_err(y, yr) < fp8_gemm_tol(1e-5)
 
 
 def test_transformer_layer_current_scaling_forward(rng, monkeypatch):
@@ -150,11 +150,16 @@ def test_transformer_layer_current_scaling_forward(rng, monkeypatch):
     monkeypatch.setattr(ttl, "F", types.SimpleNamespace(linear=fp8_linear,
                                                         layer_norm=torch.nn.functional.layer_norm))
     yr = ttl.ref_layer(layer, x.double())
-    e = rel_err(y, yr)
-    assert e < 1e-5
+    e, tol = rel_err(y, yr), fp8_gemm_tol(1e-5)
+    assert e < tol
     with torch.no_grad():
         y_hp = layer(dev(x))
-    assert rel_err(y_hp, yr) > 10 * e  # the reference really differs from the high-precision layer
+    # The reference really differs from the high-precision layer: by several times the FP8 layer's
+    # distance to it, and by more than the tolerance above (else a layer that skipped the casts would
+    # pass that check). The residual stream dilutes the casts here: y_hp is only ~8e-4 from yr
+    # (6.8e-4 .. 1.1e-3 over 60 seeds on the CPU), while e is ~4e-8 on the CPU and was 7.8e-5 on an
+    # H200 (FP8 tensor-core accumulation, see fp8_gemm_tol): a factor 10 on e has no margin there.
+    assert rel_err(y_hp, yr) > max(3 * e, 2 * tol)
 
 
 def test_current_scaling_recipe_not_mixed_with_delayed_state(rng):

@@ -9,7 +9,7 @@ import torch
 from transformer_engine.pytorch import _ops
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import DEVICE, cpu64, dev, fp8_emulate, gelu_tanh, gemm_dim, rel_err, seeded
+from _util import DEVICE, cpu64, dev, fp8_emulate, gelu_epilogue_tol, gelu_tanh, gemm_dim, rel_err, seeded
 
 
 def test_quantize_writes_amax_and_scale_inv(rng):
@@ -29,7 +29,8 @@ def test_gemm_layouts_and_gelu_epilogue(rng):
     a, b, bias = torch.randn(m, 7, generator=g), torch.randn(3, 7, generator=g), torch.randn(m, generator=g)
     y, pre = _ops.gemm(dev(a), dev(b), torch.float32, transa=True, transb=False, bias=dev(bias), gelu=True)
     ref = b.double() @ a.double().t() + bias.double()
-    assert rel_err(pre, ref) < 1e-6 and rel_err(y, gelu_tanh(ref)) < 1e-6
+    assert rel_err(pre, ref) < 1e-6
+    assert rel_err(y, gelu_tanh(ref)) < gelu_epilogue_tol()  # CUDA: cuBLASLt's own GELU formula
     dy = torch.randn(3, m, generator=g)
     assert rel_err(_ops.gemm(dev(a), dev(dy), torch.float32, False, False), dy.double() @ a.double()) < 1e-6
     assert rel_err(_ops.gemm(dev(b), dev(dy), torch.float32, False, True), dy.double().t() @ b.double()) < 1e-6
