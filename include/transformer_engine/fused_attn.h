@@ -77,8 +77,10 @@
  * amax_S is taken after dropout. FP8 has no bias and no max logit (NOT_SUPPORTED, as in TE); the
  * aux pack is the one of float inputs (statistics, rng_state, softmax offset). The CPU backend
  * implements it as the reference; the CUDA backend runs cuDNN's FP8 graphs (BSHD/SBHD, no mask /
- * causal / padding, GQA; no dropout, bias or window: NOT_SUPPORTED; cuDNN's own limits, e.g. head
- * dim 128 for the backward on Hopper, are reported the same way).
+ * causal / padding, GQA; no dropout, bias or window, and for training max_seqlen_q/kv multiples of
+ * 128: NOT_SUPPORTED otherwise; cuDNN's own limits, e.g. head dim 128 for the backward on Hopper,
+ * are reported the same way). cuDNN's own amax of S is that of the normalized P; the CUDA backend
+ * records the amax of U (1), the tensor it quantizes, as the CPU does.
  *
  * Dropout (applied only when is_training in the forward, always in the backward when
  * dropout > 0) keeps element (b, h, i, j) when a counter-based Philox-4x32-10 draw keyed by
