@@ -286,12 +286,15 @@ def _(dy, y, kind, scale):
 
 
 # ------------------------------------------------------------------ eager fast path
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
 def _plain(args) -> bool:
-    """True when every tensor among args (lists included) is a plain torch.Tensor: eager
-    execution, not dynamo / AOTAutograd tracing (fake or functional tensors) or a subclass."""
+    """True when every tensor among args (lists included) is a plain torch.Tensor or Parameter:
+    eager execution, not dynamo / AOTAutograd tracing (fake or functional tensors) or a subclass."""
     for a in args:
         if isinstance(a, Tensor):
-            if type(a) is not Tensor:
+            if type(a) not in _PLAIN_TYPES:
                 return False
         elif isinstance(a, (list, tuple)):
             if not _plain(a):
