@@ -300,25 +300,29 @@ __global__ void __launch_bounds__(CTA) norm_fwd_any(const FwdParams p) {
   fwd_finish(p, amax);
 }
 
-// Blocks of one norm_fwd_row instantiation that fit on the device at once (cached per kernel).
+// Resident blocks per SM of a kernel launched with `threads` threads (at least 1).
 template <class K>
-size_t resident_blocks(K *kernel, int threads) {
-  static int per_sm = 0;  // one static per kernel instantiation
-  if (per_sm == 0) {
-    int v = 0;
-    NVTE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, threads, 0));
-    per_sm = std::max(v, 1);
-  }
-  return (size_t)per_sm * sm_count();
+int blocks_per_sm(K *kernel, int threads) {
+  int v = 0;
+  NVTE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, threads, 0));
+  return std::max(v, 1);
+}
+
+// One norm_fwd_row instantiation over a grid of the blocks that fit on the device at once (its
+// occupancy read once per instantiation: every instantiation has the same function type, so the
+// cache must live here, not in a helper templated on that type).
+template <class TI, class TO, int TPR, bool kExact>
+void launch_row_kernel_of(const FwdParams &p, cudaStream_t stream) {
+  constexpr auto k = norm_fwd_row<TI, TO, TPR, 4, kExact>;
+  static const int per_sm = blocks_per_sm(k, TPR);
+  const size_t grid = std::min(p.rows, (size_t)per_sm * sm_count());
+  launch_pdl(k, (unsigned)grid, TPR, 0, stream, p);
 }
 
 template <class TI, class TO, int TPR>
 void launch_row(const FwdParams &p, cudaStream_t stream) {
-  constexpr int NV = 4;
-  const bool exact = p.cols == (size_t)kVec * NV * TPR;
-  auto *k = exact ? norm_fwd_row<TI, TO, TPR, NV, true> : norm_fwd_row<TI, TO, TPR, NV, false>;
-  const size_t grid = std::min(p.rows, resident_blocks(k, TPR));
-  launch_pdl(k, (unsigned)grid, TPR, 0, stream, p);
+  if (p.cols == (size_t)kVec * 4 * TPR) launch_row_kernel_of<TI, TO, TPR, true>(p, stream);
+  else launch_row_kernel_of<TI, TO, TPR, false>(p, stream);
 }
 
 template <class TI, class TO>
