@@ -203,6 +203,8 @@ def _opcheck_cases():
                                                 torch.float32, True, False, [torch.randn(8, generator=g),
                                                                              torch.empty(0)], False)),
         ("layernorm_fwd", OPS.layernorm_fwd, (x, gamma, beta, 1e-5, False)),
+        ("norm_fwd_fp8_layernorm", OPS.norm_fwd_fp8, (x, gamma, beta, 1e-5, False, scale, hist.clone(), 1, e4, True)),
+        ("norm_fwd_fp8_rmsnorm", OPS.norm_fwd_fp8, (x, gamma, None, 1e-5, True, scale, hist.clone(), 2, e4, False)),
         ("layernorm_bwd", OPS.layernorm_bwd, (torch.randn(6, 16, generator=g), x, mu, rs, gamma, False)),
         ("rmsnorm_fwd", OPS.rmsnorm_fwd, (x, gamma, 1e-5, True)),
         ("rmsnorm_bwd", OPS.rmsnorm_bwd, (torch.randn(6, 16, generator=g), x, rs, gamma, False)),

@@ -6,7 +6,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from _util import DEVICE, cpu64, dev, gelu_tanh, gemm_dim, rel_err, seeded
+from _util import DEVICE, ON_CUDA, cpu64, dev, gelu_tanh, gemm_dim, rel_err, seeded
 
 
 def ref_norm(x, w, b, eps, zcg, kind):
@@ -149,6 +149,63 @@ def test_layernorm_linear_fp8(rng):
                                           (m.layer_norm_weight, m.layer_norm_bias, m.weight, m.bias)])
     e = rel_err(y, ref)
     assert 1e-4 < e < 0.1
+
+
+@pytest.mark.parametrize("module,normalization", [("LayerNormLinear", "LayerNorm"), ("LayerNormLinear", "RMSNorm"),
+                                                  ("LayerNormMLP", "LayerNorm"), ("LayerNormMLP", "RMSNorm")])
+def test_norm_writes_fp8_directly_under_delayed_scaling(rng, module, normalization):
+    """Under DelayedScaling the norm's output goes to FP8 inside the norm kernel (no high-precision
+    copy; custom_ops.norm_fwd_fp8). It must equal the unfused path (norm in the module's float32
+    dtype, then the FP8 cast), which return_layernorm_output=True keeps: outputs, every gradient
+    and the recipe state after three steps, and only the fused module calls norm_fwd_fp8. On CUDA
+    the fusion applies without weight gradients (module.layernorm.norm_writes_fp8): the GEMM
+    weights are frozen there."""
+    from transformer_engine.pytorch import custom_ops
+    g = seeded(rng)
+    mods = []
+    for _ in range(2):
+        kw = dict(normalization=normalization, device=DEVICE, bias=True)
+        m = te.LayerNormLinear(32, 16, **kw) if module == "LayerNormLinear" else te.LayerNormMLP(32, 48, **kw)
+        mods.append(m)
+    _randomize(mods[0], g)
+    mods[1].load_state_dict(mods[0].state_dict())
+    if ON_CUDA:
+        for m in mods:
+            for n, p in m.named_parameters():
+                p.requires_grad_(n.startswith("layer_norm"))
+    mods[1].return_layernorm_output = True  # keeps the high-precision norm output: the unfused path
+    x = torch.randn(gemm_dim(8), 32, generator=g)
+    dy = torch.randn(gemm_dim(8), 32 if module == "LayerNormMLP" else 16, generator=g)
+    r = recipe.DelayedScaling(amax_history_len=2)
+    calls = []
+    fused_op = custom_ops.norm_fwd_fp8
+    custom_ops.norm_fwd_fp8 = lambda *a, **k: calls.append(1) or fused_op(*a, **k)
+    try:
+        res = []
+        for i, m in enumerate(mods):
+            xs = dev(x).requires_grad_()
+            for _ in range(3):
+                xs.grad = None
+                m.zero_grad(set_to_none=True)
+                with te.fp8_autocast(fp8_recipe=r):
+                    y = m(xs)
+                y = y[0] if isinstance(y, tuple) else y
+                y.backward(dev(dy))
+            if i == 0:
+                assert len(calls) == 3
+            res.append((y.detach(), xs.grad, {n: p.grad for n, p in m.named_parameters()}, m.fp8_meta))
+    finally:
+        custom_ops.norm_fwd_fp8 = fused_op
+    assert len(calls) == 3  # the unfused module did not call it
+    (y0, dx0, g0, m0), (y1, dx1, g1, m1) = res
+    torch.testing.assert_close(y0, y1, rtol=0, atol=0)
+    torch.testing.assert_close(dx0, dx1, rtol=0, atol=0)
+    for n in g0:
+        if g0[n] is not None or g1[n] is not None:
+            torch.testing.assert_close(g0[n], g1[n], rtol=0, atol=0, msg=n)
+    for key in ("fwd", "bwd"):
+        torch.testing.assert_close(m0.amax_history[key], m1.amax_history[key], rtol=0, atol=0)
+        torch.testing.assert_close(m0.scale[key], m1.scale[key], rtol=0, atol=0)
 
 
 def test_mlp_bad_activation():

@@ -339,13 +339,15 @@ def _norm_workspace(x_nt, device, forward):
 
 
 def _norm_out(x, rows, cols, fp8):
-    """z as a high-precision tensor, or an FP8Tensor when fp8 = (scale, amax, fp8_dtype)."""
+    """z as a high-precision tensor, or an FP8Tensor when fp8 = (scale, amax, fp8_dtype[, columnwise]):
+    rowwise data, plus the transposed data with columnwise."""
     if fp8 is None:
         z = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
         return z, _tensor(z)
-    scale, amax, fp8_dtype = fp8
+    scale, amax, fp8_dtype = fp8[:3]
+    columnwise = len(fp8) > 3 and bool(fp8[3])
     _check_meta(scale, amax, x.device)
-    return _fp8_output(rows, cols, fp8_dtype, scale, amax, True, False, x.device)
+    return _fp8_output(rows, cols, fp8_dtype, scale, amax, True, columnwise, x.device)
 
 
 def _check_norm(x, gamma, beta=None):

@@ -22,7 +22,8 @@ from torch.library import custom_op
 
 from . import _ops
 
-__all__ = ["quantize", "dequantize", "gemm", "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "activation",
+__all__ = ["quantize", "dequantize", "gemm", "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "norm_fwd_fp8",
+           "rmsnorm_fwd", "rmsnorm_bwd", "activation",
            "dactivation", "softmax_forward", "softmax_backward", "delayed_scaling_update", "HIGH_PRECISION_OPERAND",
            "missing"]
 
@@ -215,6 +216,32 @@ def _(dz, x, mu, rsigma, gamma, zero_centered_gamma):
     return x.new_empty(_rows_cols(x)), torch.empty_like(gamma), torch.empty_like(gamma)
 
 
+@custom_op("transformer_engine::norm_fwd_fp8", mutates_args=("amax_history",))
+def norm_fwd_fp8(x: Tensor, gamma: Tensor, beta: Optional[Tensor], eps: float, zero_centered_gamma: bool,
+                 scale: Tensor, amax_history: Tensor, index: int, fp8_dtype: int,
+                 columnwise: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """LayerNorm (beta given) or RMSNorm (beta None) with its output cast to FP8 in the same kernel
+    (delayed scaling: scale[index], |z| max-accumulated into amax_history[0, index]) -> (data,
+    transpose (or the placeholder), scale_inv, mu (empty for RMSNorm), rsigma)."""
+    fp8 = (scale[index:index + 1], amax_history[0, index:index + 1], _ops.DType(fp8_dtype), columnwise)
+    if beta is None:
+        q, rs = _ops.rmsnorm_fwd(x, gamma, eps, zero_centered_gamma, fp8=fp8)
+        mu = torch.empty(0, dtype=torch.float32, device=x.device)
+    else:
+        q, mu, rs = _ops.layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma, fp8=fp8)
+    return (q.data, q.transpose if q.transpose is not None else missing(x.device), q.scale_inv, mu, rs)
+
+
+@norm_fwd_fp8.register_fake
+def _(x, gamma, beta, eps, zero_centered_gamma, scale, amax_history, index, fp8_dtype, columnwise):
+    rows, cols = _rows_cols(x)
+    u8, f32 = torch.uint8, torch.float32
+    return (x.new_empty((rows, cols), dtype=u8),
+            x.new_empty((cols, rows), dtype=u8) if columnwise else x.new_empty((0,), dtype=u8),
+            x.new_empty((1,), dtype=f32), x.new_empty((0,) if beta is None else (rows,), dtype=f32),
+            x.new_empty((rows,), dtype=f32))
+
+
 @custom_op("transformer_engine::rmsnorm_fwd", mutates_args=())
 def rmsnorm_fwd(x: Tensor, gamma: Tensor, eps: float, zero_centered_gamma: bool) -> Tuple[Tensor, Tensor]:
     """RMSNorm over the last dim -> (z [rows, cols], rsigma [rows])."""
@@ -322,7 +349,7 @@ def _eager_or_op(op):
 
 
 for _name in ("quantize", "dequantize", "delayed_scaling_update", "gemm", "grouped_gemm", "layernorm_fwd",
-              "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "activation", "dactivation", "softmax_forward",
+              "layernorm_bwd", "norm_fwd_fp8", "rmsnorm_fwd", "rmsnorm_bwd", "activation", "dactivation", "softmax_forward",
               "softmax_backward"):
     globals()[_name] = _eager_or_op(globals()[_name])
 del _name

@@ -50,6 +50,11 @@ class LinearCfg:
     gelu: bool = False            # y = gelu(x W^T + b), fused into the GEMM epilogue
     need_dgrad: bool = True
     need_wgrad: bool = True
+    # Delayed scaling only: x2 is the input of a norm (LayerNorm / RMSNorm, weights given to
+    # linear_fn) whose output goes straight to FP8 in the norm kernel (no high-precision copy)
+    norm: str = ""                # "" | "LayerNorm" | "RMSNorm"
+    norm_eps: float = 0.0
+    norm_zero_centered: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -59,18 +64,26 @@ class LinearCfg:
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, w_data, w_transpose, w_scale_inv, fwd_scale, fwd_hist, bwd_scale, bwd_hist,
-                cfg: LinearCfg):
-        # x2: contiguous [tokens, in] in weight's dtype; w_*: the FP8 weight (FP8 modes only)
+                cfg: LinearCfg, norm_weight=None, norm_bias=None):
+        # x2: contiguous [tokens, in] in weight's dtype (the norm's input with cfg.norm); w_*: the
+        # FP8 weight (FP8 modes only)
         b = bias if bias is not None and bias.numel() else None
         delayed = cfg.scaling == "delayed"
         if cfg.fp8:
-            xd, xt, x_si, _ = ops.quantize(x2, fwd_scale if delayed else None, fwd_hist if delayed else None,
-                                           cfg.fwd_slot, cfg.fwd_dtype, True, cfg.need_wgrad, False, cfg.inp_pow2,
-                                           cfg.inp_eps)
+            norm_saved = ()
+            if cfg.norm:
+                xd, xt, x_si, mu, rs = ops.norm_fwd_fp8(
+                    x2, norm_weight, norm_bias if cfg.norm == "LayerNorm" else None, cfg.norm_eps,
+                    cfg.norm_zero_centered, fwd_scale, fwd_hist, cfg.fwd_slot, cfg.fwd_dtype, cfg.need_wgrad)
+                norm_saved = (x2, norm_weight, mu, rs)  # for the norm's backward
+            else:
+                xd, xt, x_si, _ = ops.quantize(x2, fwd_scale if delayed else None, fwd_hist if delayed else None,
+                                               cfg.fwd_slot, cfg.fwd_dtype, True, cfg.need_wgrad, False,
+                                               cfg.inp_pow2, cfg.inp_eps)
             out, pre, _ = ops.gemm(w_data, w_transpose, w_scale_inv, cfg.fwd_dtype, xd, None, x_si, cfg.fwd_dtype,
                                    x2.dtype, True, False, b, cfg.gelu, False)
             # keep only the transposed copies: dgrad and wgrad read those
-            ctx.save_for_backward(xt, x_si, w_transpose, w_scale_inv, pre)
+            ctx.save_for_backward(xt, x_si, w_transpose, w_scale_inv, pre, *norm_saved)
         else:
             if cfg.scaling == "calibrate":  # record the input's amax only (the FP8 copy is dropped)
                 ops.quantize(x2, fwd_scale, fwd_hist, cfg.fwd_slot, cfg.fwd_dtype, True, False, False, False, 0.0)
@@ -93,8 +106,12 @@ class _LinearFn(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1])
         g = (g if g.dtype == dtype else g.to(dtype)).contiguous()
         dx = dw = db = None
+        norm_grads = (None, None)
         if cfg.fp8:
-            xt, x_si, w_t, w_si, pre = ctx.saved_tensors
+            saved = ctx.saved_tensors  # unpacked once (activation checkpointing allows one unpack)
+            xt, x_si, w_t, w_si, pre = saved[:5]
+            if cfg.norm:  # dgrad of the linear part is the norm output's gradient
+                need_dx = need_dx or ctx.needs_input_grad[11] or ctx.needs_input_grad[12]
             if cfg.gelu:
                 g = ops.dactivation(g, pre, "gelu")
             delayed = cfg.scaling == "delayed"
@@ -113,6 +130,14 @@ class _LinearFn(torch.autograd.Function):
                               ctx.weight_dtype, False, True, None, False, False)[0]
             if need_db:
                 db = gb
+            if cfg.norm and dx is not None:
+                x2, nw, mu, rs = saved[5:]
+                if cfg.norm == "LayerNorm":
+                    dx, dnw, dnb = ops.layernorm_bwd(dx, x2, mu, rs, nw, cfg.norm_zero_centered)
+                else:
+                    (dx, dnw), dnb = ops.rmsnorm_bwd(dx, x2, rs, nw, cfg.norm_zero_centered), None
+                norm_grads = (dnw if ctx.needs_input_grad[11] else None, dnb if ctx.needs_input_grad[12] else None)
+                dx = dx if ctx.needs_input_grad[0] else None
         else:
             x2, w, pre = ctx.saved_tensors
             if cfg.gelu:
@@ -123,7 +148,7 @@ class _LinearFn(torch.autograd.Function):
                 dw, _, gb = ops.gemm(x2, None, None, HP, g, None, None, HP, ctx.weight_dtype, False, True, None, False,
                                      need_db)
                 db = gb if need_db else None
-        return dx, (dw if need_dw else None), db, None, None, None, None, None, None, None, None
+        return (dx, (dw if need_dw else None), db, None, None, None, None, None, None, None, None) + norm_grads
 
 
 def high_precision(weight: torch.Tensor) -> torch.Tensor:
@@ -134,13 +159,17 @@ def high_precision(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_fn(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LinearCfg,
-              qweight: Optional[QuantizedWeight] = None, meta=(None, None, None, None)) -> torch.Tensor:
-    """y = act(x2 W^T + b). qweight: the FP8 weight (FP8 modes); meta: the module's
+              qweight: Optional[QuantizedWeight] = None, meta=(None, None, None, None),
+              norm_weight: Optional[torch.Tensor] = None, norm_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = act(x2 W^T + b), or act(norm(x2) W^T + b) with cfg.norm (delayed scaling; norm_weight /
+    norm_bias: the norm's parameters). qweight: the FP8 weight (FP8 modes); meta: the module's
     (fwd scale, fwd amax history, bwd scale, bwd amax history) for delayed scaling / calibration."""
     if cfg.fp8 and qweight is None:
         raise RuntimeError("linear_fn: an FP8 forward needs the quantized weight")
+    if cfg.norm and not (cfg.scaling == "delayed" and norm_weight is not None):
+        raise RuntimeError("linear_fn: the fused norm needs delayed scaling and the norm's weight")
     w = (qweight.data, qweight.transpose, qweight.scale_inv) if qweight is not None else (None, None, None)
-    return _LinearFn.apply(x2, weight, bias, *w, *meta, cfg)
+    return _LinearFn.apply(x2, weight, bias, *w, *meta, cfg, norm_weight, norm_bias)
 
 
 def grad_needs(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):

@@ -3,6 +3,8 @@ FP8 metadata ownership and its state_dict entry (`_extra_state`), FP8 weight par
 (quantized_model_init)."""
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable, Optional
 
 import torch
@@ -207,13 +209,23 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _linear(self, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], scaling: str,
                 is_first_microbatch: Optional[bool], fwd_slot: int = 0, bwd_slot: int = 0, update_bwd: bool = True,
-                gelu: bool = False) -> torch.Tensor:
+                gelu: bool = False, norm=None) -> torch.Tensor:
         """act(x2 W^T + b) through the shared linear autograd function, in this forward's scaling mode.
-        Delayed-scaling slots: input fwd_slot, weight fwd_slot + 1, output gradient bwd_slot."""
+        Delayed-scaling slots: input fwd_slot, weight fwd_slot + 1, output gradient bwd_slot.
+        norm = (kind, weight, bias, eps, zero_centered_gamma): x2 is the input of that norm, which
+        runs inside the linear's autograd function with its output cast to FP8 by the norm kernel
+        (delayed scaling only; callers pass the norm's output and no norm otherwise)."""
         need_dgrad, need_wgrad = grad_needs(x2, weight, bias)
+        if norm is not None:
+            need_dgrad = need_dgrad or (torch.is_grad_enabled() and any(
+                p is not None and p.requires_grad for p in norm[1:3]))
         cfg = self._linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad)
+        norm_w = norm_b = None
+        if norm is not None:
+            kind, norm_w, norm_b, eps, zc = norm
+            cfg = dataclasses.replace(cfg, norm=kind, norm_eps=float(eps), norm_zero_centered=bool(zc))
         qweight = self._quantized_weight(weight, cfg, fwd_slot + 1, is_first_microbatch)
-        return linear_fn(x2, weight, bias, cfg, qweight, self._meta_tensors(scaling))
+        return linear_fn(x2, weight, bias, cfg, qweight, self._meta_tensors(scaling), norm_w, norm_b)
 
     def get_extra_state(self):
         return self.fp8_meta.state()

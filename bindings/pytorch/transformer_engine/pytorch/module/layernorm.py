@@ -109,3 +109,18 @@ class RMSNorm(_NormBase):
         check_same_device(inp, (self.weight,), "RMSNorm")
         z = rmsnorm_fn(as_2d(inp, self.weight.dtype), self.weight, self.eps, self.zero_centered_gamma)
         return z.view(inp.shape)
+
+
+def norm_writes_fp8(x2: torch.Tensor, scaling: str, return_layernorm_output: bool, weight: torch.Tensor,
+                    bias: Optional[torch.Tensor]) -> bool:
+    """Whether LayerNormLinear / LayerNormMLP run their norm with its output cast to FP8 by the norm
+    kernel (custom_ops.norm_fwd_fp8) instead of norm + separate cast: delayed scaling, the norm output
+    not returned, and (CUDA) no weight gradient. Training needs a transposed FP8 copy for the weight
+    gradient, which the CUDA norm kernel writes with one strided byte store per element (its typed
+    row kernel has no columnwise output), slower than the separate cast+transpose: there the
+    unfused path stays."""
+    if scaling != "delayed" or return_layernorm_output:
+        return False
+    if not x2.is_cuda:
+        return True
+    return not (torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)))

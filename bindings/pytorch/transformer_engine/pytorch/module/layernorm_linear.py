@@ -6,7 +6,7 @@ from typing import Callable, Optional
 import torch
 
 from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
-from .layernorm import check_normalization, layernorm_fn, rmsnorm_fn
+from .layernorm import check_normalization, layernorm_fn, norm_writes_fp8, rmsnorm_fn
 from .linear import check_unsupported
 
 __all__ = ["LayerNormLinear"]
@@ -77,11 +77,19 @@ class LayerNormLinear(TransformerEngineBaseModule):
         params = (self.layer_norm_weight, self.layer_norm_bias, weight, bias)
         check_same_device(inp, params, "LayerNormLinear")
         x2 = as_2d(inp, weight.dtype)
+        scaling = self._fp8_mode(weight.device)
+        if norm_writes_fp8(x2, scaling, self.return_layernorm_output, weight, bias):
+            # the norm writes FP8 directly (no high-precision copy of its output)
+            norm = (self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                    self.zero_centered_gamma)
+            out = self._linear(x2, weight, None if self.return_bias else bias, scaling, is_first_microbatch,
+                               norm=norm)
+            out = out.view(*inp.shape[:-1], self.out_features)
+            return (out, bias) if self.return_bias else out
         if self.normalization == "LayerNorm":
             ln = layernorm_fn(x2, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
         else:
             ln = rmsnorm_fn(x2, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
-        scaling = self._fp8_mode(weight.device)
         out = self._linear(ln, weight, None if self.return_bias else bias, scaling, is_first_microbatch)
         out = out.view(*inp.shape[:-1], self.out_features)
         res = [out]

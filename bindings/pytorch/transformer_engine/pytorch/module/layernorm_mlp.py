@@ -11,7 +11,7 @@ import torch
 
 from .. import _ops, custom_ops
 from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
-from .layernorm import check_normalization, layernorm_fn, rmsnorm_fn
+from .layernorm import check_normalization, layernorm_fn, norm_writes_fp8, rmsnorm_fn
 from .linear import check_unsupported
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS", "GATED_ACTIVATIONS"]
@@ -119,14 +119,19 @@ class LayerNormMLP(TransformerEngineBaseModule):
                   self.fc2_bias)
         check_same_device(inp, params, "LayerNormMLP")
         x2 = as_2d(inp, self.fc1_weight.dtype)
-        if self.normalization == "LayerNorm":
+        scaling = self._fp8_mode(self.fc1_weight.device)
+        fuse_norm = norm_writes_fp8(x2, scaling, self.return_layernorm_output, self.fc1_weight, self.fc1_bias)
+        ln, norm = x2, None
+        if fuse_norm:  # the norm writes FP8 directly (no high-precision copy of its output)
+            norm = (self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                    self.zero_centered_gamma)
+        elif self.normalization == "LayerNorm":
             ln = layernorm_fn(x2, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
         else:
             ln = rmsnorm_fn(x2, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
-        scaling = self._fp8_mode(self.fc1_weight.device)
         # fc2's backward runs first: it performs the backward delayed-scaling step for the module
         act = self._linear(ln, self.fc1_weight, self.fc1_bias, scaling, is_first_microbatch, fwd_slot=0, bwd_slot=0,
-                           update_bwd=False, gelu=self.activation == "gelu")
+                           update_bwd=False, gelu=self.activation == "gelu", norm=norm)
         if self.activation != "gelu":
             act = activation_fn(act, self.activation)
         out = self._linear(act, self.fc2_weight, None if self.return_bias else self.fc2_bias, scaling,
