@@ -216,11 +216,8 @@ void common_options(fe::graph::Graph &g, const AttnParams &p, Attr &a, bool has_
 }
 
 std::string build_fwd(const AttnParams &p, cudnnHandle_t h, Built &b) {
-  b.graph = std::make_shared<fe::graph::Graph>();
+  new_graph(b, fe_type(p.dtype));
   fe::graph::Graph &g = *b.graph;
-  g.set_io_data_type(fe_type(p.dtype))
-      .set_intermediate_data_type(fe::DataType_t::FLOAT)
-      .set_compute_data_type(fe::DataType_t::FLOAT);
   auto q = qkv_tensor(g, p, attn::kQ, kUQ, "Q"), k = qkv_tensor(g, p, attn::kK, kUK, "K"),
        v = qkv_tensor(g, p, attn::kV, kUV, "V");
   fe::graph::SDPA_attributes a;
@@ -242,23 +239,15 @@ std::string build_fwd(const AttnParams &p, cudnnHandle_t h, Built &b) {
 }
 
 std::string build_bwd(const AttnParams &p, bool has_dbias, cudnnHandle_t h, Built &b) {
-  b.graph = std::make_shared<fe::graph::Graph>();
+  new_graph(b, fe_type(p.dtype));
   fe::graph::Graph &g = *b.graph;
-  g.set_io_data_type(fe_type(p.dtype))
-      .set_intermediate_data_type(fe::DataType_t::FLOAT)
-      .set_compute_data_type(fe::DataType_t::FLOAT);
   auto q = qkv_tensor(g, p, attn::kQ, kUQ, "Q"), k = qkv_tensor(g, p, attn::kK, kUK, "K"),
        v = qkv_tensor(g, p, attn::kV, kUV, "V");
   const std::vector<int64_t> odim{(int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.max_sq, (int64_t)p.d_v};
   const std::vector<int64_t> ostride = strides_of(p.out, p.batch, p.max_sq);
-  auto o = g.tensor(fe::graph::Tensor_attributes().set_name("O").set_uid(kUO).set_dim(odim).set_stride(ostride));
-  auto dout = g.tensor(fe::graph::Tensor_attributes().set_name("dO").set_uid(kUdO).set_dim(odim).set_stride(ostride));
-  auto stats = g.tensor(fe::graph::Tensor_attributes()
-                            .set_name("stats")
-                            .set_uid(kUStats)
-                            .set_dim(stats_dim(p))
-                            .set_stride(stats_stride(p))
-                            .set_data_type(fe::DataType_t::FLOAT));
+  auto o = input_tensor(g, "O", kUO, odim, ostride, fe_type(p.dtype));
+  auto dout = input_tensor(g, "dO", kUdO, odim, ostride, fe_type(p.dtype));
+  auto stats = input_tensor(g, "stats", kUStats, stats_dim(p), stats_stride(p), fe::DataType_t::FLOAT);
   fe::graph::SDPA_backward_attributes a;
   a.set_name("nvte_sdpa_bwd");
   common_options(g, p, a, has_dbias);

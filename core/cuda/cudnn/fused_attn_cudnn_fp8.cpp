@@ -40,12 +40,6 @@ void set_amax(const TensorPtr &t, int64_t uid) {
   t->set_output(true).set_uid(uid).set_dim({1, 1, 1, 1}).set_stride({1, 1, 1, 1}).set_data_type(kF32);
 }
 
-// A [b, h, s, d]-style tensor the graph reads: name, uid, dims, strides, element type.
-TensorPtr input_tensor(fe::graph::Graph &g, const char *name, int64_t uid, const std::vector<int64_t> &dim,
-                       const std::vector<int64_t> &stride, fe::DataType_t type) {
-  return g.tensor(
-      fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dim).set_stride(stride).set_data_type(type));
-}
 
 // The float32 [1] scalars both graphs take: the descales of Q, K, V and S, and S's scale.
 struct QkvsScalars {
@@ -57,17 +51,11 @@ QkvsScalars qkvs_scalars(fe::graph::Graph &g) {
           scalar_tensor(g, kUScaleS, "scale_s", kF32)};
 }
 
-void new_graph(Built &b) {
-  b.graph = std::make_shared<fe::graph::Graph>();
-  b.graph->set_io_data_type(fe::DataType_t::FP8_E4M3)
-      .set_intermediate_data_type(kF32)
-      .set_compute_data_type(kF32);
-}
 
 }  // namespace
 
 std::string build_fp8_fwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t h, Built &b) {
-  new_graph(b);
+  new_graph(b, fe::DataType_t::FP8_E4M3);
   fe::graph::Graph &g = *b.graph;
   auto q = qkv_tensor(g, p, attn::kQ, kUQ, "Q"), k = qkv_tensor(g, p, attn::kK, kUK, "K"),
        v = qkv_tensor(g, p, attn::kV, kUV, "V");
@@ -93,7 +81,7 @@ std::string build_fp8_fwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t
 }
 
 std::string build_fp8_bwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t h, Built &b) {
-  new_graph(b);
+  new_graph(b, fe::DataType_t::FP8_E4M3);
   fe::graph::Graph &g = *b.graph;
   auto q = qkv_tensor(g, p, attn::kQ, kUQ, "Q"), k = qkv_tensor(g, p, attn::kK, kUK, "K"),
        v = qkv_tensor(g, p, attn::kV, kUV, "V");

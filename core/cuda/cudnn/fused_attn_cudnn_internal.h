@@ -72,6 +72,21 @@ inline TensorPtr qkv_tensor(fe::graph::Graph &g, const AttnParams &p, int role, 
                       .set_stride(strides_of(p.qkv.t[role], p.batch, s)));
 }
 
+// A fresh graph in b whose inputs/outputs default to io_type (float32 intermediates and compute).
+inline void new_graph(Built &b, fe::DataType_t io_type) {
+  b.graph = std::make_shared<fe::graph::Graph>();
+  b.graph->set_io_data_type(io_type)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+}
+
+// A tensor the graph reads: name, uid, dims, strides, element type.
+inline TensorPtr input_tensor(fe::graph::Graph &g, const char *name, int64_t uid, const std::vector<int64_t> &dim,
+                              const std::vector<int64_t> &stride, fe::DataType_t type) {
+  return g.tensor(
+      fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dim).set_stride(stride).set_data_type(type));
+}
+
 inline TensorPtr scalar_tensor(fe::graph::Graph &g, int64_t uid, const char *name, fe::DataType_t t,
                                int64_t n = 1) {
   return g.tensor(fe::graph::Tensor_attributes()
