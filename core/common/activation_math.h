@@ -54,12 +54,16 @@ NVTE_HD float sigmoidf_(float x) { return rcp_fast(1.0f + exp_fast(-x)); }
 // reciprocal instead of tanhf, and no cancellation in 1 + tanh(u) for negative x.
 // d/dx = s + 2 x s (1 - s) u', s = sigmoid(2u) = 1 / (1 + e), e = exp(-2u), 1 - s = e s,
 // u' = k (1 + 3 * 0.044715 x^2).
+#ifdef __CUDA_ARCH__
+// exp(-2u) = 2^(x (kGeluC0 + kGeluC1 x^2)) with the constants folded (device forms below).
+constexpr float kGeluC0 = -2.0f * 0.7978845608028654f * 1.4426950408889634f;
+constexpr float kGeluC1 = kGeluC0 * 0.044715f;
+#endif
+
 NVTE_HD float gelu_f(float x) {
 #ifdef __CUDA_ARCH__
-  // exp(-2u) = 2^(x (c0 + c1 x^2)) with the constants folded: 2 FMUL, 1 FFMA, 2 MUFU, 1 FADD.
-  constexpr float c0 = -2.0f * 0.7978845608028654f * 1.4426950408889634f;
-  constexpr float c1 = c0 * 0.044715f;
-  const float e = ex2_approx(x * fmaf(x * x, c1, c0));
+  // 2 FMUL, 1 FFMA, 2 MUFU, 1 FADD
+  const float e = ex2_approx(x * fmaf(x * x, kGeluC1, kGeluC0));
   return x * rcp_approx(1.0f + e);
 #else
   const float k2 = 2.0f * 0.7978845608028654f;
@@ -69,10 +73,8 @@ NVTE_HD float gelu_f(float x) {
 NVTE_HD float dgelu_f(float x) {
   const float k = 0.7978845608028654f;
 #ifdef __CUDA_ARCH__
-  constexpr float c0 = -2.0f * 0.7978845608028654f * 1.4426950408889634f;
-  constexpr float c1 = c0 * 0.044715f;
   const float x2 = x * x;
-  const float s = rcp_approx(1.0f + ex2_approx(x * fmaf(x2, c1, c0)));
+  const float s = rcp_approx(1.0f + ex2_approx(x * fmaf(x2, kGeluC1, kGeluC0)));
   // s (1 - s) as one FMA, s - s^2: where s is near 1 it cancels, but there the term is a small
   // correction to s (absolute error ~1e-7 |x| u'), and it stays exact-ish where s is small.
   return fmaf(x * fmaf(-s, s, s), fmaf(x2, 2.0f * k * 3.0f * 0.044715f, 2.0f * k), s);
