@@ -94,6 +94,15 @@ def view(arr, shape, dtype):
     return t
 
 
+def aux_pack(described, float_dtype):
+    """Arrays and views for the aux pack a forward describes ([(shape, dtype)]): float32 entries
+    NaN-poisoned, int64 entries (rng state) zeroed, the others of float_dtype."""
+    np_of = {nvte.DType.kInt64: np.int64, nvte.DType.kFloat32: np.float32}
+    arrays = [np.full(shape, np.nan if dt == nvte.DType.kFloat32 else 0, np_of.get(dt, float_dtype))
+              for shape, dt in described]
+    return arrays, [view(a, a.shape, dt) for a, (_, dt) in zip(arrays, described)]
+
+
 def logical_shape(fmt, b, s, rows, h, d):
     return {"bshd": (b, s, h, d), "sbhd": (s, b, h, d), "thd": (rows, h, d)}[fmt]
 
@@ -240,10 +249,7 @@ class Run:
             self.aux_arrays = None
             return call(None)
         self.described = call([])
-        np_of = {nvte.DType.kInt64: np.int64, nvte.DType.kFloat32: np.float32}
-        self.aux_arrays = [np.full(shape, np.nan if dt == nvte.DType.kFloat32 else 0, np_of.get(dt, self.npdt))
-                           for shape, dt in self.described]
-        self.aux = [view(a, a.shape, dt) for a, (_, dt) in zip(self.aux_arrays, self.described)]
+        self.aux_arrays, self.aux = aux_pack(self.described, self.npdt)
         call(self.aux)
 
     def backward(self, aux="forward"):

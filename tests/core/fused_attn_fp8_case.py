@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from fused_attn_case import MASKS, Run, T, logical_shape, pack, to_rows, view
+from fused_attn_case import MASKS, Run, T, aux_pack, logical_shape, pack, to_rows, view
 from fused_attn_fp8_ref import (amax_f32, delayed_scale, descale, fp8_attn_bwd_ref, fp8_attn_fwd_ref,
                                 fp8_codes)
 from util import NP_TYPE, NVTE_DTYPE, assert_close, fp8_decode, scalar
@@ -141,10 +141,7 @@ class Fp8Run(Run):
             self.aux_arrays = None
             return call(None)
         self.described = call([])
-        np_of = {nvte.DType.kInt64: np.int64, nvte.DType.kFloat32: np.float32}
-        self.aux_arrays = [np.full(s, np.nan if dt == nvte.DType.kFloat32 else 0, np_of[dt])
-                           for s, dt in self.described]
-        self.aux = [view(a, a.shape, dt) for a, (_, dt) in zip(self.aux_arrays, self.described)]
+        self.aux_arrays, self.aux = aux_pack(self.described, np.float32)
         call(self.aux)
 
     def backward(self, **over):
