@@ -17,16 +17,18 @@ __global__ void seqlens_kernel(const int32_t *cu_q, const int32_t *cu_kv, int32_
   seq_kv[i] = lkv < 0 ? 0 : (lkv > max_kv ? max_kv : lkv);
 }
 
+// One thread applies the ops in order: several may fold into the same buffer (the PyTorch
+// adapter gives dQ, dK and dV one amax), and parallel read-modify-writes would keep only one.
 __global__ void scalar_ops_kernel(ScalarOps ops) {
-  const int i = (int)threadIdx.x;
-  if (i >= ops.n) return;
-  const ScalarOp o = ops.op[i];
-  if (o.dst == nullptr) return;
-  switch (o.kind) {
-    case ScalarOp::kSet: *o.dst = o.src ? *o.src : 1.0f; break;
-    case ScalarOp::kRecip: *o.dst = __frcp_rn(*o.src); break;
-    case ScalarOp::kFoldUnit: *o.dst = fmaxf(*o.dst, *o.src > 0.0f ? 1.0f : 0.0f); break;
-    default: *o.dst = fmaxf(*o.dst, *o.src); break;
+  for (int i = 0; i < ops.n; ++i) {
+    const ScalarOp o = ops.op[i];
+    if (o.dst == nullptr) continue;
+    switch (o.kind) {
+      case ScalarOp::kSet: *o.dst = o.src ? *o.src : 1.0f; break;
+      case ScalarOp::kRecip: *o.dst = __frcp_rn(*o.src); break;
+      case ScalarOp::kFoldUnit: *o.dst = fmaxf(*o.dst, *o.src > 0.0f ? 1.0f : 0.0f); break;
+      default: *o.dst = fmaxf(*o.dst, *o.src); break;
+    }
   }
 }
 
@@ -34,7 +36,7 @@ __global__ void scalar_ops_kernel(ScalarOps ops) {
 
 void run_scalar_ops(const ScalarOps &ops, cudaStream_t stream) {
   if (ops.n == 0) return;
-  scalar_ops_kernel<<<1, kMaxScalarOps, 0, stream>>>(ops);
+  scalar_ops_kernel<<<1, 1, 0, stream>>>(ops);
   NVTE_CHECK_LAUNCH();
 }
 

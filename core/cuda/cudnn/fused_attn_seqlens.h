@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../../common/error.h"
+
 namespace nvte::cuda {
 
 // seq_q[i] = cu_q[i + 1] - cu_q[i] clamped to [0, max_q] (likewise kv), for i < batch, on stream.
@@ -31,11 +33,12 @@ struct ScalarOps {
   ScalarOp op[kMaxScalarOps];
   int n = 0;
   void add(float *dst, const float *src, int kind) {
-    if (n < kMaxScalarOps) op[n++] = ScalarOp{dst, src, kind};
+    NVTE_CHECK(n < kMaxScalarOps, "internal: more than ", kMaxScalarOps, " FP8 scalar operations in one launch");
+    op[n++] = ScalarOp{dst, src, kind};
   }
 };
 
-// Runs the (independent) operations in one tiny launch on stream; no host synchronization.
+// Runs the operations in order in one tiny launch on stream; no host synchronization.
 void run_scalar_ops(const ScalarOps &ops, cudaStream_t stream);
 
 }  // namespace nvte::cuda
