@@ -47,4 +47,4 @@ def main(m=8192, n=4096):
 
 
 if __name__ == "__main__":
-    main()
+    main(n=int(sys.argv[1]) if len(sys.argv) > 1 else 4096)  # optional: the column count

@@ -22,6 +22,12 @@ namespace nvte::cuda {
 // Multiprocessor count of the current device (cached per device).
 int sm_count();
 
+// Resident blocks per SM of `kernel` launched with `threads` threads and `smem` bytes of dynamic
+// shared memory on the current device, cached per (kernel, device, threads, smem). It first
+// raises the kernel's dynamic shared memory limit to smem (needed on each device before a
+// launch with more than 48 KiB in all): call it before launching a kernel with smem > 0.
+int resident_blocks(const void *kernel, int threads, size_t smem);
+
 // Blocks for a grid-stride kernel over n items: enough to fill the device a few times over.
 inline unsigned grid_for(size_t n, int threads, int items_per_thread = 1) {
   const size_t want = (n + (size_t)threads * items_per_thread - 1) / ((size_t)threads * items_per_thread);

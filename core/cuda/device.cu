@@ -1,5 +1,7 @@
 // device.cu - device properties cached for launch-size decisions.
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "common.cuh"
@@ -27,6 +29,24 @@ bool pdl_supported() {
   if ((int)major.size() <= dev) major.resize(dev + 1, 0);
   if (major[dev] == 0) NVTE_CHECK_CUDA(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
   return major[dev] >= 9;
+}
+
+int resident_blocks(const void *kernel, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void *, int, int, size_t>, int> cache;
+  int dev = 0;
+  NVTE_CHECK_CUDA(cudaGetDevice(&dev));
+  const auto key = std::make_tuple(kernel, dev, threads, smem);
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (smem > 0)  // with the kernel's static shared memory the 48 KiB default may be exceeded below smem
+    NVTE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  int v = 0;
+  NVTE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, threads, smem));
+  NVTE_CHECK(v > 0, "internal: a kernel with ", threads, " threads and ", smem,
+             " bytes of shared memory does not fit on an SM of device ", dev);
+  return cache[key] = v;
 }
 
 }  // namespace nvte::cuda

@@ -194,6 +194,37 @@ struct Raw8 {
   }
 };
 
+// ------------------------------------------------ rows fetched ahead into shared memory
+// One ring slot per upcoming row: each thread copies its own 16-byte vectors of a row with
+// cp.async (sm_80+) and later reads back only those, so cp.async.wait_group alone orders the
+// copy before the read (no barrier). The backward row kernel keeps its next rows in flight this
+// way at no register cost: loading a row only when it started left too few bytes in flight per
+// SM (the forward measured no gain from it).
+__device__ __forceinline__ void cp_async16(uint4 *dst, const uint4 *src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
+               "l"(src)
+               : "memory");
+#else
+  *dst = *src;
+#endif
+}
+
+// Closes the group of copies issued since the last commit (one group per row; may be empty).
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // ------------------------------------------------------------------------------ host
 inline const void *data_of(const Tensor &t) { return t.params[kNVTERowwiseData].data_ptr; }
 inline NVTEDType dtype_of(const Tensor &t) { return t.params[kNVTERowwiseData].dtype; }

@@ -10,11 +10,11 @@
 // in a fixed order, so every thread of a unit holds the same bits), then z is scaled, shifted,
 // quantized and stored; amax is one atomic per block. The common 16-bit case runs
 // norm_fwd_row (one row per small block, see there); other dtypes run norm_fwd_vec (a grid of
-// two 512-thread blocks per SM walking groups of rows). Backward: block c (one per SM) owns a fixed chunk of rows (the chunking depends
-// only on N, H and the SM count); its units walk the chunk in lockstep, keep x and dz in
-// their storage type, reduce the two row means, write dx, and add dz * xhat and dz into
-// per-unit partial sums in shared memory (each thread owns its columns: no atomics). The
-// units' partials are then added in unit order into the block's workspace row [c, H], and a
+// two 512-thread blocks per SM walking groups of rows). Backward: block c owns a fixed chunk of
+// rows (the chunking depends only on N, H and the SM count); in the common 16-bit case
+// (norm_bwd_row) each thread keeps its columns' dz * xhat and dz sums in registers over the
+// chunk, reduces the two row means and writes dx; other cases (norm_bwd_vec) keep per-unit
+// partials in shared memory. Each block's partials become its workspace row [c, H], and a
 // second kernel adds the workspace rows in row order: dgamma/dbeta are deterministic.
 // Dtypes other than the backward's x/dz storage type are run-time values read in uniform
 // branches (few instantiations). Rows whose length is not a multiple of 8, misaligned
@@ -300,21 +300,11 @@ __global__ void __launch_bounds__(CTA) norm_fwd_any(const FwdParams p) {
   fwd_finish(p, amax);
 }
 
-// Resident blocks per SM of a kernel launched with `threads` threads (at least 1).
-template <class K>
-int blocks_per_sm(K *kernel, int threads) {
-  int v = 0;
-  NVTE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, threads, 0));
-  return std::max(v, 1);
-}
-
-// One norm_fwd_row instantiation over a grid of the blocks that fit on the device at once (its
-// occupancy read once per instantiation: every instantiation has the same function type, so the
-// cache must live here, not in a helper templated on that type).
+// One norm_fwd_row instantiation over a grid of the blocks that fit on the device at once.
 template <class TI, class TO, int TPR, bool kExact>
 void launch_row_kernel_of(const FwdParams &p, cudaStream_t stream) {
   constexpr auto k = norm_fwd_row<TI, TO, TPR, 4, kExact>;
-  static const int per_sm = blocks_per_sm(k, TPR);
+  const int per_sm = resident_blocks(reinterpret_cast<const void *>(k), TPR, 0);
   const size_t grid = std::min(p.rows, (size_t)per_sm * sm_count());
   launch_pdl(k, (unsigned)grid, TPR, 0, stream, p);
 }
