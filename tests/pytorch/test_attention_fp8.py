@@ -261,10 +261,11 @@ def test_fp8_dpa_cuda_forward_matches_the_cpu_backend(mask):
 
 
 @needs_cuda
-@pytest.mark.xfail(strict=True, reason="open: measured on an H200 (cuDNN 9.19) the module's dQ differs from the CPU "
-                                       "backend's by 2.7e-2 (no mask) / 8.9e-2 (causal) relative after two steps, "
-                                       "while the C-level FP8 backward matches the CPU reference "
-                                       "(tests/gpu/test_fused_attn_gpu.py); the adapter-level cause is not found yet")
+@pytest.mark.xfail(strict=True, reason="open: on an H200 (cuDNN 9.19) the module's dQ and dK differ from the CPU "
+                                       "backend's by 2.1e-2 to 2.8e-2 relative (over the 2e-2 asked here), while "
+                                       "both are equally far from float64 (test_fp8_dpa_cuda_as_accurate_as_the_"
+                                       "cpu_backend): E5M2 gradient codes rounding the other way under cuDNN's "
+                                       "summation order. (The causal dV gap, 15%, was the lost dV amax fold.)")
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
 def test_fp8_dpa_cuda_gradients_match_the_cpu_backend(mask):
     ok, why = te.is_fp8_available()
