@@ -147,6 +147,28 @@ def test_python_tensor_wrapper_keeps_arrays_and_reports_shape():
         nvte.Tensor(np.zeros(4, np.float32), dtype=nvte.DType.kFloat8E4M3)
 
 
+def test_tensor_make_sets_every_buffer_in_one_call():
+    P, D = nvte.Param, nvte.DType
+    t = nvte.Tensor.make(0x1000, (4, 8), D.kBFloat16)  # plain rowwise data
+    assert (t.param_ptr(P.kRowwiseData), t.param_shape(P.kRowwiseData), t.dtype) == (0x1000, [4, 8], D.kBFloat16)
+    assert t.param_ptr(P.kRowwiseScaleInv) == 0 and t.param_ptr(P.kScale) == 0
+    # FP8: both layouts share one scale_inv; scale and amax are float32 [1]
+    t = nvte.Tensor.make(0x1000, (4, 8), D.kFloat8E4M3, 0x2000, 0x3000, (8, 4), 0x4000, 0x5000)
+    assert t.param_shape(P.kColumnwiseData) == [8, 4] and t.param_dtype(P.kColumnwiseData) == D.kFloat8E4M3
+    for p, ptr in ((P.kRowwiseScaleInv, 0x2000), (P.kColumnwiseScaleInv, 0x2000), (P.kScale, 0x4000),
+                   (P.kAmax, 0x5000)):
+        assert (t.param_ptr(p), t.param_shape(p), t.param_dtype(p)) == (ptr, [1], D.kFloat32)
+    # columnwise only: scale_inv goes with it; no data at all: scale_inv is the rowwise one
+    t = nvte.Tensor.make(0, None, D.kFloat8E5M2, 0x2000, 0x3000, (8, 4))
+    assert t.param_ptr(P.kRowwiseData) == 0 and t.param_ptr(P.kRowwiseScaleInv) == 0
+    assert t.param_ptr(P.kColumnwiseScaleInv) == 0x2000
+    t = nvte.Tensor.make(0, None, D.kFloat8E4M3, 0x2000, scale=0x4000)
+    assert t.param_ptr(P.kRowwiseScaleInv) == 0x2000 and t.param_ptr(P.kScale) == 0x4000
+    # an empty buffer (NULL data, 0 elements) is still a buffer
+    t = nvte.Tensor.make(0, (0, 8), D.kFloat32)
+    assert t.param_shape(P.kRowwiseData) == [0, 8] and t.numel == 0
+
+
 def test_errors_carry_op_name_and_status_and_process_survives():
     x = nvte.Tensor(np.zeros((2, 3), np.float32))
     bad = nvte.Tensor()

@@ -23,6 +23,33 @@ def test_quantize_writes_amax_and_scale_inv(rng):
     assert torch.equal(q.transpose, q.data.t().contiguous())
 
 
+def test_quantize_slot_addresses_the_module_buffers(rng):
+    """slot i: scale[i] and amax history row 0, column i, as through one-element views."""
+    x = dev(torch.randn(4, 6, generator=seeded(rng)) * 3)
+    scale, hist = dev(torch.tensor([1.0, 8.0, 2.0])), dev(torch.zeros(2, 3))
+    q = _ops.quantize(x, scale, hist, _ops.DType.kFloat8E4M3, rowwise=True, columnwise=True, slot=1)
+    ref_amax = dev(torch.zeros(1))
+    ref = _ops.quantize(x, scale[1:2], ref_amax, _ops.DType.kFloat8E4M3, rowwise=True, columnwise=True)
+    assert torch.equal(q.data, ref.data) and torch.equal(q.transpose, ref.transpose)
+    assert float(q.scale_inv) == 1 / 8 and float(hist[0, 1]) == float(ref_amax) == float(x.abs().max())
+    assert float(hist.sum()) == float(ref_amax)  # no other slot or row touched
+    with pytest.raises(ValueError, match="slot 3"):
+        _ops.quantize(x, scale, hist, _ops.DType.kFloat8E4M3, slot=3)
+    with pytest.raises(ValueError, match="amax history"):
+        _ops.quantize(x, scale, hist[0], _ops.DType.kFloat8E4M3, slot=1)
+
+
+def test_linear_cfg_is_kept_per_configuration_and_follows_the_recipe():
+    m = te.Linear(8, 8, device=DEVICE)
+    x = dev(torch.randn(4, 8))
+    for margin in (0, 1):
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(margin=margin, amax_history_len=2)):
+            m(x)
+            cfg = m._linear_cfg("delayed")
+            assert cfg.margin == margin and m._linear_cfg("delayed") is cfg
+    assert m._linear_cfg("none", gelu=True).gelu and m._linear_cfg("none") is m._linear_cfg("none")
+
+
 def test_gemm_layouts_and_gelu_epilogue(rng):
     g = seeded(rng)
     m = gemm_dim(5, 8)  # 5 on the CPU; 8 on CUDA, where cuBLASLt's GELU epilogue needs m % 8 == 0

@@ -1,5 +1,7 @@
 // module.cpp - the _nvte extension module: enums, the Tensor class, errors, and
 // registration of every domain's functions.
+#include <memory>
+#include <optional>
 #include <string>
 
 #include "binding.h"
@@ -22,6 +24,26 @@ NVTEDType dtype_of(const py::array &a) {
   if (name == "int32") return kNVTEInt32;
   if (name == "int64") return kNVTEInt64;
   throw py::type_error("unsupported numpy dtype for an NVTE tensor: " + name);
+}
+
+using OptShape = std::optional<std::vector<size_t>>;
+
+// Tensor.make: every buffer of an FP8 (or plain) handle in one Python call instead of one
+// set_param round trip each.
+std::unique_ptr<Tensor> make_raw(uintptr_t data, const OptShape &shape, NVTEDType dtype, uintptr_t scale_inv,
+                                 uintptr_t columnwise, const OptShape &columnwise_shape, uintptr_t scale,
+                                 uintptr_t amax) {
+  static const std::vector<size_t> kOne{1};
+  auto t = std::make_unique<Tensor>(0);
+  if (shape) t->set_raw(kNVTERowwiseData, data, *shape, dtype);
+  if (columnwise_shape) t->set_raw(kNVTEColumnwiseData, columnwise, *columnwise_shape, dtype);
+  if (scale_inv) {
+    if (shape || !columnwise_shape) t->set_raw(kNVTERowwiseScaleInv, scale_inv, kOne, kNVTEFloat32);
+    if (columnwise_shape) t->set_raw(kNVTEColumnwiseScaleInv, scale_inv, kOne, kNVTEFloat32);
+  }
+  if (scale) t->set_raw(kNVTEScale, scale, kOne, kNVTEFloat32);
+  if (amax) t->set_raw(kNVTEAmax, amax, kOne, kNVTEFloat32);
+  return t;
 }
 }  // namespace
 
@@ -138,6 +160,13 @@ PYBIND11_MODULE(_nvte, m) {
            py::arg("scaling_mode") = 0,
            "Build from numpy arrays; `dtype` overrides the element type of data/columnwise_data "
            "(e.g. DType.kFloat8E4M3 for uint8 arrays).")
+      .def_static("make", &make_raw, py::arg("data"), py::arg("shape").none(true), py::arg("dtype"),
+                  py::arg("scale_inv") = 0, py::arg("columnwise") = 0,
+                  py::arg("columnwise_shape").none(true) = py::none(), py::arg("scale") = 0, py::arg("amax") = 0,
+                  "A handle from raw pointers in one call (the per-op hot path of framework adapters): "
+                  "data / shape (None: no rowwise buffer), columnwise / columnwise_shape (None: none), "
+                  "both of `dtype`; scale_inv, scale, amax: float32 [1] (0: absent). scale_inv goes with "
+                  "each data buffer given (the rowwise one when there is none). Memory is borrowed.")
       .def("set_param", &Tensor::set_raw, py::arg("param"), py::arg("ptr"), py::arg("shape"),
            py::arg("dtype"), "Set a buffer from a raw pointer (int), shape and dtype.")
       .def("set_array", &Tensor::set_array, py::arg("param"), py::arg("array"),

@@ -2,9 +2,13 @@
 
 The adapter holds no math: every function here validates its torch arguments (device,
 dtype, contiguity), wraps the buffers into _nvte.Tensor handles (borrowing the torch
-memory through data_ptr()) and makes exactly one _nvte call. Tensors may live on the CPU
-(the library's CPU backend) or on a CUDA device (the CUDA backend; the call is queued on
-torch's current stream).
+memory through data_ptr(); the caller keeps the tensors alive for the call) and makes exactly
+one _nvte call. Tensors may live on the CPU (the library's CPU backend) or on a CUDA device
+(the CUDA backend; the call is queued on torch's current stream).
+
+These functions run for every library call of every layer, so they keep the host work small:
+one binding call per handle (_nvte.Tensor.make), workspace sizes asked once per shape, FP8
+scale / amax slots addressed by pointer instead of through tensor views.
 
 FP8 data is held as torch.uint8 storage in an `FP8Tensor` together with its float32
 scale_inv (the reciprocal of the scale it was produced with) and the FP8 format.
@@ -33,16 +37,19 @@ FP8_DTYPES = (DType.kFloat8E4M3, DType.kFloat8E5M2)
 
 
 # ------------------------------------------------------------------ helpers
+_make = _nvte.Tensor.make  # a handle with all its buffers in one binding call
+
+
 def _stream(t: torch.Tensor) -> int:
-    if t.is_cuda:
-        return torch.cuda.current_stream(t.device).cuda_stream
+    if t.is_cuda:  # the raw pointer: torch.cuda.current_stream() builds a Stream object per call
+        return torch._C._cuda_getCurrentRawStream(t.device.index)
     return 0
 
 
 def _check(t: torch.Tensor, name: str, dtypes=None, device=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type not in ("cpu", "cuda"):
+    if not (t.is_cuda or t.is_cpu):  # (flag reads: cheaper than t.device.type)
         raise ValueError(f"{name}: tensors must live on the CPU or a CUDA device, got device {t.device}")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected one of "
@@ -61,29 +68,34 @@ def _as2d_shape(t: torch.Tensor) -> Tuple[int, int]:
     return rows, cols
 
 
-def _set(nt, param, t: torch.Tensor, dtype=None, shape: Optional[Sequence[int]] = None) -> None:
-    nv = dtype if dtype is not None else _TORCH_TO_NVTE[t.dtype]
-    nt.set_param(param, t.data_ptr(), list(t.shape if shape is None else shape), nv)
-    nt._refs.append(t)
-
-
-def _tensor(data: Optional[torch.Tensor] = None, shape=None):
-    """An _nvte.Tensor whose rowwise data is the high-precision torch tensor `data`."""
-    nt = _nvte.Tensor()
-    nt._refs = []
-    if data is not None:
-        _set(nt, Param.kRowwiseData, data, shape=shape)
-    return nt
+def _tensor(data: torch.Tensor, shape=None):
+    """An _nvte.Tensor whose rowwise data is the torch tensor `data` (viewed as `shape`)."""
+    return _make(data.data_ptr(), data.shape if shape is None else shape, _TORCH_TO_NVTE[data.dtype])
 
 
 def _workspace(nbytes: int, device: torch.device):
+    """A handle of a fresh nbytes buffer (None for 0 bytes); the handle keeps the buffer alive."""
     if nbytes <= 0:
         return None
     buf = torch.empty(int(nbytes), dtype=torch.uint8, device=device)
-    nt = _nvte.Tensor()
-    nt._refs = []
-    _set(nt, Param.kRowwiseData, buf)
+    nt = _tensor(buf)
+    nt._refs = buf
     return nt
+
+
+_WORKSPACE_BYTES = {}
+_MAX_WORKSPACE_KEYS = 4096  # (shapes that never repeat must not grow the cache without bound)
+
+
+def _workspace_bytes(key, query) -> int:
+    """query() (a library workspace-size query), asked once per key: the sizes depend only on the
+    shapes, dtypes and device the key names, and the queries cost a library call each."""
+    n = _WORKSPACE_BYTES.get(key)
+    if n is None:
+        if len(_WORKSPACE_BYTES) >= _MAX_WORKSPACE_KEYS:
+            _WORKSPACE_BYTES.clear()
+        n = _WORKSPACE_BYTES[key] = query()
+    return n
 
 
 class FP8Tensor:
@@ -107,15 +119,12 @@ class FP8Tensor:
 
     def nvte(self, rowwise: bool = True, columnwise: bool = True):
         """Handle with the requested buffers (those that exist)."""
-        nt = _nvte.Tensor()
-        nt._refs = []
-        if rowwise and self.data is not None:
-            _set(nt, Param.kRowwiseData, self.data, dtype=self.fp8_dtype)
-            _set(nt, Param.kRowwiseScaleInv, self.scale_inv)
-        if columnwise and self.transpose is not None:
-            _set(nt, Param.kColumnwiseData, self.transpose, dtype=self.fp8_dtype)
-            _set(nt, Param.kColumnwiseScaleInv, self.scale_inv)
-        return nt
+        d = self.data if rowwise else None
+        t = self.transpose if columnwise else None
+        if d is None and t is None:
+            return _nvte.Tensor()
+        return _make(0 if d is None else d.data_ptr(), None if d is None else d.shape, self.fp8_dtype,
+                     self.scale_inv.data_ptr(), 0 if t is None else t.data_ptr(), None if t is None else t.shape)
 
     def drop_rowwise(self) -> None:
         """Free the rowwise buffer (keep the transpose, e.g. for a backward GEMM)."""
@@ -123,42 +132,58 @@ class FP8Tensor:
             self.data = None
 
 
-def _check_meta(scale: torch.Tensor, amax: Optional[torch.Tensor], device) -> None:
+def _slot_ptr(t: torch.Tensor, slot: int) -> int:
+    """Address of element `slot` of a contiguous float32 buffer (of row 0 for an amax history)."""
+    return t.data_ptr() + 4 * slot
+
+
+def _meta_ptrs(scale: torch.Tensor, amax: Optional[torch.Tensor], device, slot: Optional[int] = None):
+    """(scale pointer, amax pointer or 0) of a delayed-scaling cast. slot None: scale and amax are
+    float32 [1]. slot i: scale is float32 [n] and amax an amax history float32 [len, n]; the cast
+    uses scale[i] and max-accumulates into amax[0, i] (addressed directly, without making views)."""
     _check(scale, "scale", (torch.float32,), device)
-    if scale.numel() != 1:
-        raise ValueError(f"scale must hold one element, got shape {tuple(scale.shape)}")
     if amax is not None:
         _check(amax, "amax", (torch.float32,), device)
-        if amax.numel() != 1:
+    if slot is None:
+        if scale.numel() != 1:
+            raise ValueError(f"scale must hold one element, got shape {tuple(scale.shape)}")
+        if amax is not None and amax.numel() != 1:
             raise ValueError(f"amax must hold one element, got shape {tuple(amax.shape)}")
+        return scale.data_ptr(), 0 if amax is None else amax.data_ptr()
+    if not 0 <= slot < scale.numel():
+        raise ValueError(f"scale slot {slot} is out of range for scales of shape {tuple(scale.shape)}")
+    if amax is not None and (amax.dim() != 2 or slot >= amax.shape[1]):
+        raise ValueError(f"amax slot {slot} needs an amax history [len, > {slot}], got shape {tuple(amax.shape)}")
+    return _slot_ptr(scale, slot), 0 if amax is None else _slot_ptr(amax, slot)
 
 
-def _fp8_output(rows, cols, fp8_dtype, scale, amax, rowwise, columnwise, device):
+def _fp8_output(rows, cols, fp8_dtype, scale_ptr: int, amax_ptr: int, rowwise, columnwise, device):
+    """A new FP8Tensor [rows, cols] and the handle the library writes it through (with the scale and
+    amax at the given pointers; amax_ptr 0: none)."""
     if fp8_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dtype must be DType.kFloat8E4M3 or kFloat8E5M2, got {fp8_dtype}")
     if not (rowwise or columnwise):
         raise ValueError("an FP8 output needs rowwise and/or columnwise data")
-    data = torch.empty((rows, cols), dtype=torch.uint8, device=device) if rowwise else None
-    tr = torch.empty((cols, rows), dtype=torch.uint8, device=device) if columnwise else None
+    data = torch.empty(rows, cols, dtype=torch.uint8, device=device) if rowwise else None
+    tr = torch.empty(cols, rows, dtype=torch.uint8, device=device) if columnwise else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=device)
-    out = FP8Tensor(data, tr, scale_inv, fp8_dtype, (rows, cols))
-    nt = out.nvte()
-    _set(nt, Param.kScale, scale)
-    if amax is not None:
-        _set(nt, Param.kAmax, amax)
-    return out, nt
+    nt = _make(data.data_ptr() if rowwise else 0, (rows, cols) if rowwise else None, fp8_dtype,
+               scale_inv.data_ptr(), tr.data_ptr() if columnwise else 0, (cols, rows) if columnwise else None,
+               scale_ptr, amax_ptr)
+    return FP8Tensor(data, tr, scale_inv, fp8_dtype, (rows, cols)), nt
 
 
 # --------------------------------------------------------------------- casts
 def quantize(x: torch.Tensor, scale: torch.Tensor, amax: Optional[torch.Tensor], fp8_dtype,
-             rowwise: bool = True, columnwise: bool = False) -> FP8Tensor:
+             rowwise: bool = True, columnwise: bool = False, slot: Optional[int] = None) -> FP8Tensor:
     """FP8 cast of x (viewed 2D) with `scale`; amax (float32 [1], may be a view into an amax
-    history) is max-accumulated by the library; columnwise adds the transposed data."""
+    history) is max-accumulated by the library; columnwise adds the transposed data. slot: scale
+    and amax are a module's scales [n] and amax history [len, n], of which slot `slot` is used."""
     _check(x, "input", HIGH_PRECISION)
-    _check_meta(scale, amax, x.device)
+    scale_ptr, amax_ptr = _meta_ptrs(scale, amax, x.device, slot)
     rows, cols = _as2d_shape(x)
-    out, nt = _fp8_output(rows, cols, fp8_dtype, scale, amax, rowwise, columnwise, x.device)
-    src = _tensor(x, shape=(rows, cols))
+    out, nt = _fp8_output(rows, cols, fp8_dtype, scale_ptr, amax_ptr, rowwise, columnwise, x.device)
+    src = _tensor(x, (rows, cols))
     if rowwise and columnwise:
         _nvte.cast_transpose(src, nt, _stream(x))
     else:
@@ -166,17 +191,24 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, amax: Optional[torch.Tensor],
     return out
 
 
+def _dbias_workspace(src, x: torch.Tensor, rows: int, cols: int):
+    key = ("dbias", x.device, x.dtype, rows, cols)
+    return _workspace(_workspace_bytes(key, lambda: _nvte.quantize_dbias_workspace_size(src)), x.device)
+
+
 def quantize_dbias(grad: torch.Tensor, scale: torch.Tensor, amax: Optional[torch.Tensor], fp8_dtype,
-                   rowwise: bool = True, columnwise: bool = True) -> Tuple[FP8Tensor, torch.Tensor]:
-    """FP8 cast of a gradient [rows, cols] plus its column sums (the bias gradient, grad's dtype)."""
+                   rowwise: bool = True, columnwise: bool = True,
+                   slot: Optional[int] = None) -> Tuple[FP8Tensor, torch.Tensor]:
+    """FP8 cast of a gradient [rows, cols] plus its column sums (the bias gradient, grad's dtype);
+    slot as in quantize."""
     _check(grad, "grad", HIGH_PRECISION)
-    _check_meta(scale, amax, grad.device)
+    scale_ptr, amax_ptr = _meta_ptrs(scale, amax, grad.device, slot)
     rows, cols = _as2d_shape(grad)
-    out, nt = _fp8_output(rows, cols, fp8_dtype, scale, amax, rowwise, columnwise, grad.device)
+    out, nt = _fp8_output(rows, cols, fp8_dtype, scale_ptr, amax_ptr, rowwise, columnwise, grad.device)
     dbias = torch.empty(cols, dtype=grad.dtype, device=grad.device)
-    src = _tensor(grad, shape=(rows, cols))
+    src = _tensor(grad, (rows, cols))
     db = _tensor(dbias)
-    ws = _workspace(_nvte.quantize_dbias_workspace_size(src), grad.device)
+    ws = _dbias_workspace(src, grad, rows, cols)
     if rowwise and columnwise:
         _nvte.cast_transpose_dbias(src, nt, db, ws, _stream(grad))
     else:
@@ -197,8 +229,8 @@ def quantize_current_scaling(x: torch.Tensor, fp8_dtype, rowwise: bool = True, c
     rows, cols = _as2d_shape(x)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    out, nt = _fp8_output(rows, cols, fp8_dtype, scale, amax, rowwise, columnwise, x.device)
-    src = _tensor(x, shape=(rows, cols))
+    out, nt = _fp8_output(rows, cols, fp8_dtype, scale.data_ptr(), amax.data_ptr(), rowwise, columnwise, x.device)
+    src = _tensor(x, (rows, cols))
     stream = _stream(x)
     _nvte.compute_amax(src, nt, stream)
     _nvte.compute_scale_from_amax(nt, bool(force_pow2_scales), float(amax_epsilon), None, stream)
@@ -209,7 +241,7 @@ def quantize_current_scaling(x: torch.Tensor, fp8_dtype, rowwise: bool = True, c
             _nvte.quantize(src, nt, stream)
         return out
     db = torch.empty(cols, dtype=x.dtype, device=x.device)
-    ws = _workspace(_nvte.quantize_dbias_workspace_size(src), x.device)
+    ws = _dbias_workspace(src, x, rows, cols)
     if rowwise and columnwise:
         _nvte.cast_transpose_dbias(src, nt, _tensor(db), ws, stream)
     else:
@@ -249,7 +281,7 @@ def _operand(x, name, device):
     _check(x, name, HIGH_PRECISION, device)
     if x.dim() != 2:
         raise ValueError(f"{name}: GEMM operands must be 2D, got shape {tuple(x.shape)}")
-    return _tensor(x), tuple(x.shape)
+    return _tensor(x), x.shape
 
 
 def gemm(A, B, out_dtype: torch.dtype, transa: bool, transb: bool, bias: Optional[torch.Tensor] = None,
@@ -270,11 +302,11 @@ def gemm(A, B, out_dtype: torch.dtype, transa: bool, transb: bool, bias: Optiona
     n, kb = (bshape[1], bshape[0]) if transb else (bshape[0], bshape[1])
     if ka != kb:
         raise ValueError(f"GEMM inner dimensions differ: op(A) is [{ka}, {m}], op(B) is [{n}, {kb}] "
-                         f"(A {ashape}, B {bshape}, transa={transa}, transb={transb})")
+                         f"(A {tuple(ashape)}, B {tuple(bshape)}, transa={transa}, transb={transb})")
     if out_dtype not in HIGH_PRECISION:
         raise TypeError(f"GEMM output dtype {out_dtype} is not supported")
     if out is None:
-        out = torch.empty((n, m), dtype=out_dtype, device=device)
+        out = torch.empty(n, m, dtype=out_dtype, device=device)
     else:
         _check(out, "out", (out_dtype,), device)
         if tuple(out.shape) != (n, m):
@@ -286,7 +318,7 @@ def gemm(A, B, out_dtype: torch.dtype, transa: bool, transb: bool, bias: Optiona
         bias_nt = _tensor(bias)
     gelu_nt = None
     if gelu and not grad:
-        pre_gelu = torch.empty((n, m), dtype=out_dtype, device=device)
+        pre_gelu = torch.empty(n, m, dtype=out_dtype, device=device)
     if pre_gelu is not None:
         _check(pre_gelu, "pre_gelu", HIGH_PRECISION, device)
         gelu_nt = _tensor(pre_gelu)
@@ -317,9 +349,9 @@ def multi_gemm(As: Sequence, Bs: Sequence, out_dtype: torch.dtype, transa: bool,
         m, ka = (ashape[0], ashape[1]) if transa else (ashape[1], ashape[0])
         n, kb = (bshape[1], bshape[0]) if transb else (bshape[0], bshape[1])
         if ka != kb:
-            raise ValueError(f"GEMM {i}: inner dimensions differ (A {ashape}, B {bshape}, transa={transa}, "
-                             f"transb={transb})")
-        out = torch.empty((n, m), dtype=out_dtype, device=device)
+            raise ValueError(f"GEMM {i}: inner dimensions differ (A {tuple(ashape)}, B {tuple(bshape)}, "
+                             f"transa={transa}, transb={transb})")
+        out = torch.empty(n, m, dtype=out_dtype, device=device)
         outs.append(out)
         a_nt.append(a)
         b_nt.append(b)
@@ -334,20 +366,21 @@ def multi_gemm(As: Sequence, Bs: Sequence, out_dtype: torch.dtype, transa: bool,
 
 
 # ------------------------------------------------------------- normalization
-def _norm_workspace(x_nt, device, forward):
-    return _workspace(_nvte.normalization_workspace_size(x_nt, forward), device)
+def _norm_workspace(x_nt, x, rows, cols, forward):
+    key = ("norm", x.device, x.dtype, rows, cols, forward)
+    return _workspace(_workspace_bytes(key, lambda: _nvte.normalization_workspace_size(x_nt, forward)), x.device)
 
 
 def _norm_out(x, rows, cols, fp8):
-    """z as a high-precision tensor, or an FP8Tensor when fp8 = (scale, amax, fp8_dtype[, columnwise]):
-    rowwise data, plus the transposed data with columnwise."""
+    """z as a high-precision tensor, or an FP8Tensor when fp8 = (scale, amax, fp8_dtype[, columnwise[,
+    slot]]): rowwise data, plus the transposed data with columnwise; slot as in quantize."""
     if fp8 is None:
-        z = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        z = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
         return z, _tensor(z)
     scale, amax, fp8_dtype = fp8[:3]
     columnwise = len(fp8) > 3 and bool(fp8[3])
-    _check_meta(scale, amax, x.device)
-    return _fp8_output(rows, cols, fp8_dtype, scale, amax, True, columnwise, x.device)
+    scale_ptr, amax_ptr = _meta_ptrs(scale, amax, x.device, fp8[4] if len(fp8) > 4 else None)
+    return _fp8_output(rows, cols, fp8_dtype, scale_ptr, amax_ptr, True, columnwise, x.device)
 
 
 def _check_norm(x, gamma, beta=None):
@@ -368,8 +401,8 @@ def layernorm_fwd(x, gamma, beta, eps: float, zero_centered_gamma: bool = False,
     z, z_nt = _norm_out(x, rows, cols, fp8)
     mu = torch.empty(rows, dtype=torch.float32, device=x.device)
     rs = torch.empty(rows, dtype=torch.float32, device=x.device)
-    x_nt = _tensor(x, shape=(rows, cols))
-    ws = _norm_workspace(x_nt, x.device, True)
+    x_nt = _tensor(x, (rows, cols))
+    ws = _norm_workspace(x_nt, x, rows, cols, True)
     _nvte.layernorm_fwd(x_nt, _tensor(gamma), _tensor(beta), float(eps), z_nt, _tensor(mu), _tensor(rs), ws, 0,
                         zero_centered_gamma, _stream(x))
     return z, mu, rs
@@ -381,12 +414,12 @@ def layernorm_bwd(dz, x, mu, rsigma, gamma, zero_centered_gamma: bool = False):
     _check(dz, "grad_output", HIGH_PRECISION, x.device)
     _check(mu, "mu", (torch.float32,), x.device)
     _check(rsigma, "rsigma", (torch.float32,), x.device)
-    dx = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    dx = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
     dg = torch.empty_like(gamma)
     db = torch.empty_like(gamma)
-    x_nt = _tensor(x, shape=(rows, cols))
-    ws = _norm_workspace(x_nt, x.device, False)
-    _nvte.layernorm_bwd(_tensor(dz, shape=(rows, cols)), x_nt, _tensor(mu), _tensor(rsigma), _tensor(gamma),
+    x_nt = _tensor(x, (rows, cols))
+    ws = _norm_workspace(x_nt, x, rows, cols, False)
+    _nvte.layernorm_bwd(_tensor(dz, (rows, cols)), x_nt, _tensor(mu), _tensor(rsigma), _tensor(gamma),
                         _tensor(dx), _tensor(dg), _tensor(db), ws, 0, zero_centered_gamma, _stream(x))
     return dx, dg, db
 
@@ -396,8 +429,8 @@ def rmsnorm_fwd(x, gamma, eps: float, zero_centered_gamma: bool = False, fp8=Non
     rows, cols = _check_norm(x, gamma)
     z, z_nt = _norm_out(x, rows, cols, fp8)
     rs = torch.empty(rows, dtype=torch.float32, device=x.device)
-    x_nt = _tensor(x, shape=(rows, cols))
-    ws = _norm_workspace(x_nt, x.device, True)
+    x_nt = _tensor(x, (rows, cols))
+    ws = _norm_workspace(x_nt, x, rows, cols, True)
     _nvte.rmsnorm_fwd(x_nt, _tensor(gamma), float(eps), z_nt, _tensor(rs), ws, 0, zero_centered_gamma,
                       _stream(x))
     return z, rs
@@ -408,11 +441,11 @@ def rmsnorm_bwd(dz, x, rsigma, gamma, zero_centered_gamma: bool = False):
     rows, cols = _check_norm(x, gamma)
     _check(dz, "grad_output", HIGH_PRECISION, x.device)
     _check(rsigma, "rsigma", (torch.float32,), x.device)
-    dx = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    dx = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
     dg = torch.empty_like(gamma)
-    x_nt = _tensor(x, shape=(rows, cols))
-    ws = _norm_workspace(x_nt, x.device, False)
-    _nvte.rmsnorm_bwd(_tensor(dz, shape=(rows, cols)), x_nt, _tensor(rsigma), _tensor(gamma), _tensor(dx),
+    x_nt = _tensor(x, (rows, cols))
+    ws = _norm_workspace(x_nt, x, rows, cols, False)
+    _nvte.rmsnorm_bwd(_tensor(dz, (rows, cols)), x_nt, _tensor(rsigma), _tensor(gamma), _tensor(dx),
                       _tensor(dg), ws, 0, zero_centered_gamma, _stream(x))
     return dx, dg
 

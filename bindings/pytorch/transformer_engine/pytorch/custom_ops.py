@@ -25,9 +25,16 @@ from . import _ops
 __all__ = ["quantize", "dequantize", "gemm", "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "norm_fwd_fp8",
            "rmsnorm_fwd", "rmsnorm_bwd", "activation",
            "dactivation", "softmax_forward", "softmax_backward", "delayed_scaling_update", "HIGH_PRECISION_OPERAND",
-           "missing"]
+           "missing", "eager_or_op"]
 
 HIGH_PRECISION_OPERAND = -1
+_DTYPES = {int(v): v for v in _ops.DType.__members__.values()}
+
+
+def _dtype(value: int):
+    """The DType of an int argument: a lookup, cheaper than the binding enum's constructor."""
+    d = _DTYPES.get(value)
+    return _ops.DType(value) if d is None else d
 
 
 def missing(device) -> Tensor:
@@ -47,9 +54,12 @@ def _rows_cols(x: Tensor) -> Tuple[int, int]:
 
 
 def _fp8_tensor(data: Tensor, transpose: Optional[Tensor], scale_inv: Tensor, fp8_dtype: int) -> _ops.FP8Tensor:
-    shape = tuple(data.shape) if _present(data) else (transpose.shape[1], transpose.shape[0])
-    return _ops.FP8Tensor(data if _present(data) else None, transpose if _present(transpose) else None,
-                          scale_inv, _ops.DType(fp8_dtype), shape)
+    transpose = transpose if _present(transpose) else None
+    if _present(data):
+        shape = data.shape
+    else:
+        data, shape = None, (transpose.shape[1], transpose.shape[0])
+    return _ops.FP8Tensor(data, transpose, scale_inv, _dtype(fp8_dtype), shape)
 
 
 def _operand(t: Tensor, t_transpose: Optional[Tensor], scale_inv: Optional[Tensor], fp8_dtype: int):
@@ -74,17 +84,14 @@ def quantize(x: Tensor, scale: Optional[Tensor], amax_history: Optional[Tensor],
     Delayed scaling (scale given): uses scale[index] and max-accumulates |x| into
     amax_history[0, index]. Current scaling (scale None): the scale comes from x's own amax
     (force_pow2_scales / amax_epsilon apply). with_dbias also returns the column sums of x."""
-    fdt = _ops.DType(fp8_dtype)
+    fdt = _dtype(fp8_dtype)
     if scale is None:
         res = _ops.quantize_current_scaling(x, fdt, rowwise, columnwise, force_pow2_scales, amax_epsilon,
                                             dbias=with_dbias)
+    elif with_dbias:
+        res = _ops.quantize_dbias(x, scale, amax_history, fdt, rowwise, columnwise, slot=index)
     else:
-        s = scale[index:index + 1]
-        amax = None if amax_history is None else amax_history[0, index:index + 1]
-        if with_dbias:
-            res = _ops.quantize_dbias(x, s, amax, fdt, rowwise, columnwise)
-        else:
-            res = _ops.quantize(x, s, amax, fdt, rowwise, columnwise)
+        res = _ops.quantize(x, scale, amax_history, fdt, rowwise, columnwise, slot=index)
     q, db = res if with_dbias else (res, None)
     return (q.data if q.data is not None else missing(x.device),
             q.transpose if q.transpose is not None else missing(x.device),
@@ -104,7 +111,7 @@ def _(x, scale, amax_history, index, fp8_dtype, rowwise, columnwise, with_dbias,
 @custom_op("transformer_engine::dequantize", mutates_args=())
 def dequantize(data: Tensor, scale_inv: Tensor, fp8_dtype: int, out_dtype: torch.dtype) -> Tensor:
     """High-precision value of FP8 data (uint8 [rows, cols]) with its scale_inv, in out_dtype."""
-    return _ops.dequantize(_ops.FP8Tensor(data, None, scale_inv, _ops.DType(fp8_dtype), tuple(data.shape)), out_dtype)
+    return _ops.dequantize(_ops.FP8Tensor(data, None, scale_inv, _dtype(fp8_dtype), tuple(data.shape)), out_dtype)
 
 
 @dequantize.register_fake
@@ -116,7 +123,7 @@ def _(data, scale_inv, fp8_dtype, out_dtype):
 def delayed_scaling_update(amax_history: Tensor, scale: Tensor, amax_compute_algo: str, fp8_dtype: int,
                            margin: float) -> None:
     """In place: one delayed-scaling step (roll the history, recompute the scales) in the library."""
-    _ops.delayed_scaling_update(amax_history, scale, amax_compute_algo, _ops.DType(fp8_dtype), margin)
+    _ops.delayed_scaling_update(amax_history, scale, amax_compute_algo, _dtype(fp8_dtype), margin)
 
 
 @delayed_scaling_update.register_fake
@@ -129,21 +136,20 @@ def _(amax_history, scale, amax_compute_algo, fp8_dtype, margin):
 def gemm(A: Tensor, A_transpose: Optional[Tensor], A_scale_inv: Optional[Tensor], A_fp8_dtype: int,
          B: Tensor, B_transpose: Optional[Tensor], B_scale_inv: Optional[Tensor], B_fp8_dtype: int,
          out_dtype: torch.dtype, transa: bool, transb: bool, bias: Optional[Tensor], gelu: bool,
-         dbias: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """D = op(B) @ op(A) (TE's convention, see _ops.gemm) -> (D, pre_gelu, dbias).
+         dbias: bool) -> Tuple[Tensor, Tensor]:
+    """D = op(B) @ op(A) (TE's convention, see _ops.gemm) -> (D, aux).
 
-    gelu: forward GELU epilogue (pre_gelu holds the pre-activation); dbias: backward epilogue
-    returning the bias gradient (one value per row of D) in out_dtype. Unused outputs are empty."""
+    gelu: forward GELU epilogue, aux = the pre-activation; dbias: backward epilogue, aux = the bias
+    gradient (one value per row of D) in out_dtype (gelu is ignored then); else aux is empty (one
+    output for both epilogues: an unused output is still an allocation per call)."""
     a = _operand(A, A_transpose, A_scale_inv, A_fp8_dtype)
     b = _operand(B, B_transpose, B_scale_inv, B_fp8_dtype)
     if dbias:  # one value per row of D (n = rows of op(B))
         n = _logical_shape(B, B_transpose, B_fp8_dtype)[1 if transb else 0]
         db = torch.empty(n, dtype=out_dtype, device=A.device)
-        out = _ops.gemm(a, b, out_dtype, transa, transb, bias=db, grad=True)
-        return out, A.new_empty((0,), dtype=out_dtype), db
+        return _ops.gemm(a, b, out_dtype, transa, transb, bias=db, grad=True), db
     res = _ops.gemm(a, b, out_dtype, transa, transb, bias=bias, gelu=gelu)
-    out, pre = res if gelu else (res, A.new_empty((0,), dtype=out_dtype))
-    return out, pre, A.new_empty((0,), dtype=out_dtype)
+    return res if gelu else (res, A.new_empty(0, dtype=out_dtype))
 
 
 @gemm.register_fake
@@ -153,8 +159,8 @@ def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_f
     bshape = _logical_shape(B, B_transpose, B_fp8_dtype)
     m = ashape[0] if transa else ashape[1]
     n = bshape[1] if transb else bshape[0]
-    return (A.new_empty((n, m), dtype=out_dtype), A.new_empty((n, m) if gelu else (0,), dtype=out_dtype),
-            A.new_empty((n,) if dbias else (0,), dtype=out_dtype))
+    aux = (n,) if dbias else ((n, m) if gelu else (0,))
+    return A.new_empty((n, m), dtype=out_dtype), A.new_empty(aux, dtype=out_dtype)
 
 
 @custom_op("transformer_engine::grouped_gemm", mutates_args=())
@@ -223,7 +229,7 @@ def norm_fwd_fp8(x: Tensor, gamma: Tensor, beta: Optional[Tensor], eps: float, z
     """LayerNorm (beta given) or RMSNorm (beta None) with its output cast to FP8 in the same kernel
     (delayed scaling: scale[index], |z| max-accumulated into amax_history[0, index]) -> (data,
     transpose (or the placeholder), scale_inv, mu (empty for RMSNorm), rsigma)."""
-    fp8 = (scale[index:index + 1], amax_history[0, index:index + 1], _ops.DType(fp8_dtype), columnwise)
+    fp8 = (scale, amax_history, _dtype(fp8_dtype), columnwise, index)
     if beta is None:
         q, rs = _ops.rmsnorm_fwd(x, gamma, eps, zero_centered_gamma, fp8=fp8)
         mu = torch.empty(0, dtype=torch.float32, device=x.device)
@@ -313,33 +319,36 @@ def _(dy, y, kind, scale):
 
 
 # ------------------------------------------------------------------ eager fast path
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+# argument types that need no further look (the common case is decided by one set lookup)
+_LEAF_TYPES = frozenset((Tensor, torch.nn.Parameter, int, float, bool, str, torch.dtype, type(None)))
 
 
 def _plain(args) -> bool:
     """True when every tensor among args (lists included) is a plain torch.Tensor or Parameter:
     eager execution, not dynamo / AOTAutograd tracing (fake or functional tensors) or a subclass."""
     for a in args:
-        if isinstance(a, Tensor):
-            if type(a) not in _PLAIN_TYPES:
-                return False
-        elif isinstance(a, (list, tuple)):
+        t = type(a)
+        if t in _LEAF_TYPES:
+            continue
+        if isinstance(a, (list, tuple)):
             if not _plain(a):
                 return False
+        elif isinstance(a, Tensor):
+            return False
     return True
 
 
-def _eager_or_op(op):
+def eager_or_op(op):
     """The registered op while tracing (torch.compile, or any tensor subclass), its Python body in
-    eager mode. The dispatcher's custom-op path (argument schema checks, autograd and dynamo
-    wrappers, redispatch) costs tens of microseconds of host time per call; in an FP8 layer, which
-    makes twice the calls of a high-precision one (casts, recipe updates), that host time is what
-    made small FP8 layers slower than BF16 ones on the GPU. The body is the same function the op
-    runs, so results are identical."""
+    eager mode (every op of the adapter, the fused-attention ones included). The dispatcher's
+    custom-op path (argument schema checks, autograd and dynamo wrappers, redispatch) costs tens of
+    microseconds of host time per call; in an FP8 layer, which makes twice the calls of a
+    high-precision one (casts, recipe updates), that host time is what made small FP8 layers slower
+    than BF16 ones on the GPU. The body is the same function the op runs, so results are identical."""
     impl = op._init_fn
 
     def call(*args, **kwargs):
-        if torch.compiler.is_compiling() or not (_plain(args) and _plain(kwargs.values())):
+        if torch.compiler.is_compiling() or not _plain(args) or (kwargs and not _plain(kwargs.values())):
             return op(*args, **kwargs)
         return impl(*args, **kwargs)
 
@@ -351,5 +360,5 @@ def _eager_or_op(op):
 for _name in ("quantize", "dequantize", "delayed_scaling_update", "gemm", "grouped_gemm", "layernorm_fwd",
               "layernorm_bwd", "norm_fwd_fp8", "rmsnorm_fwd", "rmsnorm_bwd", "activation", "dactivation", "softmax_forward",
               "softmax_backward"):
-    globals()[_name] = _eager_or_op(globals()[_name])
+    globals()[_name] = eager_or_op(globals()[_name])
 del _name

@@ -153,6 +153,21 @@ def _fp8_fwd_meta(dpa):
 
 
 # ------------------------------------------------------------------ the fused path
+_ZERO_RNG = {}  # device -> int64 [2] zeros: the (unused) rng_state of calls without dropout
+
+
+def _zero_rng_state(device: torch.device) -> torch.Tensor:
+    """The rng_state of a call without dropout (read only, so one tensor per device serves every
+    call, instead of an allocation and a fill kernel per forward)."""
+    t = None if torch.compiler.is_compiling() else _ZERO_RNG.get(device)
+    if t is None:
+        t = torch.zeros(2, dtype=torch.int64, device=device)
+        # kept unless made inside a traced graph or a CUDA graph capture (where it is filled only at replay)
+        if not (torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())):
+            _ZERO_RNG[device] = t
+    return t
+
+
 def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes,
               seq: Optional[Seq], fp8: Optional[DelayedScaling]):
     """The fused attention output, or None when the unfused path should run; raises when neither
@@ -213,7 +228,7 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
                                       f"({why}) and the unfused path "
                                       f"{'is disabled (NVTE_UNFUSED_ATTN=0)' if not needs_fused else 'has no attention bias / ALiBi'}")
         return None
-    rng = _fa.new_rng_state(q.device) if dropout > 0.0 else torch.zeros(2, dtype=torch.int64, device=q.device)
+    rng = _fa.new_rng_state(q.device) if dropout > 0.0 else _zero_rng_state(q.device)
     br = "causal" not in mask_type
     mask = _fa.MASK_INT[mask_type]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -14,8 +14,9 @@ is the only path that can run the call (bias, ALiBi) or NVTE_FUSED_ATTN=1.
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -24,6 +25,7 @@ from torch.library import custom_op
 from transformer_engine import _nvte
 
 from . import _ops
+from .custom_ops import eager_or_op
 
 L, M, BT, ST = _nvte.NVTE_QKV_Layout, _nvte.NVTE_Mask_Type, _nvte.NVTE_Bias_Type, _nvte.NVTE_Softmax_Type
 _DT = {torch.float32: _nvte.DType.kFloat32, torch.float16: _nvte.DType.kFloat16,
@@ -49,11 +51,69 @@ _stream = _ops._stream
 _workspace = _ops._workspace  # an _nvte.Tensor of nbytes, or None
 
 
-def _scalars(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br):
-    return dict(max_seqlen_q=max_sq, max_seqlen_kv=max_skv, attn_scale=scale, dropout=dropout,
-                qkv_layout=L(layout), bias_type=BT(bias_type), attn_mask_type=M(mask),
-                softmax_type=ST.NVTE_VANILLA_SOFTMAX, window_size_left=wl, window_size_right=wr,
-                bottom_right_diagonal=br)
+class AttnCfg(NamedTuple):
+    """The scalar configuration of one attention call (hashable: it keys the workspace sizes)."""
+    max_sq: int
+    max_skv: int
+    scale: float
+    dropout: float
+    layout: int
+    bias_type: int
+    mask: int
+    wl: int
+    wr: int
+    br: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _enums(layout: int, bias_type: int, mask: int):
+    """The binding's enums (layout, bias, mask, softmax) of the ops' plain-int arguments, made once."""
+    return L(layout), BT(bias_type), M(mask), ST.NVTE_VANILLA_SOFTMAX
+
+
+def _tail(c: AttnCfg):
+    """The trailing scalars nvte_fused_attn_fwd and _bwd share: scale, dropout, layout, bias type,
+    mask, softmax type, window, bottom-right diagonal."""
+    return (c.scale, c.dropout, *_enums(c.layout, c.bias_type, c.mask), c.wl, c.wr, c.br)
+
+
+def attn_workspace(bwd: bool, c: AttnCfg, qkv, H, bias: Optional[Tensor], is_training: bool):
+    """The workspace of one forward / backward call (handles H of q, k, v; bias: the bias, or for the
+    backward the bias gradient, or None). Its size is asked of the library once per configuration."""
+    q, k, v = qkv
+    key = ("attn", bwd, q.device, q.dtype, q.shape, k.shape, v.shape,
+           None if bias is None else (bias.shape, bias.dtype), is_training, c)
+
+    def query():
+        enums = _enums(c.layout, c.bias_type, c.mask)
+        if bwd:
+            return _nvte.fused_attn_bwd_workspace_size(*H, _handle(bias), c.max_sq, c.max_skv, c.dropout, *enums,
+                                                       c.wl, c.wr, c.br)
+        return _nvte.fused_attn_fwd_workspace_size(*H, _handle(bias), c.max_sq, c.max_skv, is_training, False,
+                                                   c.dropout, *enums, c.wl, c.wr, c.br)
+    return _workspace(_ops._workspace_bytes(key, query), q.device)
+
+
+def call_fwd(c: AttnCfg, qkv, H, bias, s_h, o_h, aux, cu, rng_state: Tensor, is_training: bool) -> None:
+    """nvte_fused_attn_fwd (positional arguments: cheaper to pass than keywords). H: handles of q, k, v;
+    s_h: FP8 S metadata or None; cu: (cu_seqlens_q, _kv, _q_padded, _kv_padded) tensors or Nones."""
+    ws = attn_workspace(False, c, qkv, H, bias, is_training)
+    # the binding's order: Q, K, V, Bias, SoftmaxOffset, S, O, aux, cu_seqlens (q, kv, q_padded, kv_padded),
+    # page tables (k, v), rng_state, max_seqlen (q, kv), is_training, return_max_logit, cuda_graph, the
+    # _tail scalars, workspace, stream
+    _nvte.fused_attn_fwd(*H, _handle(bias), None, s_h, o_h, aux, *[_handle(t) for t in cu], None, None,
+                         _handle(rng_state), c.max_sq, c.max_skv, is_training, False, False, *_tail(c), ws,
+                         _stream(qkv[0]))
+
+
+def call_bwd(c: AttnCfg, qkv, H, o_h, do_h, s_h, dp_h, aux, grads, dbias, cu) -> None:
+    """nvte_fused_attn_bwd (positional). grads: handles of dq, dk, dv; dbias: tensor or None; s_h / dp_h:
+    FP8 metadata or None; cu as in call_fwd."""
+    ws = attn_workspace(True, c, qkv, H, dbias, True)
+    # the binding's order: Q, K, V, O, dO, S, dP, aux, dQ, dK, dV, dBias, dSoftmaxOffset, cu_seqlens (4),
+    # max_seqlen (q, kv), the _tail scalars, deterministic, cuda_graph, workspace, stream
+    _nvte.fused_attn_bwd(*H, o_h, do_h, s_h, dp_h, aux, *grads, _handle(dbias), None, *[_handle(t) for t in cu],
+                         c.max_sq, c.max_skv, *_tail(c), True, False, ws, _stream(qkv[0]))
 
 
 def stats_shape(q: Tensor, layout: int, max_sq: int, cu_q: Optional[Tensor]) -> List[int]:
@@ -72,24 +132,17 @@ def fused_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], cu_q
                    scale: float, dropout: float, layout: int, bias_type: int, mask: int, wl: int,
                    wr: int, br: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (O, softmax statistics, rng_state copy, bias copy or an empty placeholder)."""
-    sc = _scalars(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br)
-    H = [_handle(x) for x in (q, k, v)]
+    c = AttnCfg(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br)
+    qkv = (q, k, v)
     o = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     stats = torch.empty(stats_shape(q, layout, max_sq, cu_q), dtype=torch.float32, device=q.device)
     rng_copy = torch.empty(2, dtype=torch.int64, device=q.device)
     bias_copy = torch.empty_like(bias) if bias is not None else torch.empty(0, dtype=q.dtype, device=q.device)
-    ws = _workspace(_nvte.fused_attn_fwd_workspace_size(*H, _handle(bias), max_sq, max_skv, is_training, False,
-                                                        dropout, sc["qkv_layout"], sc["bias_type"],
-                                                        sc["attn_mask_type"], sc["softmax_type"], wl, wr, br),
-                    q.device)
     aux = None
     if is_training:
         aux = [_handle(stats), _handle(rng_copy)] + ([_handle(bias_copy)] if bias is not None else [])
-    _nvte.fused_attn_fwd(*H, Bias=_handle(bias), SoftmaxOffset=None, S=None, O=_handle(o), aux=aux,
-                         cu_seqlens_q=_handle(cu_q), cu_seqlens_kv=_handle(cu_kv), cu_seqlens_q_padded=_handle(cu_q_pad),
-                         cu_seqlens_kv_padded=_handle(cu_kv_pad), page_table_k=None, page_table_v=None,
-                         rng_state=_handle(rng_state), is_training=is_training, return_max_logit=False,
-                         cuda_graph=False, workspace=ws, stream=_stream(q), **sc)
+    call_fwd(c, qkv, [_handle(x) for x in qkv], bias, None, _handle(o), aux, (cu_q, cu_kv, cu_q_pad, cu_kv_pad),
+             rng_state, is_training)
     return o, stats, rng_copy, bias_copy
 
 
@@ -108,20 +161,15 @@ def fused_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, stats
                    cu_kv_pad: Optional[Tensor], max_sq: int, max_skv: int,
                    scale: float, dropout: float, layout: int, bias_type: int, mask: int, wl: int, wr: int,
                    br: bool, need_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    sc = _scalars(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br)
-    H = [_handle(x) for x in (q, k, v)]
+    c = AttnCfg(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br)
+    qkv = (q, k, v)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     has_bias = bias_copy.numel() > 0
     dbias = torch.empty_like(bias_copy) if (has_bias and need_dbias) else q.new_empty(0)
-    ws = _workspace(_nvte.fused_attn_bwd_workspace_size(*H, _handle(dbias) if dbias.numel() else None, max_sq,
-                                                        max_skv, dropout, sc["qkv_layout"], sc["bias_type"],
-                                                        sc["attn_mask_type"], sc["softmax_type"], wl, wr, br),
-                    q.device)
     aux = [_handle(stats), _handle(rng_copy)] + ([_handle(bias_copy)] if has_bias else [])
-    _nvte.fused_attn_bwd(*H, _handle(o), _handle(do.contiguous()), None, None, aux, _handle(dq), _handle(dk),
-                         _handle(dv), _handle(dbias) if dbias.numel() else None, None, _handle(cu_q), _handle(cu_kv),
-                         _handle(cu_q_pad), _handle(cu_kv_pad), deterministic=True, cuda_graph=False, workspace=ws,
-                         stream=_stream(q), **sc)
+    do = do.contiguous()  # a local: the handle only borrows its memory
+    call_bwd(c, qkv, [_handle(x) for x in qkv], _handle(o), _handle(do), None, None, aux,
+             [_handle(x) for x in (dq, dk, dv)], dbias if dbias.numel() else None, (cu_q, cu_kv, cu_q_pad, cu_kv_pad))
     return dq, dk, dv, dbias
 
 
@@ -131,6 +179,11 @@ def _(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad, cu_kv_p
     has = bias_copy.numel() > 0 and need_dbias
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(bias_copy) if has else q.new_empty(0))
+
+
+# eager calls run the bodies directly (the dispatcher's custom-op path costs tens of microseconds)
+fused_attn_fwd = eager_or_op(fused_attn_fwd)
+fused_attn_bwd = eager_or_op(fused_attn_bwd)
 
 
 class FusedAttnFunc(torch.autograd.Function):
@@ -178,9 +231,17 @@ def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_ty
     if q.device.type == "cpu":
         return True, ""
     qdt, kdt = (_nvte.DType.kFloat8E4M3,) * 2 if fp8 else (_DT[q.dtype], _DT[k.dtype])
+    return _backend_answer(q.device.index, is_training, qdt, kdt, layout, bias_type, mask, dropout, q.shape[-2],
+                           k.shape[-2], max_sq, max_skv, q.shape[-1], v.shape[-1], wl, wr)
+
+
+@functools.lru_cache(maxsize=1024)
+def _backend_answer(device_index, is_training, qdt, kdt, layout, bias_type, mask, dropout, h, g, max_sq, max_skv,
+                    d_qk, d_v, wl, wr) -> Tuple[bool, str]:
+    """nvte_get_fused_attn_backend's answer, asked once per configuration and device (a forward asks
+    every time, and the answer depends only on these)."""
     be = _nvte.get_fused_attn_backend(is_training, qdt, kdt, L(layout), BT(bias_type), M(mask),
-                                      ST.NVTE_VANILLA_SOFTMAX, dropout, q.shape[-2], k.shape[-2], max_sq, max_skv,
-                                      q.shape[-1], v.shape[-1], wl, wr)
+                                      ST.NVTE_VANILLA_SOFTMAX, dropout, h, g, max_sq, max_skv, d_qk, d_v, wl, wr)
     if be == _nvte.NVTE_Fused_Attn_Backend.NVTE_No_Backend:
         return False, _nvte.get_last_error()
     return True, ""

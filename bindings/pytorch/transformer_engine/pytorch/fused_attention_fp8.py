@@ -28,6 +28,7 @@ from torch.library import custom_op
 
 from transformer_engine import _nvte as _nv
 
+from . import _ops
 from . import custom_ops as ops
 from . import fused_attention as _fa
 
@@ -37,20 +38,12 @@ SLOT_DO, SLOT_DP, SLOT_DQKV = 0, 1, 2   # backward
 NUM_FWD, NUM_BWD = 3, 3
 
 
-def _fp8(data: Optional[Tensor], fp8_dtype: int, shape, scale_inv: Optional[Tensor] = None,
-         scale: Optional[Tensor] = None, amax: Optional[Tensor] = None):
-    """A handle: FP8 data (uint8 storage, logical `shape`) and/or float32 [1] metadata buffers."""
-    h = _nv.Tensor()
-    refs = []
-    if data is not None:
-        h.set_param(_nv.Param.kRowwiseData, data.data_ptr(), list(shape), _nv.DType(fp8_dtype))
-        refs.append(data)
-    for p, t in ((_nv.Param.kRowwiseScaleInv, scale_inv), (_nv.Param.kScale, scale), (_nv.Param.kAmax, amax)):
-        if t is not None:
-            h.set_param(p, t.data_ptr(), [1], _nv.DType.kFloat32)
-            refs.append(t)
-    h._refs = refs
-    return h
+def _fp8(data: Optional[Tensor], fp8_dtype: int, scale_inv: Optional[Tensor] = None, scale: int = 0,
+         amax: int = 0):
+    """A handle: FP8 data (uint8 storage) and/or float32 [1] metadata: scale_inv a tensor, scale and
+    amax addresses (0: none; slots of the module's buffers, see _ops._slot_ptr)."""
+    return _ops._make(0 if data is None else data.data_ptr(), None if data is None else data.shape,
+                      ops._dtype(fp8_dtype), 0 if scale_inv is None else scale_inv.data_ptr(), 0, None, scale, amax)
 
 
 def _o_shape(q: Tensor, v: Tensor):
@@ -67,28 +60,19 @@ def fused_attn_fp8_fwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
     """qd, kd, vd: float8_e4m3 bytes (uint8) in the layout's shapes, with their scale_inv [1].
     Returns (O bytes (E4M3, uint8), O's scale_inv, the S scale used, softmax statistics,
     rng_state copy); S and O max-accumulate their amaxes into fwd_hist[0, 1] / [0, 2]."""
-    sc = _fa._scalars(max_sq, max_skv, scale, dropout, layout, int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br)
+    c = _fa.AttnCfg(max_sq, max_skv, scale, dropout, layout, int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br)
     dev = qd.device
-    H = [_fp8(x, E4M3, x.shape, si) for x, si in ((qd, q_si), (kd, k_si), (vd, v_si))]
+    qkv = (qd, kd, vd)
+    H = [_fp8(x, E4M3, si) for x, si in zip(qkv, (q_si, k_si, v_si))]
     o = torch.empty(_o_shape(qd, vd), dtype=torch.uint8, device=dev)
     o_si = torch.empty(1, dtype=torch.float32, device=dev)
     s_scale = fwd_scale[SLOT_S:SLOT_S + 1].clone()
-    s_h = _fp8(None, E4M3, (), scale=s_scale, amax=fwd_hist[0, SLOT_S:SLOT_S + 1])
-    o_h = _fp8(o, E4M3, o.shape, scale_inv=o_si, scale=fwd_scale[SLOT_O:SLOT_O + 1],
-               amax=fwd_hist[0, SLOT_O:SLOT_O + 1])
+    s_h = _fp8(None, E4M3, scale=s_scale.data_ptr(), amax=_ops._slot_ptr(fwd_hist, SLOT_S))
+    o_h = _fp8(o, E4M3, o_si, _ops._slot_ptr(fwd_scale, SLOT_O), _ops._slot_ptr(fwd_hist, SLOT_O))
     stats = torch.empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=torch.float32, device=dev)
     rng_copy = torch.empty(2, dtype=torch.int64, device=dev)
-    ws = _fa._workspace(_fa._nvte.fused_attn_fwd_workspace_size(*H, None, max_sq, max_skv, is_training, False,
-                                                                dropout, sc["qkv_layout"], sc["bias_type"],
-                                                                sc["attn_mask_type"], sc["softmax_type"], wl, wr,
-                                                                br), dev)
     aux = [_fa._handle(stats), _fa._handle(rng_copy)] if is_training else None
-    _fa._nvte.fused_attn_fwd(*H, Bias=None, SoftmaxOffset=None, S=s_h, O=o_h, aux=aux,
-                             cu_seqlens_q=_fa._handle(cu_q), cu_seqlens_kv=_fa._handle(cu_kv),
-                             cu_seqlens_q_padded=_fa._handle(cu_q_pad), cu_seqlens_kv_padded=_fa._handle(cu_kv_pad),
-                             page_table_k=None, page_table_v=None, rng_state=_fa._handle(rng_state),
-                             is_training=is_training, return_max_logit=False, cuda_graph=False,
-                             workspace=ws, stream=_fa._stream(qd), **sc)
+    _fa.call_fwd(c, qkv, H, None, s_h, o_h, aux, (cu_q, cu_kv, cu_q_pad, cu_kv_pad), rng_state, is_training)
     return o, o_si, s_scale, stats, rng_copy
 
 
@@ -109,25 +93,20 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
                        bwd_dtype: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dO bytes (format bwd_dtype) -> (dQ, dK, dV bytes in bwd_dtype, their scale_invs); dP and
     dQKV max-accumulate their amaxes into bwd_hist[0, 1] / [0, 2]."""
-    sc = _fa._scalars(max_sq, max_skv, scale, dropout, layout, int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br)
+    c = _fa.AttnCfg(max_sq, max_skv, scale, dropout, layout, int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br)
     dev = qd.device
-    H = [_fp8(x, E4M3, x.shape, si) for x, si in ((qd, q_si), (kd, k_si), (vd, v_si))]
-    o_h = _fp8(od, E4M3, od.shape, o_si)
-    do_h = _fp8(dod, bwd_dtype, dod.shape, do_si)
-    s_h = _fp8(None, E4M3, (), scale=s_scale)
-    dp_h = _fp8(None, bwd_dtype, (), scale=bwd_scale[SLOT_DP:SLOT_DP + 1], amax=bwd_hist[0, SLOT_DP:SLOT_DP + 1])
-    grads = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in (qd, kd, vd)]
+    qkv = (qd, kd, vd)
+    H = [_fp8(x, E4M3, si) for x, si in zip(qkv, (q_si, k_si, v_si))]
+    o_h = _fp8(od, E4M3, o_si)
+    do_h = _fp8(dod, bwd_dtype, do_si)
+    s_h = _fp8(None, E4M3, scale=s_scale.data_ptr())
+    dp_h = _fp8(None, bwd_dtype, scale=_ops._slot_ptr(bwd_scale, SLOT_DP), amax=_ops._slot_ptr(bwd_hist, SLOT_DP))
+    grads = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in qkv]
     sis = [torch.empty(1, dtype=torch.float32, device=dev) for _ in range(3)]
-    g_scale, g_amax = bwd_scale[SLOT_DQKV:SLOT_DQKV + 1], bwd_hist[0, SLOT_DQKV:SLOT_DQKV + 1]
-    G = [_fp8(g, bwd_dtype, g.shape, si, g_scale, g_amax) for g, si in zip(grads, sis)]
-    ws = _fa._workspace(_fa._nvte.fused_attn_bwd_workspace_size(*H, None, max_sq, max_skv, dropout,
-                                                                sc["qkv_layout"], sc["bias_type"],
-                                                                sc["attn_mask_type"], sc["softmax_type"], wl, wr,
-                                                                br), dev)
+    g_scale, g_amax = _ops._slot_ptr(bwd_scale, SLOT_DQKV), _ops._slot_ptr(bwd_hist, SLOT_DQKV)
+    G = [_fp8(g, bwd_dtype, si, g_scale, g_amax) for g, si in zip(grads, sis)]
     aux = [_fa._handle(stats), _fa._handle(rng_copy)]
-    _fa._nvte.fused_attn_bwd(*H, o_h, do_h, s_h, dp_h, aux, G[0], G[1], G[2], None, None, _fa._handle(cu_q),
-                             _fa._handle(cu_kv), _fa._handle(cu_q_pad), _fa._handle(cu_kv_pad), deterministic=True,
-                             cuda_graph=False, workspace=ws, stream=_fa._stream(qd), **sc)
+    _fa.call_bwd(c, qkv, H, o_h, do_h, s_h, dp_h, aux, G, None, (cu_q, cu_kv, cu_q_pad, cu_kv_pad))
     return grads[0], grads[1], grads[2], sis[0], sis[1], sis[2]
 
 
@@ -136,6 +115,11 @@ def _(qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng_copy, s_sca
       bwd_scale, bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br, bwd_dtype):
     return (torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd), q_si.new_empty(1), q_si.new_empty(1),
             q_si.new_empty(1))
+
+
+# eager calls run the bodies directly (the dispatcher's custom-op path costs tens of microseconds)
+fused_attn_fp8_fwd = ops.eager_or_op(fused_attn_fp8_fwd)
+fused_attn_fp8_bwd = ops.eager_or_op(fused_attn_fp8_bwd)
 
 
 # ------------------------------------------------------------------ autograd

@@ -80,15 +80,15 @@ class _LinearFn(torch.autograd.Function):
                 xd, xt, x_si, _ = ops.quantize(x2, fwd_scale if delayed else None, fwd_hist if delayed else None,
                                                cfg.fwd_slot, cfg.fwd_dtype, True, cfg.need_wgrad, False,
                                                cfg.inp_pow2, cfg.inp_eps)
-            out, pre, _ = ops.gemm(w_data, w_transpose, w_scale_inv, cfg.fwd_dtype, xd, None, x_si, cfg.fwd_dtype,
-                                   x2.dtype, True, False, b, cfg.gelu, False)
+            out, pre = ops.gemm(w_data, w_transpose, w_scale_inv, cfg.fwd_dtype, xd, None, x_si, cfg.fwd_dtype,
+                                x2.dtype, True, False, b, cfg.gelu, False)
             # keep only the transposed copies: dgrad and wgrad read those
             ctx.save_for_backward(xt, x_si, w_transpose, w_scale_inv, pre, *norm_saved)
         else:
             if cfg.scaling == "calibrate":  # record the input's amax only (the FP8 copy is dropped)
                 ops.quantize(x2, fwd_scale, fwd_hist, cfg.fwd_slot, cfg.fwd_dtype, True, False, False, False, 0.0)
             w = high_precision(weight)
-            out, pre, _ = ops.gemm(w, None, None, HP, x2, None, None, HP, x2.dtype, True, False, b, cfg.gelu, False)
+            out, pre = ops.gemm(w, None, None, HP, x2, None, None, HP, x2.dtype, True, False, b, cfg.gelu, False)
             ctx.save_for_backward(x2, w, pre)
         # the backward meta is updated in place by the backward: kept on ctx, not saved (a saved tensor
         # may not change between forward and backward)
@@ -103,7 +103,7 @@ class _LinearFn(torch.autograd.Function):
         cfg = ctx.cfg
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dtype = ctx.act_dtype
-        g = grad_out.reshape(-1, grad_out.shape[-1])
+        g = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         g = (g if g.dtype == dtype else g.to(dtype)).contiguous()
         dx = dw = db = None
         norm_grads = (None, None)
@@ -121,12 +121,12 @@ class _LinearFn(torch.autograd.Function):
             gd, gt, g_si, gb = ops.quantize(g, ctx.bwd_scale if delayed else None, ctx.bwd_hist if delayed else None,
                                             cfg.bwd_slot, cfg.bwd_dtype, need_dx, need_dw or not need_dx, need_db,
                                             cfg.grad_pow2, cfg.grad_eps)
-            none = ops.missing(g.device)
+            none = ops.missing(g.device)  # the absent operand buffers (read-only: one serves them all)
             if need_dx:
                 dx = ops.gemm(none, w_t, w_si, cfg.fwd_dtype, gd, None, g_si, cfg.bwd_dtype, dtype, False, False,
                               None, False, False)[0]
             if need_dw:
-                dw = ops.gemm(none, xt, x_si, cfg.fwd_dtype, ops.missing(g.device), gt, g_si, cfg.bwd_dtype,
+                dw = ops.gemm(none, xt, x_si, cfg.fwd_dtype, none, gt, g_si, cfg.bwd_dtype,
                               ctx.weight_dtype, False, True, None, False, False)[0]
             if need_db:
                 db = gb
@@ -145,8 +145,8 @@ class _LinearFn(torch.autograd.Function):
             if need_dx:
                 dx = ops.gemm(w, None, None, HP, g, None, None, HP, dtype, False, False, None, False, False)[0]
             if need_dw or need_db:
-                dw, _, gb = ops.gemm(x2, None, None, HP, g, None, None, HP, ctx.weight_dtype, False, True, None, False,
-                                     need_db)
+                dw, gb = ops.gemm(x2, None, None, HP, g, None, None, HP, ctx.weight_dtype, False, True, None, False,
+                                  need_db)
                 db = gb if need_db else None
         return (dx, (dw if need_dw else None), db, None, None, None, None, None, None, None, None) + norm_grads
 

@@ -3,8 +3,6 @@ FP8 metadata ownership and its state_dict entry (`_extra_state`), FP8 weight par
 (quantized_model_init)."""
 from __future__ import annotations
 
-import dataclasses
-
 from typing import Callable, Optional
 
 import torch
@@ -63,6 +61,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if self._device_arg.type != "meta" and (self._num_fp8_fwd or self._num_fp8_bwd):
             self.fp8_meta.allocate(self._device_arg)
         self._fp8_weight_cache = {}  # slot -> QuantizedWeight kept by is_first_microbatch=True
+        self._linear_cfgs = {}  # configuration key -> LinearCfg (see _linear_cfg)
         # quantized_model_init: the recipe the GEMM weights are kept in FP8 with (None: high precision)
         init = FP8ModelInitState
         self._fp8_param_recipe = init.recipe if init.enabled and (self._num_fp8_fwd or self._num_fp8_bwd) else None
@@ -143,22 +142,48 @@ class TransformerEngineBaseModule(torch.nn.Module):
         return "delayed" if delayed else "current"
 
     def _linear_cfg(self, scaling: str, fwd_slot: int = 0, bwd_slot: int = 0, update_bwd: bool = True,
-                    gelu: bool = False, need_dgrad: bool = True, need_wgrad: bool = True) -> LinearCfg:
-        """The constant configuration of one linear layer's autograd function for this forward."""
+                    gelu: bool = False, need_dgrad: bool = True, need_wgrad: bool = True,
+                    norm: tuple = ()) -> LinearCfg:
+        """The constant configuration of one linear layer's autograd function for this forward;
+        norm: () or (kind, eps, zero_centered_gamma) of a fused norm. Kept per distinct configuration
+        and recipe settings (building the frozen dataclass every forward costs microseconds)."""
+        key = (scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm,
+               self._recipe_settings(scaling))
+        if torch.compiler.is_compiling():  # no cache updates inside a traced graph
+            return self._new_linear_cfg(*key)
+        cfg = self._linear_cfgs.get(key)
+        if cfg is None:
+            cfg = self._linear_cfgs[key] = self._new_linear_cfg(*key)
+        return cfg
+
+    def _recipe_settings(self, scaling: str) -> tuple:
+        """The recipe values a LinearCfg takes: FP8 dtypes and the scaling options."""
         if scaling == "none":
-            return LinearCfg(gelu=gelu, need_dgrad=need_dgrad, need_wgrad=need_wgrad)
+            return ()
         r = self.fp8_meta.recipe
-        fwd, bwd = self.fp8_meta.fp8_dtype("fwd"), self.fp8_meta.fp8_dtype("bwd")
-        extra = {}
+        dtypes = (self.fp8_meta.fp8_dtype("fwd"), self.fp8_meta.fp8_dtype("bwd"))
         if scaling == "current":
-            extra = dict(inp_pow2=r.fp8_quant_fwd_inp.power_2_scale, inp_eps=float(r.fp8_quant_fwd_inp.amax_epsilon),
-                         grad_pow2=r.fp8_quant_bwd_grad.power_2_scale,
-                         grad_eps=float(r.fp8_quant_bwd_grad.amax_epsilon))
+            inp, grad = r.fp8_quant_fwd_inp, r.fp8_quant_bwd_grad
+            return dtypes + (inp.power_2_scale, float(inp.amax_epsilon), grad.power_2_scale,
+                             float(grad.amax_epsilon))
+        return dtypes + (r.amax_compute_algo, float(r.margin))
+
+    @staticmethod
+    def _new_linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm,
+                        settings) -> LinearCfg:
+        flags = dict(gelu=gelu, need_dgrad=need_dgrad, need_wgrad=need_wgrad)
+        if norm:
+            flags.update(norm=norm[0], norm_eps=float(norm[1]), norm_zero_centered=bool(norm[2]))
+        if scaling == "none":
+            return LinearCfg(**flags)
+        if scaling == "current":
+            fwd, bwd, inp_pow2, inp_eps, grad_pow2, grad_eps = settings
+            extra = dict(inp_pow2=inp_pow2, inp_eps=inp_eps, grad_pow2=grad_pow2, grad_eps=grad_eps)
         else:
-            extra = dict(amax_compute_algo=r.amax_compute_algo, margin=float(r.margin))
-        return LinearCfg(scaling=scaling, fwd_dtype=fwd, bwd_dtype=bwd, fwd_slot=fwd_slot,
-                         bwd_slot=bwd_slot, update_bwd=update_bwd, gelu=gelu, need_dgrad=need_dgrad,
-                         need_wgrad=need_wgrad, **extra)
+            fwd, bwd, algo, margin = settings
+            extra = dict(amax_compute_algo=algo, margin=margin)
+        return LinearCfg(scaling=scaling, fwd_dtype=fwd, bwd_dtype=bwd, fwd_slot=fwd_slot, bwd_slot=bwd_slot,
+                         update_bwd=update_bwd, **flags, **extra)
 
     def _meta_tensors(self, scaling: str):
         """(fwd scale, fwd amax history, bwd scale, bwd amax history), or Nones without delayed state."""
@@ -219,11 +244,12 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if norm is not None:
             need_dgrad = need_dgrad or (torch.is_grad_enabled() and any(
                 p is not None and p.requires_grad for p in norm[1:3]))
-        cfg = self._linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad)
         norm_w = norm_b = None
+        norm_cfg = ()
         if norm is not None:
             kind, norm_w, norm_b, eps, zc = norm
-            cfg = dataclasses.replace(cfg, norm=kind, norm_eps=float(eps), norm_zero_centered=bool(zc))
+            norm_cfg = (kind, eps, zc)
+        cfg = self._linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm_cfg)
         qweight = self._quantized_weight(weight, cfg, fwd_slot + 1, is_first_microbatch)
         return linear_fn(x2, weight, bias, cfg, qweight, self._meta_tensors(scaling), norm_w, norm_b)
 
@@ -247,14 +273,15 @@ def check_input(inp: torch.Tensor, features: int, name: str) -> None:
 
 
 def check_same_device(inp: torch.Tensor, params, name: str) -> None:
+    device = inp.device
     for p in params:
-        if p is not None and p.device != inp.device:
-            raise ValueError(f"{name}: input is on {inp.device} but the module's parameters are on {p.device}")
+        if p is not None and p.device != device:
+            raise ValueError(f"{name}: input is on {device} but the module's parameters are on {p.device}")
 
 
 def as_2d(inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Contiguous [tokens, features] view/copy of inp in the compute dtype."""
-    x = inp.reshape(-1, inp.shape[-1])
+    x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
     if x.dtype != dtype:
         x = x.to(dtype)
     return x.contiguous()

@@ -9,7 +9,7 @@ import torch
 from .. import custom_ops
 from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device
 
-__all__ = ["LayerNorm", "RMSNorm", "layernorm_fn", "rmsnorm_fn"]
+__all__ = ["LayerNorm", "RMSNorm", "layernorm_fn", "rmsnorm_fn", "norm_fn"]
 
 
 class _LayerNormFn(torch.autograd.Function):
@@ -54,6 +54,13 @@ def rmsnorm_fn(x2, weight, eps: float, zero_centered_gamma: bool):
     return _RMSNormFn.apply(x2, weight, float(eps), bool(zero_centered_gamma))
 
 
+def norm_fn(normalization: str, x2, weight, bias, eps: float, zero_centered_gamma: bool):
+    """LayerNorm (with bias) or RMSNorm (bias unused) of x2, as `normalization` names."""
+    if normalization == "LayerNorm":
+        return layernorm_fn(x2, weight, bias, eps, zero_centered_gamma)
+    return rmsnorm_fn(x2, weight, eps, zero_centered_gamma)
+
+
 def check_normalization(normalization: str, name: str) -> str:
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise ValueError(f"{name}: normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
@@ -91,8 +98,9 @@ class LayerNorm(_NormBase):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         check_input(inp, self.hidden_size, "LayerNorm")
-        check_same_device(inp, (self.weight, self.bias), "LayerNorm")
-        z = layernorm_fn(as_2d(inp, self.weight.dtype), self.weight, self.bias, self.eps, self.zero_centered_gamma)
+        weight, bias = self.weight, self.bias  # read once: nn.Module's parameter lookup is slow
+        check_same_device(inp, (weight, bias), "LayerNorm")
+        z = layernorm_fn(as_2d(inp, weight.dtype), weight, bias, self.eps, self.zero_centered_gamma)
         return z.view(inp.shape)
 
 
@@ -106,8 +114,9 @@ class RMSNorm(_NormBase):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         check_input(inp, self.hidden_size, "RMSNorm")
-        check_same_device(inp, (self.weight,), "RMSNorm")
-        z = rmsnorm_fn(as_2d(inp, self.weight.dtype), self.weight, self.eps, self.zero_centered_gamma)
+        weight = self.weight  # read once: nn.Module's parameter lookup is slow
+        check_same_device(inp, (weight,), "RMSNorm")
+        z = rmsnorm_fn(as_2d(inp, weight.dtype), weight, self.eps, self.zero_centered_gamma)
         return z.view(inp.shape)
 
 

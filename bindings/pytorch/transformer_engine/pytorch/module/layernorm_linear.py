@@ -6,7 +6,7 @@ from typing import Callable, Optional
 import torch
 
 from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
-from .layernorm import check_normalization, layernorm_fn, norm_writes_fp8, rmsnorm_fn
+from .layernorm import check_normalization, norm_fn, norm_writes_fp8
 from .linear import check_unsupported
 
 __all__ = ["LayerNormLinear"]
@@ -74,22 +74,18 @@ class LayerNormLinear(TransformerEngineBaseModule):
             raise NotImplementedError("LayerNormLinear: fp8_output is not implemented")
         check_input(inp, self.in_features, "LayerNormLinear")
         weight, bias = self._weight_and_bias()
-        params = (self.layer_norm_weight, self.layer_norm_bias, weight, bias)
-        check_same_device(inp, params, "LayerNormLinear")
+        ln_w, ln_b = self.layer_norm_weight, self.layer_norm_bias  # read once: nn.Module's lookup is slow
+        check_same_device(inp, (ln_w, ln_b, weight, bias), "LayerNormLinear")
         x2 = as_2d(inp, weight.dtype)
         scaling = self._fp8_mode(weight.device)
         if norm_writes_fp8(x2, scaling, self.return_layernorm_output, weight, bias):
             # the norm writes FP8 directly (no high-precision copy of its output)
-            norm = (self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
-                    self.zero_centered_gamma)
+            norm = (self.normalization, ln_w, ln_b, self.eps, self.zero_centered_gamma)
             out = self._linear(x2, weight, None if self.return_bias else bias, scaling, is_first_microbatch,
                                norm=norm)
             out = out.view(*inp.shape[:-1], self.out_features)
             return (out, bias) if self.return_bias else out
-        if self.normalization == "LayerNorm":
-            ln = layernorm_fn(x2, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
-        else:
-            ln = rmsnorm_fn(x2, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
+        ln = norm_fn(self.normalization, x2, ln_w, ln_b, self.eps, self.zero_centered_gamma)
         out = self._linear(ln, weight, None if self.return_bias else bias, scaling, is_first_microbatch)
         out = out.view(*inp.shape[:-1], self.out_features)
         res = [out]

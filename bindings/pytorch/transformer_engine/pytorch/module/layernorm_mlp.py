@@ -11,7 +11,7 @@ import torch
 
 from .. import _ops, custom_ops
 from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
-from .layernorm import check_normalization, layernorm_fn, norm_writes_fp8, rmsnorm_fn
+from .layernorm import check_normalization, norm_fn, norm_writes_fp8
 from .linear import check_unsupported
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS", "GATED_ACTIVATIONS"]
@@ -115,31 +115,29 @@ class LayerNormMLP(TransformerEngineBaseModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """is_first_microbatch: as in Linear.forward (FP8 weight caching, both weights)."""
         check_input(inp, self.hidden_size, "LayerNormMLP")
-        params = (self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
-                  self.fc2_bias)
+        # each parameter read once: nn.Module's parameter lookup is slow
+        params = ln_w, ln_b, w1, b1, w2, b2 = (self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
+                                               self.fc1_bias, self.fc2_weight, self.fc2_bias)
         check_same_device(inp, params, "LayerNormMLP")
-        x2 = as_2d(inp, self.fc1_weight.dtype)
-        scaling = self._fp8_mode(self.fc1_weight.device)
-        fuse_norm = norm_writes_fp8(x2, scaling, self.return_layernorm_output, self.fc1_weight, self.fc1_bias)
+        x2 = as_2d(inp, w1.dtype)
+        scaling = self._fp8_mode(w1.device)
         ln, norm = x2, None
-        if fuse_norm:  # the norm writes FP8 directly (no high-precision copy of its output)
-            norm = (self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
-                    self.zero_centered_gamma)
-        elif self.normalization == "LayerNorm":
-            ln = layernorm_fn(x2, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+        if norm_writes_fp8(x2, scaling, self.return_layernorm_output, w1, b1):
+            # the norm writes FP8 directly (no high-precision copy of its output)
+            norm = (self.normalization, ln_w, ln_b, self.eps, self.zero_centered_gamma)
         else:
-            ln = rmsnorm_fn(x2, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
+            ln = norm_fn(self.normalization, x2, ln_w, ln_b, self.eps, self.zero_centered_gamma)
         # fc2's backward runs first: it performs the backward delayed-scaling step for the module
-        act = self._linear(ln, self.fc1_weight, self.fc1_bias, scaling, is_first_microbatch, fwd_slot=0, bwd_slot=0,
+        act = self._linear(ln, w1, b1, scaling, is_first_microbatch, fwd_slot=0, bwd_slot=0,
                            update_bwd=False, gelu=self.activation == "gelu", norm=norm)
         if self.activation != "gelu":
             act = activation_fn(act, self.activation)
-        out = self._linear(act, self.fc2_weight, None if self.return_bias else self.fc2_bias, scaling,
+        out = self._linear(act, w2, None if self.return_bias else b2, scaling,
                            is_first_microbatch, fwd_slot=3, bwd_slot=2, update_bwd=True)
         out = out.view(inp.shape)
         res = [out]
         if self.return_bias:
-            res.append(self.fc2_bias)
+            res.append(b2)
         if self.return_layernorm_output:
             res.append(ln.view(inp.shape))
         return res[0] if len(res) == 1 else tuple(res)
