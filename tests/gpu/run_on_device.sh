@@ -3,13 +3,14 @@
 # (CUDA vs the CPU oracle), compute-sanitizer memcheck over it, and the GPU benchmarks.
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
 #   tests/gpu/run_on_device.sh [build] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
-#                              [tutorial] [quickstart] [cpu] [pack]   (default: build test bench)
+#                              [tutorial] [quickstart] [host] [cpu] [pack]   (default: build test bench)
 # pytorch: tests/pytorch with NVTE_TEST_DEVICE=cuda; acceptance: the shared seed scripts, from
 # .acceptance/ (a carried copy of ../shared/acceptance) or ../shared/acceptance; tutorial: the
 # tutorial-layer benchmark (torchao from carried wheels in .whl/ when present).
 # profile: Nsight Compute over one call of each memory-bound kernel (clocks left alone).
 # quickstart: the main job on the GPU (examples/quickstart.py, 300 steps, its GPU sizes; one run
-# per seed in QUICKSTART_SEEDS, default 0). SANITIZE_TESTS / PYTORCH_TESTS: the test paths for
+# per seed in QUICKSTART_SEEDS, default 0). host: benchmarks/host_overhead.py --device cuda (host
+# time per module call). SANITIZE_TESTS / PYTORCH_TESTS: the test paths for
 # sanitize / pytorch; GPU_TEST_ARGS: extra pytest arguments for test (e.g. -s).
 # pack: every file under $OUT into one $OUT/logs.tgz (the device tool returns at most 8 files).
 set -uo pipefail
@@ -87,6 +88,11 @@ if [[ " $steps " == *" quickstart "* ]]; then
       --plot "$OUT/quickstart_loss_seed$seed.png" >"$OUT/quickstart_seed$seed.log" 2>&1 || rc=1
     echo "quickstart seed $seed:"; tail -5 "$OUT/quickstart_seed$seed.log"
   done
+fi
+
+if [[ " $steps " == *" host "* ]]; then
+  $PY benchmarks/host_overhead.py --device cuda 2>&1 | tee "$OUT/host_overhead.log" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 
 if [[ " $steps " == *" profile "* ]]; then
