@@ -199,7 +199,7 @@ AttnDims qkv_dims(const AttnScalars &s, const Tensor &q, const Tensor &k, const 
 }
 
 AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, const Tensor &v,
-                    const AttnSideTensors &side) {
+                    const AttnSideTensors &side, bool with_cu) {
   const AttnDims dims = qkv_dims(s, q, k, v);
   const LayoutInfo l = check_config(s, dims);
   const TokenDims tq = token_dims(q, "Q", l.q_format, l);
@@ -232,7 +232,8 @@ AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, cons
                tq.rows, ") and K/V (", tk.rows, "); they must be equal");
   }
   // Batch: from a BSHD/SBHD tensor when there is one, else from cu_seqlens_q.
-  p.batch = !q_thd ? tq.b : (!kv_thd ? tk.b : cu_batch(side.cu_q, "cu_seqlens_q"));
+  const bool batch_known = with_cu || !(q_thd && kv_thd);
+  p.batch = !q_thd ? tq.b : (!kv_thd ? tk.b : (with_cu ? cu_batch(side.cu_q, "cu_seqlens_q") : 0));
   if (!q_thd) {
     NVTE_CHECK(tq.s == s.max_sq, "Q has shape ", shape_str(logical_shape(q)), ": its sequence dim ",
                tq.s, " must equal max_seqlen_q = ", s.max_sq);
@@ -244,18 +245,20 @@ AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, cons
   }
   const char *why_q = q_thd ? "THD format" : "padding mask";
   const char *why_kv = kv_thd ? "THD format" : "padding mask";
-  if (is_padding(s.mask_type) || q_thd) check_cu(side.cu_q, "cu_seqlens_q", p.batch, why_q);
-  if (is_padding(s.mask_type) || kv_thd) check_cu(side.cu_kv, "cu_seqlens_kv", p.batch, why_kv);
-  if (q_thd && given(side.cu_q_padded))
-    check_cu(side.cu_q_padded, "cu_seqlens_q_padded", p.batch, "THD offsets");
-  if (kv_thd && given(side.cu_kv_padded))
-    check_cu(side.cu_kv_padded, "cu_seqlens_kv_padded", p.batch, "THD offsets");
+  if (with_cu) {
+    if (is_padding(s.mask_type) || q_thd) check_cu(side.cu_q, "cu_seqlens_q", p.batch, why_q);
+    if (is_padding(s.mask_type) || kv_thd) check_cu(side.cu_kv, "cu_seqlens_kv", p.batch, why_kv);
+    if (q_thd && given(side.cu_q_padded))
+      check_cu(side.cu_q_padded, "cu_seqlens_q_padded", p.batch, "THD offsets");
+    if (kv_thd && given(side.cu_kv_padded))
+      check_cu(side.cu_kv_padded, "cu_seqlens_kv_padded", p.batch, "THD offsets");
+  }
 
   if (s.bias_type == NVTE_PRE_SCALE_BIAS || s.bias_type == NVTE_POST_SCALE_BIAS) {
     NVTE_CHECK(given(side.bias), "bias_type ", attn::bias_name(s.bias_type),
                " needs a Bias tensor [1 or b, 1 or h, max_seqlen_q, max_seqlen_kv]");
     const NVTEShape bs = logical_shape(*side.bias);
-    NVTE_CHECK(bs.ndim == 4 && (bs.data[0] == 1 || bs.data[0] == p.batch) &&
+    NVTE_CHECK(bs.ndim == 4 && (bs.data[0] == 1 || bs.data[0] == p.batch || !batch_known) &&
                    (bs.data[1] == 1 || bs.data[1] == p.h_q) && bs.data[2] == s.max_sq &&
                    bs.data[3] == s.max_skv,
                "Bias has shape ", shape_str(bs), "; expected [1 or ", p.batch, ", 1 or ", p.h_q, ", ",
@@ -270,11 +273,11 @@ AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, cons
     NVTE_CHECK(logical_dtype(*side.bias) == kNVTEFloat32, "ALiBi slopes (Bias) must be float32, got ",
                dtype_name(logical_dtype(*side.bias)));
     NVTE_CHECK((bs.ndim == 1 && bs.data[0] == p.h_q) ||
-                   (bs.ndim == 2 && bs.data[0] == p.batch && bs.data[1] == p.h_q),
+                   (bs.ndim == 2 && (bs.data[0] == p.batch || !batch_known) && bs.data[1] == p.h_q),
                "ALiBi slopes (Bias) have shape ", shape_str(bs), "; expected [", p.h_q, "] or [",
                p.batch, ", ", p.h_q, "], or no Bias for the default slopes");
     NVTE_CHECK(buffer_set(side.bias->params[kNVTERowwiseData]), "ALiBi slopes need rowwise data");
-    p.slopes_b = bs.ndim == 1 ? 1 : p.batch;
+    p.slopes_b = bs.ndim == 1 ? 1 : bs.data[0];
   }
   if (s.softmax_type == NVTE_LEARNABLE_SOFTMAX) {
     NVTE_CHECK(given(side.softmax_offset),

@@ -50,9 +50,11 @@ struct AttnSideTensors {
 };
 
 // Full check of Q, K, V and the side tensors. Q/K/V of packed layouts must be views at the
-// right offsets of one buffer.
+// right offsets of one buffer. with_cu == false (the workspace queries, which get no cu_seqlens)
+// skips the cu_seqlens checks; a pure THD layout then has batch 0 (unknown) and the batch
+// dimension of a Bias is not checked.
 attn::AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, const Tensor &v,
-                          const AttnSideTensors &side);
+                          const AttnSideTensors &side, bool with_cu = true);
 
 // A tensor shaped like Q but with d_v (O, dO): Q's format and p.dtype (or the dtype given).
 void check_out_like(const Tensor &t, const char *name, const attn::AttnParams &p);

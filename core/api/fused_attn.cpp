@@ -375,21 +375,13 @@ size_t workspace_bytes(const char *op, const NVTETensor Q, const NVTETensor K, c
     case Backend::CUDA:
 #if defined(NVTE_WITH_CUDNN)
     {
-      const attn::LayoutInfo l = attn::parse_layout(s.layout).info;
-      NVTE_CHECK_SUPPORTED(l.q_format != NVTE_THD && l.kv_format != NVTE_THD, op, ": layout ", l.name,
-                           " (THD) is not supported by the CUDA backend yet");
-      // The sizes do not depend on cu_seqlens' values: describe the call as its non-padding
-      // twin (no cu_seqlens needed), then restore the padding flag.
+      // The sizes do not depend on cu_seqlens (values, or for THD the batch size): describe the
+      // call without them.
       AttnScalars s2 = s;
-      if (s.mask_type == NVTE_PADDING_MASK) s2.mask_type = NVTE_NO_MASK;
-      if (s.mask_type == NVTE_PADDING_CAUSAL_MASK) s2.mask_type = NVTE_CAUSAL_MASK;
-      if (s.mask_type == NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK) s2.mask_type = NVTE_CAUSAL_BOTTOM_RIGHT_MASK;
       if (backward) s2.is_training = true;
       api::AttnSideTensors side;
       side.bias = opt(bias, backward ? "dBias" : "Bias");
-      AttnParams p = api::describe(s2, q, k, v, side);
-      p.mask_type = s.mask_type;
-      p.padding = s2.mask_type != s.mask_type;
+      const AttnParams p = api::describe(s2, q, k, v, side, /*with_cu=*/false);
       return backward ? cuda::fused_attn_bwd_workspace_bytes(p) : cuda::fused_attn_fwd_workspace_bytes(p);
     }
 #elif defined(NVTE_WITH_CUDA)

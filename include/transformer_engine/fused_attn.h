@@ -205,7 +205,8 @@ NVTE_API NVTE_QKV_Format nvte_get_kv_format(NVTE_QKV_Layout qkv_layout);
 /** \brief Whether this library can run a configuration, without touching any tensor.
  *
  *  The query has no tensors: when the library has its CUDA backend with cuDNN and a CUDA device
- *  is visible it answers for the GPU (cuDNN's rules: bfloat16/float16, BSHD/SBHD layouts, no
+ *  is visible it answers for the GPU (cuDNN's rules: bfloat16/float16, BSHD/SBHD layouts or pure
+ *  THD ones (Q, K, V all THD, no bias or ALiBi; mixed THD/BSHD and FP8 THD are not supported), no
  *  pre-scale bias, ALiBi only causal with default slopes, FP8 without dropout/bias, ...); otherwise for the
  *  CPU reference backend, which runs every valid configuration. cuDNN may still reject a
  *  concrete shape at the call (NVTE_ERROR_NOT_SUPPORTED with its reason). Returns
@@ -310,7 +311,8 @@ NVTE_API NVTEStatus nvte_fused_attn_bwd(
     cudaStream_t stream);
 
 /** \brief Bytes of workspace nvte_fused_attn_fwd needs for these arguments (same meaning as
- *  there; only shapes, dtypes and where the data lives are read). 0 on the CPU.
+ *  there; only shapes, dtypes and where the data lives are read). 0 on the CPU. THD: the size
+ *  holds for every batch size and cu_seqlens (it depends on the token counts and max_seqlen).
  *  \param[out] bytes  the size; allocate it on the tensors' device. */
 NVTE_API NVTEStatus nvte_fused_attn_fwd_workspace_size(
     const NVTETensor Q, const NVTETensor K, const NVTETensor V, const NVTETensor Bias,

@@ -40,8 +40,8 @@ def test_quantize_slot_addresses_the_module_buffers(rng):
 
 
 def test_linear_cfg_is_kept_per_configuration_and_follows_the_recipe():
-    m = te.Linear(8, 8, device=DEVICE)
-    x = dev(torch.randn(4, 8))
+    m = te.Linear(16, 16, device=DEVICE)  # FP8 GEMMs on cuBLASLt need 16-byte leading dimensions
+    x = dev(torch.randn(16, 16))
     for margin in (0, 1):
         with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(margin=margin, amax_history_len=2)):
             m(x)

@@ -10,12 +10,29 @@
 // process (PyTorch's) first, then NVTE_CUDNN_PATH, then the loader path. The frontend headers
 // are heavy to compile, so everything that includes them lives in this one file.
 //
-// Supported here: BF16/FP16, BSHD/SBHD (all packed forms), no_mask / causal /
+// Supported here: BF16/FP16, BSHD/SBHD (all packed forms) and pure THD (below), no_mask / causal /
 // causal_bottom_right / padding / padding_causal(_bottom_right) (padding from cu_seqlens),
 // no bias or post-scale bias, ALiBi with the default slopes, GQA/MQA, head_dim_qk != head_dim_v
 // where cuDNN accepts it, dropout from rng_state (seed, offset) on the device, windows with
-// an unbounded right side or the causal one. Anything else (THD, pre-scale bias, custom ALiBi
-// slopes, float32, learnable softmax) reports NVTE_ERROR_NOT_SUPPORTED with the reason.
+// an unbounded right side or the causal one. Anything else (mixed THD/BSHD or paged layouts,
+// pre-scale bias, custom ALiBi slopes, float32, learnable softmax) reports
+// NVTE_ERROR_NOT_SUPPORTED with the reason.
+//
+// THD (Q, K, V all THD; float16/bfloat16; no bias or ALiBi): cuDNN's ragged tensors. Each tensor
+// is [n, h, max_s, d] with its packed token and head strides plus an int32 [n + 1] ragged offset
+// array (element offset of each sequence's first token: cu_seqlens_*_padded, else cu_seqlens,
+// times the token stride), written on the device into the workspace, and the padding mask with
+// lengths from cu_seqlens (THD always has them, whatever the mask type says). The workspace
+// queries see no cu_seqlens, so the graph's batch n cannot be the call's: n is fixed by the token
+// counts and max_seqlen (the power of two >= rows / max_seqlen, so the workspace scales with the
+// tokens) and a call runs the graph over sequences [0, n), [n, 2n), ...; empty sequences fill
+// the last run. The graph's max_seqlen is rounded up to a power of two (it changes from batch to
+// batch in THD training; this bounds the graphs built). The statistics go through an
+// [n, h, graph max_sq] scratch (the caller's buffer has the call's batch and max_sq; rows past a
+// sequence's length get -inf, as on the CPU). Query rows that see no
+// key (empty K/V sequence, bottom-right causal with more queries than keys) are not cuDNN's
+// business: their O / dQ rows are zeroed after each run and the backward gives cuDNN +inf
+// statistics there. Offsets are int32: a tensor of 2^31 elements or more is NOT_SUPPORTED.
 //
 // FP8 (fused_attn.h "FP8 attention", graphs in fused_attn_cudnn_fp8.cpp): E4M3 Q/K/V, BSHD/SBHD
 // (packed too), no_mask / causal / padding / padding_causal (bottom-right where cuDNN allows:
@@ -27,6 +44,7 @@
 // buffers and every FP8 output's scale_inv is written as 1/scale, as the CPU reference does.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -130,12 +148,35 @@ std::string fp8_unsupported_reason(const AttnParams &p) {
   return "";
 }
 
+bool thd(const AttnParams &p) { return p.layout.q_format == NVTE_THD; }  // mixed THD layouts are rejected
+
+std::string thd_unsupported_reason(const AttnParams &p) {
+  if (p.bias_type != NVTE_NO_BIAS)
+    return concat("THD layouts on the GPU take no bias or ALiBi (got bias_type ", attn::bias_name(p.bias_type), ")");
+  // Ragged offsets are int32 element counts from each tensor's pointer.
+  const attn::TensorPlacement *pl[4] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV], &p.out};
+  const size_t rows[4] = {p.rows_q, p.rows_kv, p.rows_kv, p.rows_q};
+  const char *names[4] = {"Q", "K", "V", "O"};
+  for (int i = 0; i < 4; ++i) {
+    if (rows[i] * pl[i]->row_stride >= (size_t(1) << 31))
+      return concat("THD tensor ", names[i], " spans ", rows[i] * pl[i]->row_stride,
+                    " elements; cuDNN's ragged offsets are int32, so the GPU takes THD tensors of fewer than 2^31");
+  }
+  return "";
+}
+
 std::string unsupported_reason(const AttnParams &p) {
   if (is_fp8(p.dtype)) return fp8_unsupported_reason(p);
   if (p.dtype != kNVTEBFloat16 && p.dtype != kNVTEFloat16)
     return concat("cuDNN attention takes bfloat16/float16 Q, K, V; got ", dtype_name(p.dtype));
-  if (p.layout.q_format == NVTE_THD || p.layout.kv_format == NVTE_THD || p.layout.paged)
-    return concat("layout ", p.layout.name, " (THD / paged) is not supported by the CUDA backend yet");
+  if (p.layout.paged) return concat("layout ", p.layout.name, " (paged KV cache) is not supported by the CUDA backend");
+  if ((p.layout.q_format == NVTE_THD) != (p.layout.kv_format == NVTE_THD))
+    return concat("layout ", p.layout.name, " mixes THD with BSHD/SBHD, which the CUDA backend does not support "
+                  "(THD runs with Q, K and V all THD)");
+  if (thd(p)) {
+    const std::string r = thd_unsupported_reason(p);
+    if (!r.empty()) return r;
+  }
   if (p.softmax_type != NVTE_VANILLA_SOFTMAX) return "only the vanilla softmax is supported on the GPU";
   if (p.bias_type == NVTE_PRE_SCALE_BIAS) return "pre-scale bias is not supported by cuDNN";
   if (p.bias_type == NVTE_ALIBI && p.slopes_b != 0) return "ALiBi with caller-given slopes is not supported on the GPU";
@@ -145,6 +186,27 @@ std::string unsupported_reason(const AttnParams &p) {
   if (p.rule.window_left >= 0 && p.rule.bottom_right)
     return "a left window with bottom-right alignment is not supported on the GPU";
   return "";
+}
+
+size_t pow2_at_least(size_t x) {
+  size_t n = 1;
+  while (n < x) n *= 2;
+  return n;
+}
+
+// The parameters a graph is built from: p itself, or for THD (see the top of this file) p with
+// the padding mask, max_seqlen rounded up to a power of two (THD's max_seqlen changes from batch
+// to batch: this bounds the number of graphs) and the run's batch. They depend only on what the
+// workspace queries see.
+AttnParams graph_params(const AttnParams &p) {
+  if (!thd(p)) return p;
+  AttnParams g = p;
+  g.padding = true;
+  g.max_sq = pow2_at_least(p.max_sq);
+  g.max_skv = pow2_at_least(p.max_skv);
+  const auto per = [](size_t rows, size_t s) { return (rows + s - 1) / s; };
+  g.batch = pow2_at_least(std::max(per(p.rows_q, g.max_sq), per(p.rows_kv, g.max_skv)));
+  return g;
 }
 
 // ------------------------------------------------------------------ graph description
@@ -215,11 +277,33 @@ void common_options(fe::graph::Graph &g, const AttnParams &p, Attr &a, bool has_
   }
 }
 
+// THD: the ragged offset tensors of Q, K, V, O (int32 [b + 1]); null pointers otherwise.
+struct Ragged {
+  TensorPtr off[4];
+};
+Ragged ragged_offsets(fe::graph::Graph &g, const AttnParams &p) {
+  Ragged r;
+  if (!thd(p)) return r;
+  const int64_t uid[4] = {kURaggedQ, kURaggedK, kURaggedV, kURaggedO};
+  const char *name[4] = {"ragged_q", "ragged_k", "ragged_v", "ragged_o"};
+  for (int i = 0; i < 4; ++i)
+    r.off[i] = scalar_tensor(g, uid[i], name[i], fe::DataType_t::INT32, (int64_t)p.batch + 1);
+  return r;
+}
+
+void set_ragged(const TensorPtr &t, const TensorPtr &off) {
+  if (off) t->set_ragged_offset(off);
+}
+
 std::string build_fwd(const AttnParams &p, cudnnHandle_t h, Built &b) {
   new_graph(b, fe_type(p.dtype));
   fe::graph::Graph &g = *b.graph;
   auto q = qkv_tensor(g, p, attn::kQ, kUQ, "Q"), k = qkv_tensor(g, p, attn::kK, kUK, "K"),
        v = qkv_tensor(g, p, attn::kV, kUV, "V");
+  const Ragged r = ragged_offsets(g, p);
+  set_ragged(q, r.off[0]);
+  set_ragged(k, r.off[1]);
+  set_ragged(v, r.off[2]);
   fe::graph::SDPA_attributes a;
   a.set_name("nvte_sdpa_fwd").set_generate_stats(p.is_training);
   common_options(g, p, a, false);
@@ -228,6 +312,7 @@ std::string build_fwd(const AttnParams &p, cudnnHandle_t h, Built &b) {
       .set_uid(kUO)
       .set_dim({(int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.max_sq, (int64_t)p.d_v})
       .set_stride(strides_of(p.out, p.batch, p.max_sq));
+  set_ragged(o, r.off[3]);
   if (p.is_training) {
     stats->set_output(true)
         .set_uid(kUStats)
@@ -247,6 +332,12 @@ std::string build_bwd(const AttnParams &p, bool has_dbias, cudnnHandle_t h, Buil
   const std::vector<int64_t> ostride = strides_of(p.out, p.batch, p.max_sq);
   auto o = input_tensor(g, "O", kUO, odim, ostride, fe_type(p.dtype));
   auto dout = input_tensor(g, "dO", kUdO, odim, ostride, fe_type(p.dtype));
+  const Ragged r = ragged_offsets(g, p);  // gradients share the offsets of Q, K, V; dO those of O
+  set_ragged(q, r.off[0]);
+  set_ragged(k, r.off[1]);
+  set_ragged(v, r.off[2]);
+  set_ragged(o, r.off[3]);
+  set_ragged(dout, r.off[3]);
   auto stats = input_tensor(g, "stats", kUStats, stats_dim(p), stats_stride(p), fe::DataType_t::FLOAT);
   fe::graph::SDPA_backward_attributes a;
   a.set_name("nvte_sdpa_bwd");
@@ -256,6 +347,9 @@ std::string build_bwd(const AttnParams &p, bool has_dbias, cudnnHandle_t h, Buil
   dq->set_output(true).set_uid(kUdQ).set_dim(q->get_dim()).set_stride(q->get_stride());
   dk->set_output(true).set_uid(kUdK).set_dim(k->get_dim()).set_stride(k->get_stride());
   dv->set_output(true).set_uid(kUdV).set_dim(v->get_dim()).set_stride(v->get_stride());
+  set_ragged(dq, r.off[0]);
+  set_ragged(dk, r.off[1]);
+  set_ragged(dv, r.off[2]);
   return finish(g, h, b);
 }
 
@@ -264,11 +358,12 @@ std::map<Key, std::shared_ptr<Built>> g_cache;
 
 // The built graph of p (building it on first use). Throws NOT_SUPPORTED when cuDNN rejects it.
 // fp8: the FP8 element types (FP8 calls only).
-std::shared_ptr<Built> graph_for(const AttnParams &p, bool bwd, bool has_dbias, cudaStream_t stream,
+std::shared_ptr<Built> graph_for(const AttnParams &call, bool bwd, bool has_dbias, cudaStream_t stream,
                                  const Fp8Types *fp8 = nullptr) {
-  const std::string why = unsupported_reason(p);
+  const std::string why = unsupported_reason(call);
   NVTE_CHECK_SUPPORTED(why.empty(), why);
-  NVTE_CHECK(is_fp8(p.dtype) == (fp8 != nullptr), "internal: FP8 attention graph requested without its types");
+  NVTE_CHECK(is_fp8(call.dtype) == (fp8 != nullptr), "internal: FP8 attention graph requested without its types");
+  const AttnParams p = graph_params(call);
   const Key key = key_of(p, bwd, has_dbias, fp8);
   cudnnHandle_t h = handle_for(stream);
   std::lock_guard<std::mutex> lock(g_cache_mutex);
@@ -288,13 +383,26 @@ std::shared_ptr<Built> graph_for(const AttnParams &p, bool bwd, bool has_dbias, 
   return it->second;
 }
 
-// Workspace: cuDNN's, then (padding masks) two int32 [b] sequence-length arrays, then (FP8) a
-// block of float32 scalars (descales the graph reads, amax values it writes).
-size_t seqlen_bytes(const AttnParams &p) { return p.padding ? 2 * ((p.batch * 4 + 255) / 256 * 256) : 0; }
-size_t cudnn_bytes(const Built &b) { return ((size_t)b.workspace + 255) / 256 * 256; }
+// Workspace: cuDNN's, then (padding masks, THD) two int32 [b] sequence-length arrays, then (THD)
+// the ragged offsets of Q, K, V, O (int32 [b + 1] each), the run's (seed, offset) and the
+// statistics scratch [b, h_q, max_sq] (b: the graph's batch), then (FP8) a block of float32
+// scalars (descales the graph reads, amax values it writes).
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+size_t seqlen_bytes(const AttnParams &p) {
+  const AttnParams g = graph_params(p);
+  return g.padding ? 2 * align256(g.batch * 4) : 0;
+}
+size_t ragged_bytes(const AttnParams &p) {
+  if (!thd(p)) return 0;
+  const AttnParams g = graph_params(p);
+  return 4 * align256((g.batch + 1) * 4) + 256 + (g.is_training ? align256(g.batch * g.h_q * g.max_sq * 4) : 0);
+}
+size_t cudnn_bytes(const Built &b) { return align256((size_t)b.workspace); }
 constexpr size_t kFp8ScalarBytes = 256;
 size_t fp8_scalar_bytes(const AttnParams &p) { return is_fp8(p.dtype) ? kFp8ScalarBytes : 0; }
-size_t total_bytes(const AttnParams &p, const Built &b) { return cudnn_bytes(b) + seqlen_bytes(p) + fp8_scalar_bytes(p); }
+size_t total_bytes(const AttnParams &p, const Built &b) {
+  return cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + fp8_scalar_bytes(p);
+}
 
 void *data(const Tensor *t) { return t ? t->params[kNVTERowwiseData].data_ptr : nullptr; }
 
@@ -338,11 +446,78 @@ void run(const Built &b, std::unordered_map<int64_t, void *> &pack, void *ws, cu
   NVTE_CHECK(e.is_good(), "cuDNN attention execution failed: ", e.get_message(), " (", cudnn_description(), ")");
 }
 
+// THD: runs the graph over sequences [0, n), [n, 2n), ... of the call (n: the graph's batch). The
+// lengths, ragged offsets, dropout seed and statistics of each run go through the workspace
+// (stream order keeps a run's inputs until its graph has read them). The forward writes the
+// statistics to the caller's buffer after each run, the backward reads them before; rows that
+// see no key are fixed up after each run (fused_attn_seqlens.h).
+struct ThdInputs {
+  const Tensor *cu_q, *cu_kv, *pad_q, *pad_kv, *rng;
+  float *stats;                     // the caller's [batch, h_q, max_sq] statistics, or null (inference)
+  void *o = nullptr;                // forward: O
+  void *dq = nullptr, *dk = nullptr, *dv = nullptr;  // backward: the gradients
+};
+
+void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, std::unordered_map<int64_t, void *> &pack,
+             char *ws, cudaStream_t stream) {
+  NVTE_CHECK(in.cu_q != nullptr && in.cu_kv != nullptr, "THD needs cu_seqlens_q and cu_seqlens_kv");
+  RaggedRun r;
+  r.n = graph_params(p).batch;
+  r.graph_max_q = graph_params(p).max_sq;
+  char *x = ws + cudnn_bytes(b);
+  r.seq_q = reinterpret_cast<int32_t *>(x);
+  r.seq_kv = reinterpret_cast<int32_t *>(x + seqlen_bytes(p) / 2);
+  x += seqlen_bytes(p);
+  for (int i = 0; i < 4; ++i, x += align256((r.n + 1) * 4)) r.off[i] = reinterpret_cast<int32_t *>(x);
+  if (in.rng) r.rng = reinterpret_cast<int64_t *>(x);
+  float *scratch = in.stats ? reinterpret_cast<float *>(x + 256) : nullptr;
+
+  RaggedSource s;
+  const auto i32 = [](const Tensor *t) { return t ? static_cast<const int32_t *>(data(t)) : nullptr; };
+  s.cu_q = i32(in.cu_q);
+  s.cu_kv = i32(in.cu_kv);
+  s.pad_q = i32(in.pad_q);
+  s.pad_kv = i32(in.pad_kv);
+  s.rng = in.rng ? static_cast<const int64_t *>(data(in.rng)) : nullptr;
+  s.batch = p.batch;
+  s.max_q = p.max_sq;
+  s.max_kv = p.max_skv;
+  s.rows_q = p.rows_q;
+  s.rows_kv = p.rows_kv;
+  s.rule = p.rule;
+  const attn::TensorPlacement *pl[4] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV], &p.out};
+  for (int i = 0; i < 4; ++i) s.stride[i] = (int64_t)pl[i]->row_stride;
+
+  pack[kUSeqQ] = r.seq_q;
+  pack[kUSeqKV] = r.seq_kv;
+  const int64_t uid[4] = {kURaggedQ, kURaggedK, kURaggedV, kURaggedO};
+  for (int i = 0; i < 4; ++i) pack[uid[i]] = r.off[i];
+  if (r.rng) {
+    pack[kUSeed] = r.rng;
+    pack[kUOffset] = r.rng + 1;
+  }
+  if (scratch) pack[kUStats] = scratch;
+  const bool fwd = in.o != nullptr;
+  for (r.start = 0; r.start < p.batch; r.start += r.n) {
+    ragged_run(s, r, stream);
+    if (scratch && !fwd) ragged_stats(in.stats, scratch, s, r, p.h_q, false, stream);
+    run(b, pack, ws, stream);
+    if (fwd) {
+      if (scratch) ragged_stats(in.stats, scratch, s, r, p.h_q, true, stream);
+      ragged_zero_rows(in.o, s, r, 3, false, p.h_q, p.out.head_stride, p.d_v, stream);
+    } else {
+      ragged_zero_rows(in.dq, s, r, 0, false, p.h_q, pl[0]->head_stride, p.d_qk, stream);
+      ragged_zero_rows(in.dk, s, r, 1, true, p.h_kv, pl[1]->head_stride, p.d_qk, stream);
+      ragged_zero_rows(in.dv, s, r, 2, true, p.h_kv, pl[2]->head_stride, p.d_v, stream);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ float16 / bfloat16 calls
 
 void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
   auto b = graph_for(p, false, false, stream);
-  char *ws = workspace_ptr(workspace, cudnn_bytes(*b) + seqlen_bytes(p));
+  char *ws = workspace_ptr(workspace, total_bytes(p, *b));
   std::unordered_map<int64_t, void *> pack{{kUQ, data(t.q)}, {kUK, data(t.k)}, {kUV, data(t.v)}, {kUO, data(t.o)}};
   if (p.is_training) pack[kUStats] = data(t.stats);
   if (p.bias_type == NVTE_POST_SCALE_BIAS) pack[kUBias] = data(t.bias);
@@ -351,16 +526,22 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
     pack[kUSeed] = rng;
     pack[kUOffset] = rng + 1;
   }
+  // Padded positions and THD gaps are not computed by cuDNN: O starts as zeros there (fused_attn.h).
+  if (p.padding || thd(p)) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));
+  if (thd(p)) {
+    ThdInputs in{t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded, p.dropout > 0.0f ? t.rng_state : nullptr,
+                 p.is_training ? static_cast<float *>(data(t.stats)) : nullptr};
+    in.o = data(t.o);
+    return run_thd(p, *b, in, pack, ws, stream);
+  }
   bind_seqlens(p, t.cu_q, t.cu_kv, ws ? ws + cudnn_bytes(*b) : nullptr, pack, stream);
-  // Padded positions are not computed by cuDNN: O starts as zeros there (fused_attn.h promise).
-  if (p.padding) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));
   run(*b, pack, ws, stream);
 }
 
 void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {
   const bool db = p.bias_type == NVTE_POST_SCALE_BIAS && t.dbias != nullptr && data(t.dbias) != nullptr;
   auto b = graph_for(p, true, db, stream);
-  char *ws = workspace_ptr(workspace, cudnn_bytes(*b) + seqlen_bytes(p));
+  char *ws = workspace_ptr(workspace, total_bytes(p, *b));
   std::unordered_map<int64_t, void *> pack{{kUQ, data(t.q)},   {kUK, data(t.k)},   {kUV, data(t.v)},
                                            {kUO, data(t.o)},   {kUdO, data(t.d_o)}, {kUStats, data(t.stats)},
                                            {kUdQ, data(t.dq)}, {kUdK, data(t.dk)}, {kUdV, data(t.dv)}};
@@ -371,15 +552,23 @@ void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspa
     pack[kUSeed] = rng;
     pack[kUOffset] = rng + 1;
   }
-  bind_seqlens(p, t.cu_q, t.cu_kv, ws ? ws + cudnn_bytes(*b) : nullptr, pack, stream);
-  if (p.padding) {
-    // Gradients of padded positions are zero; packed gradients share one buffer (set whole).
+  if (p.padding || thd(p)) {
+    // Gradients of padded positions and THD gaps are zero; packed gradients share one buffer (set whole).
     const size_t ext[3] = {extent_bytes(p.qkv.t[attn::kQ], p.rows_q, p.h_q, p.d_qk, p.dtype),
                            extent_bytes(p.qkv.t[attn::kK], p.rows_kv, p.h_kv, p.d_qk, p.dtype),
                            extent_bytes(p.qkv.t[attn::kV], p.rows_kv, p.h_kv, p.d_v, p.dtype)};
     const Tensor *grads[3] = {t.dq, t.dk, t.dv};
     for (int i = 0; i < 3; ++i) NVTE_CHECK_CUDA(cudaMemsetAsync(data(grads[i]), 0, ext[i], stream));
   }
+  if (thd(p)) {
+    ThdInputs in{t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded, p.dropout > 0.0f ? t.rng_state : nullptr,
+                 static_cast<float *>(data(t.stats))};
+    in.dq = data(t.dq);
+    in.dk = data(t.dk);
+    in.dv = data(t.dv);
+    return run_thd(p, *b, in, pack, ws, stream);
+  }
+  bind_seqlens(p, t.cu_q, t.cu_kv, ws ? ws + cudnn_bytes(*b) : nullptr, pack, stream);
   run(*b, pack, ws, stream);
 }
 

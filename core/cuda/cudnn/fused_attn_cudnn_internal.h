@@ -5,7 +5,11 @@
 #pragma once
 
 #define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING 1
+// The frontend (third-party) defines a static helper these files never call.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
 #include <cudnn_frontend.h>
+#pragma GCC diagnostic pop
 
 #include <memory>
 #include <string>
@@ -22,7 +26,8 @@ enum Uid : int64_t {
   kUQ = 1, kUK, kUV, kUO, kUStats, kUBias, kUSeqQ, kUSeqKV, kUSeed, kUOffset, kUdO, kUdQ, kUdK, kUdV, kUdBias,
   kUDescaleQ, kUDescaleK, kUDescaleV, kUDescaleO, kUDescaledO, kUDescaleS, kUDescaledP,
   kUScaleS, kUScaleO, kUScaledQ, kUScaledK, kUScaledV, kUScaledP,
-  kUAmaxS, kUAmaxO, kUAmaxdQ, kUAmaxdK, kUAmaxdV, kUAmaxdP
+  kUAmaxS, kUAmaxO, kUAmaxdQ, kUAmaxdK, kUAmaxdV, kUAmaxdP,
+  kURaggedQ, kURaggedK, kURaggedV, kURaggedO  // THD: ragged offsets of Q/dQ, K/dK, V/dV, O/dO
 };
 
 // Element types of an FP8 call beyond Q/K/V (always E4M3): O (E4M3/E5M2, or float16/bfloat16),
@@ -55,10 +60,11 @@ inline fe::DataType_t fe_type(NVTEDType t) {
   }
 }
 
-// [b, h, s, d] strides of a tensor with the given placement and padded sequence length.
+// [b, h, s, d] strides of a tensor with the given placement and padded sequence length. THD
+// tensors are described like BSHD; their ragged offsets replace the batch stride.
 inline std::vector<int64_t> strides_of(const attn::TensorPlacement &t, size_t batch, size_t seq) {
   const int64_t rs = (int64_t)t.row_stride, hs = (int64_t)t.head_stride;
-  if (t.format == NVTE_BSHD) return {(int64_t)seq * rs, hs, rs, 1};
+  if (t.format == NVTE_BSHD || t.format == NVTE_THD) return {(int64_t)seq * rs, hs, rs, 1};
   return {rs, hs, (int64_t)batch * rs, 1};  // SBHD
 }
 

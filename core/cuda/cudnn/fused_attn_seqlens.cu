@@ -1,7 +1,7 @@
 // cuda/cudnn/fused_attn_seqlens.cu - see fused_attn_seqlens.h. Clamping keeps a malformed
-// cu_seqlens from sending cuDNN lengths beyond the padded tensors. The FP8 scalar operations use
-// __frcp_rn (IEEE round-to-nearest reciprocal, whatever the fast-math flags) so that a
-// scale_inv / descale equals the host's 1.0f / scale bit for bit.
+// cu_seqlens from sending cuDNN lengths (and THD offsets) beyond the tensors. The FP8 scalar
+// operations use __frcp_rn (IEEE round-to-nearest reciprocal, whatever the fast-math flags) so
+// that a scale_inv / descale equals the host's 1.0f / scale bit for bit.
 #include "../common.cuh"
 #include "fused_attn_seqlens.h"
 
@@ -15,6 +15,89 @@ __global__ void seqlens_kernel(const int32_t *cu_q, const int32_t *cu_kv, int32_
   const int32_t lq = cu_q[i + 1] - cu_q[i], lkv = cu_kv[i + 1] - cu_kv[i];
   seq_q[i] = lq < 0 ? 0 : (lq > max_q ? max_q : lq);
   seq_kv[i] = lkv < 0 ? 0 : (lkv > max_kv ? max_kv : lkv);
+}
+
+__device__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+struct Span {
+  int64_t start, len;  // first token row and length of one sequence
+};
+
+// Sequence g < batch of one side, clamped into the tensor (see fused_attn_seqlens.h).
+__device__ Span real_span(const int32_t *cu, const int32_t *pad, size_t g, int64_t max_len, int64_t rows) {
+  const int64_t start = clamp64((pad ? pad : cu)[g], 0, rows);
+  const int64_t len = clamp64((int64_t)cu[g + 1] - cu[g], 0, max_len);
+  return {start, len < rows - start ? len : rows - start};
+}
+
+// Sequence g of one side; past the batch an empty one where the last sequence ends, which keeps
+// the offsets non-decreasing.
+__device__ Span span(const int32_t *cu, const int32_t *pad, size_t g, size_t batch, int64_t max_len, int64_t rows) {
+  if (g < batch) return real_span(cu, pad, g, max_len, rows);
+  if (batch == 0) return {0, 0};
+  const Span last = real_span(cu, pad, batch - 1, max_len, rows);
+  return {last.start + last.len, 0};
+}
+
+__global__ void ragged_run_kernel(RaggedSource s, RaggedRun r) {
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i > r.n) return;
+  const size_t g = r.start + i;
+  const Span q = span(s.cu_q, s.pad_q, g, s.batch, (int64_t)s.max_q, (int64_t)s.rows_q);
+  const Span kv = span(s.cu_kv, s.pad_kv, g, s.batch, (int64_t)s.max_kv, (int64_t)s.rows_kv);
+  if (i < r.n) {
+    r.seq_q[i] = (int32_t)q.len;
+    r.seq_kv[i] = (int32_t)kv.len;
+  }
+  // The host checked rows * stride < 2^31 for every tensor.
+  r.off[0][i] = (int32_t)(q.start * s.stride[0]);
+  r.off[1][i] = (int32_t)(kv.start * s.stride[1]);
+  r.off[2][i] = (int32_t)(kv.start * s.stride[2]);
+  r.off[3][i] = (int32_t)(q.start * s.stride[3]);
+  if (i == 0 && r.rng != nullptr) {
+    // cuDNN draws the dropout mask by the sequence's index inside the run: a different seed per
+    // run keeps sequences of different runs from sharing a mask (run 0 keeps the caller's).
+    const uint64_t run = r.n ? r.start / r.n : 0;
+    r.rng[0] = (int64_t)((uint64_t)s.rng[0] + run * 0x9E3779B97F4A7C15ull);
+    r.rng[1] = s.rng[1];
+  }
+}
+
+// Query row `row` of run sequence i (< n): -1 past the batch or the length, 0 when it sees no
+// key, 1 otherwise.
+__device__ int query_row_kind(const RaggedSource &s, const RaggedRun &r, size_t i, size_t row) {
+  if (r.start + i >= s.batch || row >= (size_t)r.seq_q[i]) return -1;
+  const attn::KeyRange k = attn::visible_keys(s.rule, (int64_t)row, r.seq_q[i], r.seq_kv[i]);
+  return k.lo <= k.hi ? 1 : 0;
+}
+
+__global__ void ragged_stats_kernel(float *caller, float *scratch, RaggedSource s, RaggedRun r, size_t h,
+                                    bool to_caller) {
+  const size_t sg = r.graph_max_q, total = r.n * h * sg;
+  const float inf = __int_as_float(0x7f800000);
+  for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
+    const size_t i = x / (h * sg), row = x % sg;
+    const int kind = query_row_kind(s, r, i, row);
+    const size_t c = ((r.start + i) * h + x / sg % h) * s.max_q + row;  // the caller's element
+    if (to_caller) {
+      if (r.start + i < s.batch && row < s.max_q) caller[c] = kind == 1 ? scratch[x] : -inf;
+    } else {
+      scratch[x] = kind == 1 ? caller[c] : (kind == 0 ? inf : 0.0f);
+    }
+  }
+}
+
+__global__ void ragged_zero_rows_kernel(uint16_t *base, RaggedSource s, RaggedRun r, int role, bool key_side,
+                                        size_t heads, size_t head_stride, size_t d) {
+  const size_t rows = key_side ? s.max_kv : s.max_q, total = r.n * rows * heads;
+  for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
+    const size_t i = x / (rows * heads), row = x / heads % rows, h = x % heads;
+    if (r.start + i >= s.batch) continue;
+    const bool zero = key_side ? (row < (size_t)r.seq_kv[i] && r.seq_q[i] == 0) : query_row_kind(s, r, i, row) == 0;
+    if (!zero) continue;
+    uint16_t *p = base + r.off[role][i] + (int64_t)row * s.stride[role] + h * head_stride;
+    for (size_t e = 0; e < d; ++e) p[e] = 0;
+  }
 }
 
 // One thread applies the ops in order: several may fold into the same buffer (the PyTorch
@@ -45,6 +128,28 @@ void seqlens_from_cu(const int32_t *cu_q, const int32_t *cu_kv, int32_t *seq_q, 
   if (batch == 0) return;
   seqlens_kernel<<<(unsigned)((batch + 255) / 256), 256, 0, stream>>>(cu_q, cu_kv, seq_q, seq_kv, batch,
                                                                       (int32_t)max_q, (int32_t)max_kv);
+  NVTE_CHECK_LAUNCH();
+}
+
+void ragged_run(const RaggedSource &s, const RaggedRun &r, cudaStream_t stream) {
+  ragged_run_kernel<<<(unsigned)((r.n + 1 + 255) / 256), 256, 0, stream>>>(s, r);
+  NVTE_CHECK_LAUNCH();
+}
+
+void ragged_stats(float *caller, float *scratch, const RaggedSource &s, const RaggedRun &r, size_t h,
+                  bool to_caller, cudaStream_t stream) {
+  const size_t total = r.n * h * r.graph_max_q;
+  if (total == 0) return;
+  ragged_stats_kernel<<<grid_for(total, 256), 256, 0, stream>>>(caller, scratch, s, r, h, to_caller);
+  NVTE_CHECK_LAUNCH();
+}
+
+void ragged_zero_rows(void *base, const RaggedSource &s, const RaggedRun &r, int role, bool key_side,
+                      size_t heads, size_t head_stride, size_t d, cudaStream_t stream) {
+  const size_t total = r.n * (key_side ? s.max_kv : s.max_q) * heads;
+  if (total == 0) return;
+  ragged_zero_rows_kernel<<<grid_for(total, 256), 256, 0, stream>>>(static_cast<uint16_t *>(base), s, r, role,
+                                                                    key_side, heads, head_stride, d);
   NVTE_CHECK_LAUNCH();
 }
 

@@ -1,6 +1,7 @@
 // fused_attn_seqlens.h - small device helpers of the cuDNN attention backend: per-sequence
-// lengths from cu_seqlens for cuDNN's padding masks, and the float32 scalar bookkeeping of the FP8
-// graphs (descales computed as 1/scale before a graph runs, amax folding and scale_inv after).
+// lengths from cu_seqlens for cuDNN's padding masks, THD ragged offsets and statistics, and the
+// float32 scalar bookkeeping of the FP8 graphs (descales computed as 1/scale before a graph runs,
+// amax folding and scale_inv after).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../../common/attn_mask.h"
 #include "../../common/error.h"
 
 namespace nvte::cuda {
@@ -15,6 +17,44 @@ namespace nvte::cuda {
 // seq_q[i] = cu_q[i + 1] - cu_q[i] clamped to [0, max_q] (likewise kv), for i < batch, on stream.
 void seqlens_from_cu(const int32_t *cu_q, const int32_t *cu_kv, int32_t *seq_q, int32_t *seq_kv, size_t batch,
                      size_t max_q, size_t max_kv, cudaStream_t stream);
+
+// THD (ragged) inputs of one cuDNN graph run over sequences [start, start + n) of a packed batch.
+// cuDNN takes each tensor as [n, h, max_s, d] with the packed token stride and a ragged offset
+// array [n + 1]: element offset of each sequence's first token from the tensor's pointer.
+struct RaggedSource {
+  const int32_t *cu_q = nullptr, *cu_kv = nullptr;    // [batch + 1] lengths
+  const int32_t *pad_q = nullptr, *pad_kv = nullptr;  // [batch + 1] token offsets; null: cu_*
+  const int64_t *rng = nullptr;                       // (seed, offset) when dropout, else null
+  size_t batch = 0, max_q = 0, max_kv = 0, rows_q = 0, rows_kv = 0;
+  int64_t stride[4] = {};                             // token strides of Q, K, V, O (elements)
+  attn::MaskRule rule{};                              // which keys each query sees
+};
+struct RaggedRun {
+  size_t start = 0, n = 0;                      // the run's sequences
+  size_t graph_max_q = 0;                       // the graph's max_seqlen_q (>= the call's)
+  int32_t *seq_q = nullptr, *seq_kv = nullptr;  // [n] lengths (0 past the batch)
+  int32_t *off[4] = {};                         // [n + 1] element offsets of Q, K, V, O
+  int64_t *rng = nullptr;                       // [2] this run's (seed, offset) when dropout
+};
+// Fills r's arrays. Lengths are clamped to [0, max] and to the tensor's rows, offsets to
+// [0, rows], so malformed cu_seqlens cannot send cuDNN outside the buffers. Entries past the
+// batch are empty sequences placed where the last one ends.
+void ragged_run(const RaggedSource &s, const RaggedRun &r, cudaStream_t stream);
+
+// Softmax statistics of r's sequences between the caller's [batch, h, max_q] buffer and the
+// graph's [n, h, graph_max_q] scratch. to_caller: rows that see no key and rows past a sequence's
+// length get -inf (fused_attn.h). Otherwise the scratch gets +inf for rows that see no key (so
+// that cuDNN's backward takes their probabilities as exp(z - inf) = 0, not NaN) and 0 past the
+// length and for sequences past the batch.
+void ragged_stats(float *caller, float *scratch, const RaggedSource &s, const RaggedRun &r, size_t h,
+                  bool to_caller, cudaStream_t stream);
+
+// Zeroes rows of one float16/bfloat16 THD tensor of r's sequences that cuDNN leaves undefined:
+// key_side false: query rows that see no key (O, dQ: fused_attn.h says 0; cuDNN gives NaN or
+// an average of V there, and NaN for empty K/V sequences before cuDNN 9.25); key_side true:
+// every row of a sequence without queries (dK, dV). role: which offset array of r (0..3).
+void ragged_zero_rows(void *base, const RaggedSource &s, const RaggedRun &r, int role, bool key_side,
+                      size_t heads, size_t head_stride, size_t d, cudaStream_t stream);
 
 // One float32 scalar operation on device pointers:
 //   kSet:     *dst = src ? *src : 1.0f       (a scale to bind, or 1 for a float16/bfloat16 output)
