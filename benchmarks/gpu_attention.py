@@ -60,7 +60,7 @@ class Ours:
         self.kw = dict(Bias=None, SoftmaxOffset=None, S=None, cu_seqlens_q=None, cu_seqlens_kv=None,
                        cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
                        rng_state=handle(self.rng), is_training=True, return_max_logit=False, cuda_graph=False,
-                       workspace=handle(self.ws), stream=torch.cuda.current_stream().cuda_stream, **sc)
+                       workspace=handle(self.ws), stream=torch.cuda.current_stream().cuda_stream, **self.sc)
         self.ot = handle(self.o)
         described = nvte.fused_attn_fwd(*self.H, O=self.ot, aux=[], **self.kw)
         dt = {nvte.DType.kFloat32: torch.float32, nvte.DType.kInt64: torch.int64}
