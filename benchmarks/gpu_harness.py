@@ -83,8 +83,11 @@ class Report:
                 groups.append(g)
         for g in groups:
             rows = [(c, m) for gg, c, m in self.rows if gg == g]
-            keys = list(rows[0][1].keys())
+            keys = []  # the union, in first-seen order: rows of one group may carry different metrics
+            for _, m in rows:
+                keys += [k for k in m if k not in keys]
+            cell = lambda m, k: "" if k not in m else (f"{m[k]:.3g}" if isinstance(m[k], float) else str(m[k]))
             out.append(f"\n### {g}\n\n| case | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
             for c, m in rows:
-                out.append(f"| {c} | " + " | ".join(f"{m[k]:.3g}" if isinstance(m[k], float) else str(m[k]) for k in keys) + " |")
+                out.append(f"| {c} | " + " | ".join(cell(m, k) for k in keys) + " |")
         return "\n".join(out) + "\n"
