@@ -432,12 +432,13 @@ void launch_bwd_row_st(const BwdParams &p, cudaStream_t stream) {
   launch_pdl(k, (unsigned)p.parts, TPR, smem, stream, p);
 }
 
-// Rows of up to 8 * TPR elements take the ring (on an H200 at 8192 x 4096: 0.61 -> 0.70 of copy
-// bandwidth); longer rows load each row when it starts (at 16384 columns a 3-row ring measured
-// 0.709 against 0.723 without).
+// Ring depth by vectors per thread, measured on an H200 (fraction of copy bandwidth, 8192 rows):
+// one vector (H <= 4096), 4 stages: 0.61 -> 0.70 at 4096 columns; two (H <= 8192), 3 stages
+// (96 KiB): 0.62 -> 0.74 at 8192; four (H <= 16384): no ring (3 stages measured 0.709 against
+// 0.723 without at 16384).
 template <class TI, int TPR, int NV>
 void launch_bwd_row_nv(const BwdParams &p, cudaStream_t stream) {
-  launch_bwd_row_st<TI, TPR, NV, NV == 1 ? 4 : 0>(p, stream);
+  launch_bwd_row_st<TI, TPR, NV, NV == 1 ? 4 : (NV == 2 ? 3 : 0)>(p, stream);
 }
 
 template <class TI, int TPR>
