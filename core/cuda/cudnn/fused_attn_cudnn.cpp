@@ -56,6 +56,7 @@
 
 #include "../cuda_check.h"
 #include "fused_attn_cudnn_internal.h"
+#include "fused_attn_cudnn_rules.h"
 #include "fused_attn_seqlens.h"
 
 // The frontend's shim resolves every cuDNN symbol through this handle.
@@ -124,89 +125,6 @@ cudnnHandle_t handle_for(cudaStream_t stream) {
   const cudnnStatus_t st = fe::detail::set_stream(h, stream);
   NVTE_CHECK(st == CUDNN_STATUS_SUCCESS, "cudnnSetStream failed (status ", (int)st, ")");
   return h;
-}
-
-// ------------------------------------------------------------------ static support rules
-std::string fp8_unsupported_reason(const AttnParams &p) {
-  if (p.dtype != kNVTEFloat8E4M3)
-    return concat("cuDNN FP8 attention takes float8_e4m3 Q, K, V; got ", dtype_name(p.dtype));
-  if (p.layout.q_format == NVTE_THD || p.layout.kv_format == NVTE_THD || p.layout.paged)
-    return concat("layout ", p.layout.name, " (THD / paged) is not supported by the CUDA FP8 attention yet");
-  if (p.softmax_type != NVTE_VANILLA_SOFTMAX) return "FP8 attention on the GPU takes the vanilla softmax only";
-  if (p.bias_type != NVTE_NO_BIAS) return "FP8 attention has no bias or ALiBi (cuDNN's sdpa_fp8, as in TE)";
-  if (p.dropout > 0.0f) return "FP8 attention with dropout is not supported by the CUDA backend yet";
-  if (p.return_max_logit) return "FP8 attention has no max logit";
-  if (p.rule.window_left >= 0 || (p.rule.window_right >= 0 && !(p.rule.causal && p.rule.window_right == 0)))
-    return "FP8 attention with a sliding window is not supported by the CUDA backend yet";
-  // Measured on an H200 with cuDNN 9.19: at s = 200 the FP8 backward's dQ was twice as far from
-  // float64 attention as the reference's (at 128 and 256 it matched); cuDNN's validation accepts
-  // it, so the rule is here.
-  if (p.is_training && (p.max_sq % 128 != 0 || p.max_skv % 128 != 0))
-    return concat("FP8 attention training (cuDNN's FP8 backward) needs max_seqlen_q and max_seqlen_kv that are "
-                  "multiples of 128 on the GPU (got ", p.max_sq, ", ", p.max_skv,
-                  "; other lengths gave a wrong dQ): pad the sequences");
-  return "";
-}
-
-bool thd(const AttnParams &p) { return p.layout.q_format == NVTE_THD; }  // mixed THD layouts are rejected
-
-std::string thd_unsupported_reason(const AttnParams &p) {
-  if (p.bias_type != NVTE_NO_BIAS)
-    return concat("THD layouts on the GPU take no bias or ALiBi (got bias_type ", attn::bias_name(p.bias_type), ")");
-  // Ragged offsets are int32 element counts from each tensor's pointer.
-  const attn::TensorPlacement *pl[4] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV], &p.out};
-  const size_t rows[4] = {p.rows_q, p.rows_kv, p.rows_kv, p.rows_q};
-  const char *names[4] = {"Q", "K", "V", "O"};
-  for (int i = 0; i < 4; ++i) {
-    if (rows[i] * pl[i]->row_stride >= (size_t(1) << 31))
-      return concat("THD tensor ", names[i], " spans ", rows[i] * pl[i]->row_stride,
-                    " elements; cuDNN's ragged offsets are int32, so the GPU takes THD tensors of fewer than 2^31");
-  }
-  return "";
-}
-
-std::string unsupported_reason(const AttnParams &p) {
-  if (is_fp8(p.dtype)) return fp8_unsupported_reason(p);
-  if (p.dtype != kNVTEBFloat16 && p.dtype != kNVTEFloat16)
-    return concat("cuDNN attention takes bfloat16/float16 Q, K, V; got ", dtype_name(p.dtype));
-  if (p.layout.paged) return concat("layout ", p.layout.name, " (paged KV cache) is not supported by the CUDA backend");
-  if ((p.layout.q_format == NVTE_THD) != (p.layout.kv_format == NVTE_THD))
-    return concat("layout ", p.layout.name, " mixes THD with BSHD/SBHD, which the CUDA backend does not support "
-                  "(THD runs with Q, K and V all THD)");
-  if (thd(p)) {
-    const std::string r = thd_unsupported_reason(p);
-    if (!r.empty()) return r;
-  }
-  if (p.softmax_type != NVTE_VANILLA_SOFTMAX) return "only the vanilla softmax is supported on the GPU";
-  if (p.bias_type == NVTE_PRE_SCALE_BIAS) return "pre-scale bias is not supported by cuDNN";
-  if (p.bias_type == NVTE_ALIBI && p.slopes_b != 0) return "ALiBi with caller-given slopes is not supported on the GPU";
-  if (p.bias_type == NVTE_ALIBI && !p.rule.causal) return "cuDNN applies ALiBi only with a causal mask";
-  if (p.rule.window_right >= 0 && !(p.rule.causal && p.rule.window_right == 0))
-    return "a bounded right window other than the causal one is not supported on the GPU";
-  if (p.rule.window_left >= 0 && p.rule.bottom_right)
-    return "a left window with bottom-right alignment is not supported on the GPU";
-  return "";
-}
-
-size_t pow2_at_least(size_t x) {
-  size_t n = 1;
-  while (n < x) n *= 2;
-  return n;
-}
-
-// The parameters a graph is built from: p itself, or for THD (see the top of this file) p with
-// the padding mask, max_seqlen rounded up to a power of two (THD's max_seqlen changes from batch
-// to batch: this bounds the number of graphs) and the run's batch. They depend only on what the
-// workspace queries see.
-AttnParams graph_params(const AttnParams &p) {
-  if (!thd(p)) return p;
-  AttnParams g = p;
-  g.padding = true;
-  g.max_sq = pow2_at_least(p.max_sq);
-  g.max_skv = pow2_at_least(p.max_skv);
-  const auto per = [](size_t rows, size_t s) { return (rows + s - 1) / s; };
-  g.batch = pow2_at_least(std::max(per(p.rows_q, g.max_sq), per(p.rows_kv, g.max_skv)));
-  return g;
 }
 
 // ------------------------------------------------------------------ graph description
@@ -326,12 +244,7 @@ std::string build_fwd(const AttnParams &p, cudnnHandle_t h, Built &b) {
 std::string build_bwd(const AttnParams &p, bool has_dbias, cudnnHandle_t h, Built &b) {
   new_graph(b, fe_type(p.dtype));
   fe::graph::Graph &g = *b.graph;
-  auto q = qkv_tensor(g, p, attn::kQ, kUQ, "Q"), k = qkv_tensor(g, p, attn::kK, kUK, "K"),
-       v = qkv_tensor(g, p, attn::kV, kUV, "V");
-  const std::vector<int64_t> odim{(int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.max_sq, (int64_t)p.d_v};
-  const std::vector<int64_t> ostride = strides_of(p.out, p.batch, p.max_sq);
-  auto o = input_tensor(g, "O", kUO, odim, ostride, fe_type(p.dtype));
-  auto dout = input_tensor(g, "dO", kUdO, odim, ostride, fe_type(p.dtype));
+  const auto [q, k, v, o, dout] = bwd_inputs(g, p, fe_type(p.dtype), fe_type(p.dtype));
   const Ragged r = ragged_offsets(g, p);  // gradients share the offsets of Q, K, V; dO those of O
   set_ragged(q, r.off[0]);
   set_ragged(k, r.off[1]);

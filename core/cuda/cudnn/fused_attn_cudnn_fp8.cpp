@@ -83,12 +83,7 @@ std::string build_fp8_fwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t
 std::string build_fp8_bwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t h, Built &b) {
   new_graph(b, fe::DataType_t::FP8_E4M3);
   fe::graph::Graph &g = *b.graph;
-  auto q = qkv_tensor(g, p, attn::kQ, kUQ, "Q"), k = qkv_tensor(g, p, attn::kK, kUK, "K"),
-       v = qkv_tensor(g, p, attn::kV, kUV, "V");
-  const std::vector<int64_t> odim{(int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.max_sq, (int64_t)p.d_v};
-  const std::vector<int64_t> ostride = strides_of(p.out, p.batch, p.max_sq);
-  auto o = input_tensor(g, "O", kUO, odim, ostride, fe_type(ty.o));
-  auto dout = input_tensor(g, "dO", kUdO, odim, ostride, fe_type(ty.d_o));
+  const auto [q, k, v, o, dout] = bwd_inputs(g, p, fe_type(ty.o), fe_type(ty.d_o));
   auto stats = input_tensor(g, "stats", kUStats, stats_dim(p), stats_stride(p), kF32);
   const QkvsScalars c = qkvs_scalars(g);
   auto descale_o = scalar_tensor(g, kUDescaleO, "descale_o", kF32);

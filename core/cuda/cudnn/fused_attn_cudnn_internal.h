@@ -103,6 +103,20 @@ inline TensorPtr scalar_tensor(fe::graph::Graph &g, int64_t uid, const char *nam
                       .set_data_type(t));
 }
 
+// The backward graphs' inputs: Q, K, V in the call's layout, O and dO [b, h_q, max_sq, d_v] in
+// O's (of element types o_type / do_type).
+struct BwdInputs {
+  TensorPtr q, k, v, o, d_o;
+};
+inline BwdInputs bwd_inputs(fe::graph::Graph &g, const AttnParams &p, fe::DataType_t o_type,
+                            fe::DataType_t do_type) {
+  const std::vector<int64_t> odim{(int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.max_sq, (int64_t)p.d_v};
+  const std::vector<int64_t> ostride = strides_of(p.out, p.batch, p.max_sq);
+  return {qkv_tensor(g, p, attn::kQ, kUQ, "Q"), qkv_tensor(g, p, attn::kK, kUK, "K"),
+          qkv_tensor(g, p, attn::kV, kUV, "V"), input_tensor(g, "O", kUO, odim, ostride, o_type),
+          input_tensor(g, "dO", kUdO, odim, ostride, do_type)};
+}
+
 // The [b, h_q, max_sq, 1] float32 softmax statistics (natural-log LSE), as the aux pack holds them.
 inline std::vector<int64_t> stats_dim(const AttnParams &p) {
   return {(int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.max_sq, 1};

@@ -1,0 +1,92 @@
+// cuda/cudnn/fused_attn_cudnn_rules.cpp - see fused_attn_cudnn_rules.h. The support matrix is
+// described at the top of fused_attn_cudnn.cpp.
+#include "fused_attn_cudnn_rules.h"
+
+#include <algorithm>
+
+#include "../../common/error.h"
+
+namespace nvte::cuda::cudnn_attn {
+
+bool thd(const AttnParams &p) { return p.layout.q_format == NVTE_THD; }
+
+namespace {
+std::string fp8_unsupported_reason(const AttnParams &p) {
+  if (p.dtype != kNVTEFloat8E4M3)
+    return concat("cuDNN FP8 attention takes float8_e4m3 Q, K, V; got ", dtype_name(p.dtype));
+  if (p.layout.q_format == NVTE_THD || p.layout.kv_format == NVTE_THD || p.layout.paged)
+    return concat("layout ", p.layout.name, " (THD / paged) is not supported by the CUDA FP8 attention yet");
+  if (p.softmax_type != NVTE_VANILLA_SOFTMAX) return "FP8 attention on the GPU takes the vanilla softmax only";
+  if (p.bias_type != NVTE_NO_BIAS) return "FP8 attention has no bias or ALiBi (cuDNN's sdpa_fp8, as in TE)";
+  if (p.dropout > 0.0f) return "FP8 attention with dropout is not supported by the CUDA backend yet";
+  if (p.return_max_logit) return "FP8 attention has no max logit";
+  if (p.rule.window_left >= 0 || (p.rule.window_right >= 0 && !(p.rule.causal && p.rule.window_right == 0)))
+    return "FP8 attention with a sliding window is not supported by the CUDA backend yet";
+  // Measured on an H200 with cuDNN 9.19: at s = 200 the FP8 backward's dQ was twice as far from
+  // float64 attention as the reference's (at 128 and 256 it matched); cuDNN's validation accepts
+  // it, so the rule is here.
+  if (p.is_training && (p.max_sq % 128 != 0 || p.max_skv % 128 != 0))
+    return concat("FP8 attention training (cuDNN's FP8 backward) needs max_seqlen_q and max_seqlen_kv that are "
+                  "multiples of 128 on the GPU (got ", p.max_sq, ", ", p.max_skv,
+                  "; other lengths gave a wrong dQ): pad the sequences");
+  return "";
+}
+
+std::string thd_unsupported_reason(const AttnParams &p) {
+  if (p.bias_type != NVTE_NO_BIAS)
+    return concat("THD layouts on the GPU take no bias or ALiBi (got bias_type ", attn::bias_name(p.bias_type), ")");
+  // Ragged offsets are int32 element counts from each tensor's pointer.
+  const attn::TensorPlacement *pl[4] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV], &p.out};
+  const size_t rows[4] = {p.rows_q, p.rows_kv, p.rows_kv, p.rows_q};
+  const char *names[4] = {"Q", "K", "V", "O"};
+  for (int i = 0; i < 4; ++i) {
+    if (rows[i] * pl[i]->row_stride >= (size_t(1) << 31))
+      return concat("THD tensor ", names[i], " spans ", rows[i] * pl[i]->row_stride,
+                    " elements; cuDNN's ragged offsets are int32, so the GPU takes THD tensors of fewer than 2^31");
+  }
+  return "";
+}
+
+size_t pow2_at_least(size_t x) {
+  size_t n = 1;
+  while (n < x) n *= 2;
+  return n;
+}
+
+}  // namespace
+
+std::string unsupported_reason(const AttnParams &p) {
+  if (is_fp8(p.dtype)) return fp8_unsupported_reason(p);
+  if (p.dtype != kNVTEBFloat16 && p.dtype != kNVTEFloat16)
+    return concat("cuDNN attention takes bfloat16/float16 Q, K, V; got ", dtype_name(p.dtype));
+  if (p.layout.paged) return concat("layout ", p.layout.name, " (paged KV cache) is not supported by the CUDA backend");
+  if ((p.layout.q_format == NVTE_THD) != (p.layout.kv_format == NVTE_THD))
+    return concat("layout ", p.layout.name, " mixes THD with BSHD/SBHD, which the CUDA backend does not support "
+                  "(THD runs with Q, K and V all THD)");
+  if (thd(p)) {
+    const std::string r = thd_unsupported_reason(p);
+    if (!r.empty()) return r;
+  }
+  if (p.softmax_type != NVTE_VANILLA_SOFTMAX) return "only the vanilla softmax is supported on the GPU";
+  if (p.bias_type == NVTE_PRE_SCALE_BIAS) return "pre-scale bias is not supported by cuDNN";
+  if (p.bias_type == NVTE_ALIBI && p.slopes_b != 0) return "ALiBi with caller-given slopes is not supported on the GPU";
+  if (p.bias_type == NVTE_ALIBI && !p.rule.causal) return "cuDNN applies ALiBi only with a causal mask";
+  if (p.rule.window_right >= 0 && !(p.rule.causal && p.rule.window_right == 0))
+    return "a bounded right window other than the causal one is not supported on the GPU";
+  if (p.rule.window_left >= 0 && p.rule.bottom_right)
+    return "a left window with bottom-right alignment is not supported on the GPU";
+  return "";
+}
+
+AttnParams graph_params(const AttnParams &p) {
+  if (!thd(p)) return p;
+  AttnParams g = p;
+  g.padding = true;
+  g.max_sq = pow2_at_least(p.max_sq);
+  g.max_skv = pow2_at_least(p.max_skv);
+  const auto per = [](size_t rows, size_t s) { return (rows + s - 1) / s; };
+  g.batch = pow2_at_least(std::max(per(p.rows_q, g.max_sq), per(p.rows_kv, g.max_skv)));
+  return g;
+}
+
+}  // namespace nvte::cuda::cudnn_attn

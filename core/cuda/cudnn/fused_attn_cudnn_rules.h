@@ -1,0 +1,25 @@
+// cuda/cudnn/fused_attn_cudnn_rules.h - what the cuDNN attention backend accepts, and the
+// parameters its graphs are built from (THD: rounded sizes, see fused_attn_cudnn.cpp). Plain C++,
+// no cuDNN frontend: the rules compile apart from the heavy graph code.
+#pragma once
+
+#include <string>
+
+#include "../fused_attn.h"
+
+namespace nvte::cuda::cudnn_attn {
+using attn::AttnParams;
+
+// Whether the call is THD (mixed THD/BSHD layouts are rejected by unsupported_reason).
+bool thd(const AttnParams &p);
+
+// Why cuDNN cannot run the call ("" when it can), FP8 or float16/bfloat16.
+std::string unsupported_reason(const AttnParams &p);
+
+// The parameters a graph is built from: p itself, or for THD p with the padding mask,
+// max_seqlen rounded up to a power of two (THD's max_seqlen changes from batch to batch: this
+// bounds the number of graphs) and the run's batch. They depend only on what the workspace
+// queries see.
+AttnParams graph_params(const AttnParams &p);
+
+}  // namespace nvte::cuda::cudnn_attn
