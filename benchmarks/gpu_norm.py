@@ -57,6 +57,47 @@ def bench_fwd(report, n, h, bw):
                torch_ms=tms, speedup_vs_torch=tms / ms, host_us=host_us(ours))
 
 
+def bench_fwd_both_layouts(report, n, h, bw):
+    """Training's forward: z in FP8 rowwise and columnwise (the weight gradient reads the
+    transpose). Ours: nvte_layernorm_fwd into both layouts (row kernel + tiled byte transpose);
+    against ours unfused (bf16 LayerNorm, then nvte_cast_transpose: what the PyTorch adapter ran
+    before) and PyTorch (layer_norm, scale, cast, transpose). Minimum bytes: x read, z and its
+    transpose written (the transpose pass re-reads z: 5 of the 4 counted bytes per element)."""
+    dev = "cuda"
+    xs = [torch.randn(n, h, device=dev).to(torch.bfloat16) for _ in range(SETS)]
+    g = (torch.randn(h, device=dev) * 0.1 + 1).to(torch.bfloat16)
+    b = (torch.randn(h, device=dev) * 0.1).to(torch.bfloat16)
+    scale = torch.tensor([4.0], device=dev)
+    amax, sinv, csinv = torch.zeros(1, device=dev), torch.zeros(1, device=dev), torch.zeros(1, device=dev)
+    z, zt = torch.empty(n, h, dtype=torch.uint8, device=dev), torch.empty(h, n, dtype=torch.uint8, device=dev)
+    mu, rs = torch.empty(n, device=dev), torch.empty(n, device=dev)
+    tx = [tensor(x) for x in xs]
+    tz = tensor(z, DT.kFloat8E4M3, scale=scale, amax=amax, scale_inv=sinv)
+    tz.set_param(P.kColumnwiseData, zt.data_ptr(), [h, n], DT.kFloat8E4M3)
+    tz.set_param(P.kColumnwiseScaleInv, csinv.data_ptr(), [1], DT.kFloat32)
+    tg, tb, tmu, trs = tensor(g), tensor(b), tensor(mu), tensor(rs)
+    y16 = torch.empty(n, h, dtype=torch.bfloat16, device=dev)
+    ty16 = tensor(y16)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def ours(i):
+        nvte.layernorm_fwd(tx[i % SETS], tg, tb, EPS, tz, tmu, trs)
+
+    def unfused(i):
+        nvte.layernorm_fwd(tx[i % SETS], tg, tb, EPS, ty16, tmu, trs)
+        nvte.cast_transpose(ty16, tz, stream)
+
+    def theirs(i):
+        y = ((F.layer_norm(xs[i % SETS], (h,), g, b, EPS) * scale).to(torch.float8_e4m3fn))
+        return y, y.t().contiguous()
+
+    ms, ums, tms = time_ms(ours), time_ms(unfused), time_ms(theirs)
+    gbs = (n * h * (2 + 1 + 1) + n * 8) / ms / 1e6
+    report.add("norm", f"layernorm fwd bf16->fp8e4m3 row+col {n}x{h}", ms=ms, GBps=gbs, frac_copy=gbs / bw,
+               torch_ms=tms, speedup_vs_torch=tms / ms, unfused_ms=ums, speedup_vs_unfused=ums / ms,
+               host_us=host_us(ours))
+
+
 def bench_bwd(report, n, h, bw):
     dev = "cuda"
     xs = [torch.randn(n, h, device=dev).to(torch.bfloat16) for _ in range(SETS)]
@@ -100,5 +141,6 @@ def run(report):
     bw = copy_bandwidth_gbs()
     for n, h in SHAPES:
         bench_fwd(report, n, h, bw)
+        bench_fwd_both_layouts(report, n, h, bw)
         bench_bwd(report, n, h, bw)
         torch.cuda.empty_cache()

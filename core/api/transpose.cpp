@@ -86,7 +86,7 @@ void run_multi_cast_transpose(size_t n, const NVTETensor *inputs, NVTETensor *ou
         const Dims2 d = flat2d(inputs[i]->params[kNVTERowwiseData].shape);
         api::check_output(*outputs[i], names[2 * i + 1].c_str(), d.rows, d.cols);
       }
-      for (size_t i = 0; i < n; ++i) cuda::quantize(*inputs[i], *outputs[i], nullptr, stream);
+      cuda::multi_quantize(n, inputs, outputs, stream);
       return;
 #else
       cuda_not_built("nvte_multi_cast_transpose");

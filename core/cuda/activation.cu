@@ -351,7 +351,7 @@ void activation(Act a, const Tensor *grad, const Tensor &in, Tensor &out, cudaSt
   p.cols = d.cols;
   describe_output(p, out, "output", d.rows, d.cols);
   const size_t n = d.rows * d.cols;
-  if (n == 0) return;
+  if (n == 0) return write_empty_fp8_scale_inv(p.scale, p.scale_inv, p.col_scale_inv, nullptr, stream);
   with_act<false>(a, [&](auto kAct) {
     constexpr Act A = decltype(kAct)::value;
     if (grad && p.grad_dt != p.in_dt) {
@@ -383,7 +383,7 @@ void gated_activation(Act a, const Tensor *grad, const Tensor &in, Tensor &out, 
   p.cols = h;
   describe_output(p, out, "output", d.rows, grad ? 2 * h : h);
   const size_t n = d.rows * h;
-  if (n == 0) return;
+  if (n == 0) return write_empty_fp8_scale_inv(p.scale, p.scale_inv, p.col_scale_inv, nullptr, stream);
   with_act<true>(a, [&](auto kAct) {
     constexpr Act A = decltype(kAct)::value;
     if (grad && p.grad_dt != p.in_dt) {

@@ -9,6 +9,8 @@
 // partials of each column in row-tile order, so results do not depend on scheduling.
 #include "cast.h"
 
+#include <vector>
+
 #include "../common/dtype_switch.h"
 #include "cast_tiles.cuh"
 
@@ -160,9 +162,56 @@ void convert(const void *in, NVTEDType in_t, size_t rows, size_t cols, const flo
 void quantize(const Tensor &in, Tensor &out, const float *noop, cudaStream_t stream) {
   const NVTEBasicTensor &ib = in.params[kNVTERowwiseData];
   const Dims2 d = flat2d(ib.shape);
-  if (d.rows * d.cols == 0) return;
   NVTE_CHECK(is_high_precision(ib.dtype), "input must be float32, float16 or bfloat16, got ", dtype_name(ib.dtype));
-  convert(ib.data_ptr, ib.dtype, d.rows, d.cols, nullptr, out_ptrs(out), noop, stream);
+  const OutPtrs o = out_ptrs(out);
+  if (d.rows * d.cols == 0) return write_empty_fp8_scale_inv(o.scale, o.scale_inv, o.col_scale_inv, noop, stream);
+  convert(ib.data_ptr, ib.dtype, d.rows, d.cols, nullptr, o, noop, stream);
+}
+
+void multi_quantize(size_t n, const Tensor *const *in, Tensor *const *out, cudaStream_t stream) {
+  struct Item {
+    tiles::Args a;
+    NVTEDType in_t, out_t;
+  };
+  std::vector<Item> items;
+  items.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const NVTEBasicTensor &ib = in[i]->params[kNVTERowwiseData];
+    NVTE_CHECK(is_high_precision(ib.dtype), "input ", i, " must be float32, float16 or bfloat16, got ",
+               dtype_name(ib.dtype));
+    const Dims2 d = flat2d(ib.shape);
+    const OutPtrs o = out_ptrs(*out[i]);
+    if (d.rows * d.cols == 0) {
+      write_empty_fp8_scale_inv(o.scale, o.scale_inv, o.col_scale_inv, nullptr, stream);
+      continue;
+    }
+    items.push_back({tile_args(ib.data_ptr, d.rows, d.cols, nullptr, o, o.row, o.col, nullptr), ib.dtype, o.dtype});
+  }
+  for (size_t i = 0; i < items.size();) {
+    with_float_dtype(items[i].in_t, "input", [&](auto itag) {
+      using InT = typename decltype(itag)::type;
+      with_float_dtype(items[i].out_t, "output", [&](auto otag) {
+        using OutT = typename decltype(otag)::type;
+        if constexpr (is_fp8_type<InT>::value) {
+          NVTE_FAIL(NVTE_ERROR_INVALID_ARGUMENT, "input must be float32, float16 or bfloat16");
+        } else {
+          std::vector<tiles::Args> run;
+          bool vec = false;
+          for (size_t j = i; j < items.size() && run.size() < (size_t)tiles::kMaxMulti; ++j) {
+            tiles::Args a = items[j].a;
+            a.col_vec = tiles::col_vec_ok(a.out_col, a.rows, sizeof(OutT));
+            const bool v = tiles::vec_ok<InT, InT, OutT>(a);
+            if (j == i) vec = v;
+            if (items[j].in_t != items[i].in_t || items[j].out_t != items[i].out_t || v != vec) break;
+            run.push_back(a);
+          }
+          if (vec) tiles::launch_multi<InT, OutT, true>(run.data(), (int)run.size(), stream);
+          else tiles::launch_multi<InT, OutT, false>(run.data(), (int)run.size(), stream);
+          i += run.size();
+        }
+      });
+    });
+  }
 }
 
 void dequantize(const Tensor &in, Tensor &out, cudaStream_t stream) {
@@ -202,13 +251,12 @@ void quantize_dbias(const Tensor &in, const Tensor *act_in, std::optional<Act> a
   const NVTEBasicTensor &ib = in.params[kNVTERowwiseData];
   const NVTEBasicTensor &db = dbias.params[kNVTERowwiseData];
   const Dims2 d = flat2d(ib.shape);
-  if (d.cols == 0) return;
-  if (d.rows == 0) {  // column sums of nothing
-    NVTE_CHECK_CUDA(cudaMemsetAsync(db.data_ptr, 0, d.cols * dtype_size(db.dtype), stream));
-    return;
+  const OutPtrs o = out_ptrs(out);
+  if (d.rows * d.cols == 0) {  // dbias: column sums of nothing
+    if (d.cols > 0) NVTE_CHECK_CUDA(cudaMemsetAsync(db.data_ptr, 0, d.cols * dtype_size(db.dtype), stream));
+    return write_empty_fp8_scale_inv(o.scale, o.scale_inv, o.col_scale_inv, nullptr, stream);
   }
   NVTE_CHECK(workspace != nullptr && aligned(workspace, sizeof(float)), "workspace must be a 4-byte aligned buffer");
-  const OutPtrs o = out_ptrs(out);
   tiles::Args a = tile_args(ib.data_ptr, d.rows, d.cols, nullptr, o, o.row, o.col, nullptr);
   a.dbias_partial = static_cast<float *>(workspace);
   if (act) {

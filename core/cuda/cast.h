@@ -16,6 +16,11 @@ namespace nvte::cuda {
 // noop: device float32 flag or null; when it holds 1 the kernel returns without writing.
 void quantize(const Tensor &in, Tensor &out, const float *noop, cudaStream_t stream);
 
+// quantize(*in[i], *out[i]) for i < n, in as few launches as the tensors' dtype pairs allow
+// (multi_cast_transpose): consecutive tensors of one input/output dtype pair and one alignment
+// class share a launch (up to tiles::kMaxMulti of them); empty ones get only their scale_inv.
+void multi_quantize(size_t n, const Tensor *const *in, Tensor *const *out, cudaStream_t stream);
+
 // out = float(in) * in.scale_inv; in may hold only columnwise data.
 void dequantize(const Tensor &in, Tensor &out, cudaStream_t stream);
 

@@ -152,9 +152,9 @@ __device__ __forceinline__ void st_pair(float a, float b, OutT &ya, OutT &yb) {
 // kRaw: a plain bit copy (transpose of any dtype): no conversion, amax or scale.
 // One block per tile. (A persistent grid that prefetched each block's next tile into
 // registers was measured slower on an H200: the extra registers cost more occupancy than the
-// prefetch gained.)
+// prefetch gained.) tile_body does tile number `tile` of a; every thread of the block calls it.
 template <class InT, class ActT, class OutT, int kAct, bool kDbias, bool kVec, bool kRaw>
-__global__ void __launch_bounds__(kThreads) tile_kernel(const Args a) {
+__device__ __forceinline__ void tile_body(const Args &a, const size_t tile) {
   constexpr int N = vec_elems<InT, OutT>();
   constexpr int kCols = kVecCols * N;
   constexpr int kRowBytes = kTileRows * (int)sizeof(OutT);
@@ -167,7 +167,6 @@ __global__ void __launch_bounds__(kThreads) tile_kernel(const Args a) {
   __shared__ __align__(32) unsigned char s_img[kCols * kRowBytes];
   __shared__ float s_db[kDbias ? kRowGroups * kCols : 1];
 
-  pdl_begin();
   if (a.noop != nullptr && *a.noop == 1.0f) return;
   const size_t rows = a.rows, cols = a.cols;
   const int v = threadIdx.x % kVecCols, g = threadIdx.x / kVecCols;
@@ -203,7 +202,6 @@ __global__ void __launch_bounds__(kThreads) tile_kernel(const Args a) {
 
   Vec<InT, N> x[4];
   Vec<ActVecT, N> ax[4];
-  const size_t tile = blockIdx.x;
   load(tile, x, ax);
   {
     const size_t rt = tile / a.col_tiles, ct = tile % a.col_tiles;
@@ -334,13 +332,37 @@ __global__ void __launch_bounds__(kThreads) tile_kernel(const Args a) {
   if constexpr (!kRaw) {
     if (a.amax != nullptr) block_amax_update(amax, a.amax);
     if constexpr (kFp8Out) {
-      if (blockIdx.x == 0 && threadIdx.x == 0) {
+      if (tile == 0 && threadIdx.x == 0) {
         const float inv = 1.0f / scale;
         if (a.scale_inv != nullptr) *a.scale_inv = inv;
         if (a.col_scale_inv != nullptr) *a.col_scale_inv = inv;
       }
     }
   }
+}
+
+template <class InT, class ActT, class OutT, int kAct, bool kDbias, bool kVec, bool kRaw>
+__global__ void __launch_bounds__(kThreads) tile_kernel(const Args a) {
+  pdl_begin();
+  tile_body<InT, ActT, OutT, kAct, kDbias, kVec, kRaw>(a, blockIdx.x);
+}
+
+// Several tensors in one launch (multi_cast_transpose: many small weights would each be a short
+// launch): block b does tile b - first[i] of tensor i, where first[i] <= b < first[i + 1]. The
+// list travels in the kernel's parameters (kMaxMulti x ~130 bytes, under the 4 KiB limit).
+constexpr int kMaxMulti = 24;
+struct MultiArgs {
+  Args a[kMaxMulti];
+  unsigned first[kMaxMulti + 1];  // prefix sums of the tensors' tile counts
+  int count = 0;
+};
+
+template <class InT, class OutT, bool kVec>
+__global__ void __launch_bounds__(kThreads) multi_tile_kernel(const MultiArgs m) {
+  pdl_begin();
+  int i = 0;
+  while (i + 1 < m.count && blockIdx.x >= m.first[i + 1]) ++i;
+  tile_body<InT, InT, OutT, kNoAct, false, kVec, false>(m.a[i], blockIdx.x - m.first[i]);
 }
 
 inline size_t row_tiles(size_t rows) { return (rows + kTileRows - 1) / kTileRows; }
@@ -355,6 +377,29 @@ void launch(Args a, cudaStream_t stream) {
   NVTE_CHECK_SUPPORTED(ct <= 0xFFFFFFFFu && a.tiles <= 0x7FFFFFFFu, "tensor of ", a.rows, " x ", a.cols,
                        " is too large for one launch");
   launch_pdl(tile_kernel<InT, ActT, OutT, kAct, kDbias, kVec, kRaw>, (unsigned)a.tiles, kThreads, 0, stream, a);
+}
+
+// Launches multi_tile_kernel over a[0..count) (count <= kMaxMulti, each non-empty; kVec must
+// hold for every one: vec_ok<InT, InT, OutT>, col_vec set per tensor).
+template <class InT, class OutT, bool kVec>
+void launch_multi(const Args *a, int count, cudaStream_t stream) {
+  constexpr int kCols = tile_cols<InT, OutT>();
+  NVTE_CHECK(count > 0 && count <= kMaxMulti, "internal: ", count, " tensors in one multi-tensor launch");
+  MultiArgs m;
+  m.count = count;
+  size_t total = 0;
+  for (int i = 0; i < count; ++i) {
+    m.a[i] = a[i];
+    const size_t ct = (a[i].cols + kCols - 1) / kCols;
+    m.a[i].col_tiles = (unsigned)ct;
+    m.a[i].tiles = row_tiles(a[i].rows) * ct;
+    m.first[i] = (unsigned)total;
+    total += m.a[i].tiles;
+    NVTE_CHECK_SUPPORTED(ct <= 0xFFFFFFFFu && total <= 0x7FFFFFFFu, "tensors of ", total,
+                         " tiles in all are too large for one launch");
+  }
+  m.first[count] = (unsigned)total;
+  launch_pdl(multi_tile_kernel<InT, OutT, kVec>, (unsigned)total, kThreads, 0, stream, m);
 }
 
 // Host-side choice of the vector path for given pointers (nullptr counts as aligned).

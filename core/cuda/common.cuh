@@ -28,6 +28,13 @@ int sm_count();
 // launch with more than 48 KiB in all): call it before launching a kernel with smem > 0.
 int resident_blocks(const void *kernel, int threads, size_t smem);
 
+// An FP8 output with no elements: nothing is converted, but scale_inv (and the columnwise
+// scale_inv) still become 1 / *scale, as the CPU backend writes them (amax, a max over no values,
+// stays as it is). One single-thread launch on `stream`; null pointers are skipped; noop: device
+// flag or null, 1 = write nothing (as the kernels it stands in for).
+void write_empty_fp8_scale_inv(const float *scale, float *scale_inv, float *col_scale_inv, const float *noop,
+                               cudaStream_t stream);
+
 // Blocks for a grid-stride kernel over n items: enough to fill the device a few times over.
 inline unsigned grid_for(size_t n, int threads, int items_per_thread = 1) {
   const size_t want = (n + (size_t)threads * items_per_thread - 1) / ((size_t)threads * items_per_thread);

@@ -9,6 +9,22 @@
 
 namespace nvte::cuda {
 
+namespace {
+__global__ void empty_fp8_scale_inv_kernel(const float *scale, float *si, float *csi, const float *noop) {
+  if (noop != nullptr && *noop == 1.0f) return;
+  const float inv = 1.0f / *scale;
+  if (si != nullptr) *si = inv;
+  if (csi != nullptr) *csi = inv;
+}
+}  // namespace
+
+void write_empty_fp8_scale_inv(const float *scale, float *scale_inv, float *col_scale_inv, const float *noop,
+                               cudaStream_t stream) {
+  if (scale == nullptr || (scale_inv == nullptr && col_scale_inv == nullptr)) return;
+  empty_fp8_scale_inv_kernel<<<1, 1, 0, stream>>>(scale, scale_inv, col_scale_inv, noop);
+  NVTE_CHECK_LAUNCH();
+}
+
 int sm_count() {
   static std::mutex mu;
   static std::vector<int> counts;

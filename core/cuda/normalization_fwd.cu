@@ -25,9 +25,11 @@
 // see norm_fwd_vec), so results differ from the CPU's (double-accumulated row sums) through
 // the row sums and, for that z, by a few float32 roundings.
 #include <algorithm>
+#include <utility>
 
 #include "norm_common.cuh"
 #include "normalization.h"
+#include "transpose.h"
 
 namespace nvte::cuda {
 namespace {
@@ -376,6 +378,29 @@ void check_z(const Tensor &z, size_t rows, size_t cols) {
   if (is_fp8(dt)) NVTE_CHECK(scalar_param(z, kNVTEScale, "z") != nullptr, "z is FP8 (", dtype_name(dt), ") but has no scale");
 }
 
+// Runs the forward kernel that fits p (rowwise z and/or columnwise zt as p holds them).
+void launch_norm_fwd(const FwdParams &p, cudaStream_t stream) {
+  const size_t h = p.cols, nvec = h / kVec;
+  const bool vec = h > 0 && h % kVec == 0 && nvec <= 2048 && vec_ok(p.x) && vec_ok(p.gamma) && vec_ok(p.beta) &&
+                   vec_ok(p.z);
+  if (!vec) {
+    const size_t grid = std::min<size_t>(p.rows, (size_t)sm_count() * 4);
+    norm_fwd_any<512><<<(unsigned)grid, 512, 0, stream>>>(p);
+    NVTE_CHECK_LAUNCH();
+    return;
+  }
+  if (row_kernel_applies(p)) return launch_row_kernel(p, stream);
+  // Four vectors per thread (64 bytes of bf16 x in flight), 512-thread blocks.
+  if (nvec <= 32) return launch_fwd<32, 1, 256>(p, stream);
+  switch (unit_threads((nvec + 3) / 4)) {
+    case 32: return launch_fwd<32, 4, 512>(p, stream);
+    case 64: return launch_fwd<64, 4, 512>(p, stream);
+    case 128: return launch_fwd<128, 4, 512>(p, stream);
+    case 256: return launch_fwd<256, 4, 512>(p, stream);
+    default: return launch_fwd<512, 4, 512>(p, stream);
+  }
+}
+
 }  // namespace
 
 void norm_fwd(const Tensor &x, const Tensor &gamma, const Tensor *beta, float epsilon, Tensor &z, Tensor *mu,
@@ -405,27 +430,15 @@ void norm_fwd(const Tensor &x, const Tensor &gamma, const Tensor *beta, float ep
   p.gt = dtype_of(gamma);
   p.bt = beta ? dtype_of(*beta) : kNVTEFloat32;
   p.zc = zero_centered_gamma;
-  if (p.rows == 0) return;
-
-  const size_t h = p.cols, nvec = h / kVec;
-  const bool vec = h > 0 && h % kVec == 0 && nvec <= 2048 && vec_ok(p.x) && vec_ok(p.gamma) && vec_ok(p.beta) &&
-                   vec_ok(p.z);
-  if (!vec) {
-    const size_t grid = std::min<size_t>(p.rows, (size_t)sm_count() * 4);
-    norm_fwd_any<512><<<(unsigned)grid, 512, 0, stream>>>(p);
-    NVTE_CHECK_LAUNCH();
-    return;
-  }
-  if (row_kernel_applies(p)) return launch_row_kernel(p, stream);
-  // Four vectors per thread (64 bytes of bf16 x in flight), 512-thread blocks.
-  if (nvec <= 32) return launch_fwd<32, 1, 256>(p, stream);
-  switch (unit_threads((nvec + 3) / 4)) {
-    case 32: return launch_fwd<32, 4, 512>(p, stream);
-    case 64: return launch_fwd<64, 4, 512>(p, stream);
-    case 128: return launch_fwd<128, 4, 512>(p, stream);
-    case 256: return launch_fwd<256, 4, 512>(p, stream);
-    default: return launch_fwd<512, 4, 512>(p, stream);
-  }
+  if (p.rows == 0) return write_empty_fp8_scale_inv(p.scale, p.scale_inv, p.col_scale_inv, nullptr, stream);
+  // Both layouts of z: the row kernels write the rowwise z, then the tiled transpose copies its
+  // elements into the columnwise buffer (bit for bit). That reads z once more (1 byte per element
+  // for FP8) but keeps the fast row kernels and writes both layouts with 16-byte stores; storing
+  // the transpose from the row kernel itself is one strided byte store per element.
+  void *zt = nullptr;
+  if (p.z != nullptr && p.zt != nullptr) std::swap(zt, p.zt);
+  launch_norm_fwd(p, stream);
+  if (zt != nullptr) transpose_raw(p.z, zt, p.rows, p.cols, dtype_size(p.zt_dtype), stream);
 }
 
 }  // namespace nvte::cuda

@@ -18,6 +18,7 @@
 
 #include "common.cuh"
 #include "softmax.h"
+#include "transpose.h"
 
 namespace nvte::cuda {
 namespace {
@@ -420,11 +421,15 @@ const NVTEBasicTensor &rowwise(const Tensor &t, const char *name) {
   return b;
 }
 
-// The output's rowwise buffer; a columnwise copy is not produced by this backend.
-void *output_data(const Tensor &t, const char *name, NVTEDType *dt) {
+// The output's rowwise buffer, and its columnwise buffer (the [cols, rows] transpose of the 2D
+// view) or null. The kernels write rows; a columnwise copy is transposed from them afterwards,
+// so it needs the rowwise buffer too.
+void *output_data(const Tensor &t, const char *name, NVTEDType *dt, void **col) {
+  const NVTEBasicTensor &c = t.params[kNVTEColumnwiseData];
+  NVTE_CHECK_SUPPORTED(buffer_set(t.params[kNVTERowwiseData]) || !buffer_set(c), name,
+                       " has only columnwise data; the CUDA softmax needs the rowwise buffer as well");
   const NVTEBasicTensor &b = rowwise(t, name);
-  NVTE_CHECK_SUPPORTED(!buffer_set(t.params[kNVTEColumnwiseData]), name,
-                       " has columnwise data; the CUDA softmax writes rowwise data only");
+  *col = buffer_set(c) ? c.data_ptr : nullptr;
   *dt = b.dtype;
   return b.data_ptr;
 }
@@ -437,7 +442,8 @@ void softmax_forward(SoftmaxMask kind, const Tensor &in, const Tensor *mask, Ten
   SmParams p;
   p.x = ib.data_ptr;
   p.x_dt = ib.dtype;
-  p.out = output_data(out, "softmax_results", &p.out_dt);
+  void *col = nullptr;
+  p.out = output_data(out, "softmax_results", &p.out_dt, &col);
   p.amax = scalar_param(out, kNVTEAmax, "softmax_results");
   p.scale = scale;
   const Dims2 d = flat2d(ib.shape);
@@ -463,6 +469,7 @@ void softmax_forward(SoftmaxMask kind, const Tensor &in, const Tensor *mask, Ten
     p.hsq = (s.ndim == 4 ? s.data[1] : 1) * p.sq;
   }
   dispatch(false, p, stream);
+  if (col != nullptr) transpose_raw(p.out, col, d.rows, d.cols, dtype_size(p.out_dt), stream);
 }
 
 void softmax_backward(const Tensor &dy, const Tensor &y, Tensor &dx, float scale, cudaStream_t stream) {
@@ -473,7 +480,8 @@ void softmax_backward(const Tensor &dy, const Tensor &y, Tensor &dx, float scale
   p.x_dt = gb.dtype;
   p.y = yb.data_ptr;
   p.y_dt = yb.dtype;
-  p.out = output_data(dx, "output_grads", &p.out_dt);
+  void *col = nullptr;
+  p.out = output_data(dx, "output_grads", &p.out_dt, &col);
   p.amax = scalar_param(dx, kNVTEAmax, "output_grads");
   p.scale = scale;
   const Dims2 d = flat2d(yb.shape);
@@ -482,6 +490,7 @@ void softmax_backward(const Tensor &dy, const Tensor &y, Tensor &dx, float scale
   p.rows = d.rows;
   p.sk = (int)d.cols;
   dispatch(true, p, stream);
+  if (col != nullptr) transpose_raw(p.out, col, d.rows, d.cols, dtype_size(p.out_dt), stream);
 }
 
 }  // namespace nvte::cuda

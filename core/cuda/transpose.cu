@@ -29,19 +29,22 @@ void launch_raw(const void *src, void *dst, size_t rows, size_t cols, cudaStream
 
 }  // namespace
 
+void transpose_raw(const void *src, void *dst, size_t rows, size_t cols, size_t elem_bytes, cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  switch (elem_bytes) {
+    case 1: return launch_raw<uint8_t>(src, dst, rows, cols, stream);
+    case 2: return launch_raw<uint16_t>(src, dst, rows, cols, stream);
+    case 4: return launch_raw<uint32_t>(src, dst, rows, cols, stream);
+    case 8: return launch_raw<uint64_t>(src, dst, rows, cols, stream);
+    default: NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "transpose of ", elem_bytes, "-byte elements is not supported");
+  }
+}
+
 void transpose(const Tensor &in, Tensor &out, cudaStream_t stream) {
   const NVTEBasicTensor &src = in.params[kNVTERowwiseData];
   const NVTEBasicTensor &dst = out.params[kNVTERowwiseData];
   const Dims2 d = flat2d(src.shape);
-  if (d.rows * d.cols == 0) return;
-  switch (dtype_size(src.dtype)) {
-    case 1: return launch_raw<uint8_t>(src.data_ptr, dst.data_ptr, d.rows, d.cols, stream);
-    case 2: return launch_raw<uint16_t>(src.data_ptr, dst.data_ptr, d.rows, d.cols, stream);
-    case 4: return launch_raw<uint32_t>(src.data_ptr, dst.data_ptr, d.rows, d.cols, stream);
-    case 8: return launch_raw<uint64_t>(src.data_ptr, dst.data_ptr, d.rows, d.cols, stream);
-    default:
-      NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "transpose of ", dtype_name(src.dtype), " elements is not supported");
-  }
+  transpose_raw(src.data_ptr, dst.data_ptr, d.rows, d.cols, dtype_size(src.dtype), stream);
 }
 
 }  // namespace nvte::cuda

@@ -11,4 +11,9 @@ namespace nvte::cuda {
 // 1, 2, 4 or 8 bytes).
 void transpose(const Tensor &in, Tensor &out, cudaStream_t stream);
 
+// dst [cols, rows] = src [rows, cols]^T for elements of elem_bytes (1, 2, 4 or 8) bytes, bit for
+// bit; nothing is launched for an empty matrix. For kernels that write a transposed copy of their
+// own rowwise output (the norm forward's columnwise FP8 z).
+void transpose_raw(const void *src, void *dst, size_t rows, size_t cols, size_t elem_bytes, cudaStream_t stream);
+
 }  // namespace nvte::cuda

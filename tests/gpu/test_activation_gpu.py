@@ -253,14 +253,20 @@ def test_large_grid():
         torch.testing.assert_close(d["amax"].cpu(), c["amax"], rtol=1e-5, atol=1e-6)
 
 
-def test_empty_launches_nothing():
-    d = fp8_out([0, 6], "e5m2", "cuda", amax=5.0)
-    x = torch.zeros(0, 12, device="cuda")
-    nvte.geglu(T(x).t, d["T"].t)
-    z = torch.zeros(4, 0, device="cuda")
-    nvte.dgelu(T(z).t, T(z).t, T(z).t)
-    sync()
-    assert d["amax"].item() == 5.0
+def test_empty_writes_only_scale_inv():
+    """No element to convert: amax stays, scale_inv = 1 / scale as the CPU writes it."""
+    for dev in ("cpu", "cuda"):
+        d = fp8_out([0, 6], "e5m2", dev, scale=8.0, amax=5.0)
+        x = torch.zeros(0, 12, device=dev)
+        nvte.geglu(T(x).t, d["T"].t)
+        e = fp8_out([3, 0], "e4m3", dev, scale=2.0, amax=1.0)
+        nvte.gelu(T(torch.zeros(3, 0, device=dev)).t, e["T"].t)
+        z = torch.zeros(4, 0, device=dev)
+        nvte.dgelu(T(z).t, T(z).t, T(z).t)
+        if dev == "cuda":
+            sync()
+        assert (d["amax"].item(), d["scale_inv"].item()) == (5.0, 0.125), dev
+        assert (e["amax"].item(), e["scale_inv"].item()) == (1.0, 0.5), dev
 
 
 def test_errors_on_device():

@@ -7,8 +7,7 @@ each check: dbias (the GPU sums each column as a fixed tree, per-thread rows -> 
 row tiles, while the CPU adds rows in order; both are float32, so the difference is bounded by
 float32 rounding of the sum) and activations computed with float32 transcendentals (device
 tanhf/expf differ from the host's by a few ulps, which can move a value to a neighbouring FP8
-code). Empty tensors launch nothing on the GPU, so scale_inv/amax of empty outputs are not
-compared (the CPU writes them)."""
+code). Empty tensors: no conversion runs, but scale_inv = 1 / scale is written as on the CPU."""
 import numpy as np
 import pytest
 import torch
@@ -231,6 +230,32 @@ def test_quantize_to_high_precision_matches_cpu(shape, in_name, out_name, layout
     assert_same(g, c)
 
 
+@pytest.mark.parametrize("shape", [(0, 16), (7, 0), (2, 0, 5)])
+@pytest.mark.parametrize("layout", ["row", "col", "both"])
+def test_quantize_of_empty_tensor_writes_scale_inv(shape, layout):
+    x = torch.zeros(shape, dtype=torch.bfloat16)
+
+    def run(dev):
+        o = fp8_buffers(shape, "e5m2", dev, scale=4.0, amax=0.75, rowwise=layout != "col",
+                        columnwise=layout != "row")
+        nvte.quantize(tt(x.to(dev)), o["T"].t)
+        return o
+
+    c, g = both(run)
+    assert_same(g, c)
+    assert g["scale_inv"].item() == 0.25 and g["amax"].item() == 0.75
+    if layout != "row":
+        assert g["col_scale_inv"].item() == 0.25
+
+
+def test_noop_flag_skips_empty_tensors_too():
+    o = fp8_buffers((0, 8), "e4m3", "cuda", scale=2.0)
+    nvte.quantize_noop(tt(torch.zeros(0, 8, device="cuda")), o["T"].t,
+                       T(torch.ones(1, device="cuda")).t)
+    sync()
+    assert o["scale_inv"].item() == -1.0
+
+
 @pytest.mark.parametrize("api", ["noop", "v2"])
 @pytest.mark.parametrize("layout", ["row", "both"])
 def test_noop_flag_on_the_device(api, layout):
@@ -383,6 +408,7 @@ def test_dbias_of_empty_inputs():
         x = torch.zeros(shape, dtype=torch.float32)
         c, g = both(lambda dev: run_dbias_op("quantize_dbias", x, None, shape, "e4m3", dev, "row", "float32"))
         assert_bits_equal(g["dbias"], c["dbias"])  # zeros for (0, 8)
+        assert_same(g, c, keys=("amax", "scale_inv"))  # scale_inv written for empty outputs too
 
 
 def test_dbias_is_deterministic():

@@ -151,7 +151,7 @@ def fp8_step(v, fmt):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("scale", [1.0, 16.0, 200.0])  # 200 saturates E4M3 for |z| > 2.24
 @pytest.mark.parametrize("shape,columnwise", [((37, 129), True), ((256, 1000), False), ((64, 8192), True),
-                                              ((17, 12288), False)])
+                                              ((17, 12288), False), ((300, 4096), True)])
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_fp8_output(norm, shape, columnwise, scale, fmt):
     ln = norm == "layernorm"
@@ -175,6 +175,54 @@ def test_fp8_output(norm, shape, columnwise, scale, fmt):
         assert_bits_equal(g["col"], g["data"].reshape(n, h).t().contiguous())
     assert_bits_equal(g["scale_inv"], c["scale_inv"])
     check_close(g["amax"], c["amax"], 0.0, 2e-5, "amax")
+
+
+@pytest.mark.parametrize("xdt", list(HP))
+@pytest.mark.parametrize("shape", [(1023, 4096), (130, 1024), (33, 4097), (5, 20000), (2, 3, 40)])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_fp8_columnwise_is_the_transpose_of_the_rowwise_run(norm, shape, xdt):
+    """Both layouts (training: the weight gradient reads the transpose) against a rowwise-only run
+    on the GPU: the same codes bit for bit, and their transpose; the same amax and scale_inv, the
+    columnwise scale_inv too. Covers the row kernels (16-bit x), the vector kernel (float32 x),
+    the scalar path (H % 8 != 0, H > 16384) and odd row counts. The columnwise layout alone runs
+    another kernel (its statistics can differ in the last float32 bits): within one FP8 step."""
+    ln = norm == "layernorm"
+    x, gamma, beta = inputs(shape, xdt, xdt, False, 6)
+    n, h = rows_cols(shape)
+    runs = {}
+    for layout in ("row", "both", "col"):
+        out = fp8_out(shape, "e4m3", "cuda", scale=24.0, amax=0.0, rowwise=layout != "col",
+                      columnwise=layout != "row")
+        csi = torch.tensor([-2.0], device="cuda")
+        out["T"].t.set_param(nvte.Param.kColumnwiseScaleInv, csi.data_ptr(), [1], DT.kFloat32)
+        out["csi"] = csi
+        mu, rs = poisoned((n,), torch.float32, "cuda"), poisoned((n,), torch.float32, "cuda")
+        fwd(ln, x, gamma, beta, out["T"], mu, rs, False)
+        runs[layout] = out
+    r, b, c = runs["row"], runs["both"], runs["col"]
+    assert_bits_equal(b["data"], r["data"])
+    expect_t = r["data"].reshape(n, h).t().contiguous()
+    assert_bits_equal(b["col"], expect_t)
+    assert_bits_equal(b["amax"], r["amax"])
+    assert_bits_equal(b["scale_inv"], r["scale_inv"])
+    assert_bits_equal(b["csi"], r["scale_inv"])
+    vr = expect_t.cpu().view(torch.float8_e4m3fn).double()
+    vc = c["col"].cpu().view(torch.float8_e4m3fn).double()
+    assert not bool(((vr - vc).abs() > fp8_step(torch.maximum(vr.abs(), vc.abs()), "e4m3")).any())
+    assert (vr == vc).double().mean() > 0.98
+    assert_bits_equal(c["csi"], r["scale_inv"])
+    check_close(c["amax"], r["amax"], 0.0, 2e-5, "amax")
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_fp8_output_of_no_rows_writes_scale_inv(norm):
+    for dev in ("cpu", "cuda"):
+        x = torch.empty((0, 64), device=dev)
+        g = torch.ones(64, device=dev)
+        out = fp8_out((0, 64), "e4m3", dev, scale=8.0, amax=3.0, columnwise=True)
+        e = torch.empty(0, device=dev)
+        fwd(norm == "layernorm", x, g, torch.zeros(64, device=dev), out["T"], e, e, False)
+        assert (out["scale_inv"].item(), out["amax"].item()) == (0.125, 3.0), dev
 
 
 def test_fp8_amax_accumulates():

@@ -172,3 +172,29 @@ def test_multi_cast_transpose_matches_cpu():
     c, g = both(run)
     for gi, ci in zip(g, c):
         assert_same(gi, ci)
+
+
+def test_multi_cast_transpose_many_tensors_in_few_launches():
+    """More tensors of one kind than one launch carries (tiles::kMaxMulti = 24: 26 aligned bf16 ->
+    E4M3 ones come first), then runs broken by dtype pair and alignment (odd widths and offset
+    pointers take the scalar path), empty tensors (scale_inv only), rowwise-only outputs and odd
+    sizes: every output bit-equal to the CPU's."""
+    shapes = [(64 + 3 * i, 16 * (1 + i % 5)) for i in range(26)]
+    shapes += [(33, 17), (70, 48), (9, 40), (130, 7), (2, 3, 40), (0, 32), (5, 0), (1, 1), (300, 24)]
+    fmts = ["e4m3"] * 26 + ["e4m3", "e5m2", "e5m2", "e4m3", "e5m2", "e4m3", "e5m2", "e4m3", "e4m3"]
+    misaligned = {28, 34}
+    xs = [make_input(s, "bfloat16", 200 + i) for i, s in enumerate(shapes)]
+
+    def run(dev):
+        outs = [fp8_buffers(s, fmts[i], dev, scale=0.5 + i, amax=0.1 * i, columnwise=i % 6 != 1)
+                for i, s in enumerate(shapes)]
+        ins = [T(offset(x.to(dev)) if i in misaligned else x.to(dev)) for i, x in enumerate(xs)]
+        nvte.multi_cast_transpose([t.t for t in ins], [o["T"].t for o in outs])
+        return outs
+
+    c, g = both(run)
+    for i, (gi, ci) in enumerate(zip(g, c)):
+        try:
+            assert_same(gi, ci)
+        except AssertionError as e:
+            raise AssertionError(f"tensor {i} of shape {shapes[i]}: {e}") from None

@@ -120,16 +120,10 @@ class RMSNorm(_NormBase):
         return z.view(inp.shape)
 
 
-def norm_writes_fp8(x2: torch.Tensor, scaling: str, return_layernorm_output: bool, weight: torch.Tensor,
-                    bias: Optional[torch.Tensor]) -> bool:
+def norm_writes_fp8(scaling: str, return_layernorm_output: bool) -> bool:
     """Whether LayerNormLinear / LayerNormMLP run their norm with its output cast to FP8 by the norm
-    kernel (custom_ops.norm_fwd_fp8) instead of norm + separate cast: delayed scaling, the norm output
-    not returned, and (CUDA) no weight gradient. Training needs a transposed FP8 copy for the weight
-    gradient, which the CUDA norm kernel writes with one strided byte store per element (its typed
-    row kernel has no columnwise output), slower than the separate cast+transpose: there the
-    unfused path stays."""
-    if scaling != "delayed" or return_layernorm_output:
-        return False
-    if not x2.is_cuda:
-        return True
-    return not (torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)))
+    kernel (custom_ops.norm_fwd_fp8) instead of norm + separate cast: delayed scaling and the norm
+    output not returned (it would be needed in high precision). The transposed FP8 copy that the
+    weight gradient reads comes from the same call (on CUDA: the norm's row kernel, then a tiled
+    byte transpose of its FP8 output)."""
+    return scaling == "delayed" and not return_layernorm_output

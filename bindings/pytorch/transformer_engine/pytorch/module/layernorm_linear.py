@@ -78,7 +78,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         check_same_device(inp, (ln_w, ln_b, weight, bias), "LayerNormLinear")
         x2 = as_2d(inp, weight.dtype)
         scaling = self._fp8_mode(weight.device)
-        if norm_writes_fp8(x2, scaling, self.return_layernorm_output, weight, bias):
+        if norm_writes_fp8(scaling, self.return_layernorm_output):
             # the norm writes FP8 directly (no high-precision copy of its output)
             norm = (self.normalization, ln_w, ln_b, self.eps, self.zero_centered_gamma)
             out = self._linear(x2, weight, None if self.return_bias else bias, scaling, is_first_microbatch,

@@ -122,7 +122,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         x2 = as_2d(inp, w1.dtype)
         scaling = self._fp8_mode(w1.device)
         ln, norm = x2, None
-        if norm_writes_fp8(x2, scaling, self.return_layernorm_output, w1, b1):
+        if norm_writes_fp8(scaling, self.return_layernorm_output):
             # the norm writes FP8 directly (no high-precision copy of its output)
             norm = (self.normalization, ln_w, ln_b, self.eps, self.zero_centered_gamma)
         else:
