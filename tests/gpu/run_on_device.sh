@@ -2,8 +2,12 @@
 # On the lent GPU machine: build the library with the CUDA backend, run the GPU test suite
 # (CUDA vs the CPU oracle), compute-sanitizer memcheck over it, and the GPU benchmarks.
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
-#   tests/gpu/run_on_device.sh [build] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
+#   tests/gpu/run_on_device.sh [build|prebuilt] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
 #                              [tutorial] [quickstart] [host] [cpu] [pack]   (default: build test bench)
+# prebuilt: use the package staged by tests/gpu/prebuild_for_device.sh on the CPU machine
+# (.prebuilt/transformer_engine, carried: libtransformer_engine.so for sm_90 with static cudart
+# and the _nvte module for Python 3.12) instead of building here (saves the device minutes of
+# the cuDNN frontend compile).
 # pytorch: tests/pytorch with NVTE_TEST_DEVICE=cuda; acceptance: the shared seed scripts, from
 # .acceptance/ (a carried copy of ../shared/acceptance) or ../shared/acceptance; tutorial: the
 # tutorial-layer benchmark (torchao from carried wheels in .whl/ when present).
@@ -11,7 +15,9 @@
 # quickstart: the main job on the GPU (examples/quickstart.py, 300 steps, its GPU sizes; one run
 # per seed in QUICKSTART_SEEDS, default 0). host: benchmarks/host_overhead.py --device cuda (host
 # time per module call). SANITIZE_TESTS / PYTORCH_TESTS: the test paths for
-# sanitize / pytorch; GPU_TEST_ARGS: extra pytest arguments for test (e.g. -s).
+# sanitize / pytorch; GPU_TESTS: the test paths for test (default tests/gpu); GPU_TEST_ARGS:
+# extra pytest arguments for test (e.g. -s); SANITIZE_ARGS: extra pytest arguments for sanitize.
+# Each step prints its wall time.
 # pack: every file under $OUT into one $OUT/logs.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,11 +31,29 @@ PY=${PYTHON:-python3}
 STAGE=/tmp/nvte_pkg_gpu
 rc=0
 
-if [[ " $steps " == *" build "* ]]; then
+step_t0=$(date +%s)
+took() { echo "[$1: $(( $(date +%s) - step_t0 )) s]"; step_t0=$(date +%s); }
+
+if [[ " $steps " == *" build "* || " $steps " == *" prebuilt "* ]]; then
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     nvcc --version | tail -1
     $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
-    git rev-parse --short HEAD 2>/dev/null || true; } | tee "$OUT/env.txt"
+    git rev-parse --short HEAD 2>/dev/null || true
+    [ -f .prebuilt/COMMIT ] && echo "prebuilt from $(cat .prebuilt/COMMIT)"; } | tee "$OUT/env.txt"
+fi
+if [[ " $steps " == *" prebuilt "* ]]; then
+  [ -d .prebuilt/transformer_engine ] || { echo "prebuilt: .prebuilt/transformer_engine missing (carry it)"; exit 1; }
+  rm -rf "$STAGE" && mkdir -p "$STAGE" && cp -r .prebuilt/transformer_engine "$STAGE/"
+  # the carried Python sources are replaced by this tree's (they may be newer than the build)
+  cp -r bindings/python/transformer_engine/. "$STAGE/transformer_engine/"
+  for fw in pytorch jax paddle; do
+    [ -d "bindings/$fw/transformer_engine/$fw" ] && rm -rf "$STAGE/transformer_engine/$fw" \
+      && cp -r "bindings/$fw/transformer_engine/$fw" "$STAGE/transformer_engine/"
+  done
+  PYTHONPATH=$STAGE $PY -c "from transformer_engine import _nvte; print('prebuilt: _nvte loads')" || exit 1
+  took prebuilt
+fi
+if [[ " $steps " == *" build "* ]]; then
   t0=$(date +%s)
   if PYTHON=$PY NVTE_WITH_CUDA=ON NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS:-90} NVTE_BUILD_JOBS=16 \
       tests/dev_build.sh gpu >"$OUT/build.log" 2>&1; then
@@ -45,25 +69,29 @@ if [[ " $steps " == *" cpu "* ]]; then
 fi
 
 if [[ " $steps " == *" test "* ]]; then
-  $PY -m pytest -q tests/gpu -p no:cacheprovider -rs ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  $PY -m pytest -q ${GPU_TESTS:-tests/gpu} -p no:cacheprovider -rs ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  took test
 fi
 
 if [[ " $steps " == *" sanitize "* ]]; then
   compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
-    $PY -m pytest -q -x ${SANITIZE_TESTS:-tests/gpu} -p no:cacheprovider -k "not large" 2>&1 \
-    | tee "$OUT/sanitizer.log" | tail -15
+    $PY -m pytest -q -x ${SANITIZE_TESTS:-tests/gpu} -p no:cacheprovider -k "${SANITIZE_K:-not large}" \
+    ${SANITIZE_ARGS:-} 2>&1 | tee "$OUT/sanitizer.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  took sanitize
 fi
 
 if [[ " $steps " == *" bench "* ]]; then
   $PY benchmarks/gpu_bench.py --out "$OUT" ${BENCH_ONLY:+--only $BENCH_ONLY} 2>&1 | tee "$OUT/bench.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  took bench
 fi
 if [[ " $steps " == *" pytorch "* ]]; then
   NVTE_TEST_DEVICE=cuda $PY -m pytest -q ${PYTORCH_TESTS:-tests/pytorch} -p no:cacheprovider -rfs --tb=short 2>&1 \
     | tee "$OUT/pytorch_cuda.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  took pytorch
 fi
 
 if [[ " $steps " == *" acceptance "* ]]; then
