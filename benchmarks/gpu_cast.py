@@ -108,7 +108,24 @@ def run(report):
         del gs, acts, gts, ats, o, ws
         torch.cuda.empty_cache()
 
+    bench_transpose(report, bw, stream)
     bench_multi(report, bw, stream)
+
+
+def bench_transpose(report, bw, stream):
+    """nvte_transpose of FP8 bytes and of bf16 (the tiled kernel's raw mode; the norm forward's
+    columnwise FP8 output is this pass over its rowwise output) against torch .t().contiguous()."""
+    for m, n in SHAPES:
+        for name, tdt, ndt in (("fp8", torch.uint8, DT.kFloat8E4M3), ("bf16", torch.bfloat16, DT.kBFloat16)):
+            xs = [torch.randint(0, 255, (m, n), device="cuda", dtype=torch.uint8).view(tdt) if tdt == torch.uint8
+                  else torch.randn((m, n), device="cuda").to(tdt) for _ in range(SETS)]
+            y = torch.empty((n, m), dtype=tdt, device="cuda")
+            ins, out = [nt(x, ndt) for x in xs], nt(y, ndt)
+            tr = lambda i: nvte.transpose(ins[i % SETS], out, stream)  # noqa: E731
+            ours, host = time_ms(tr), host_us(tr)
+            theirs = time_ms(lambda i: xs[i % SETS].t().contiguous())
+            add(report, f"transpose {name} {m}x{n}", ours, 2 * m * n * xs[0].element_size(), theirs, bw, host)
+            del xs, y
 
 
 def bench_multi(report, bw, stream):

@@ -1,6 +1,6 @@
 """One call of each memory-bound kernel at 8192 x 4096 bf16, for Nsight Compute (ncu):
-cast+transpose -> E4M3, dgelu+cast+transpose+dbias -> E5M2, LayerNorm forward -> E4M3 and
-backward, gelu -> E4M3. tests/gpu/run_on_device.sh's `profile` step runs it under ncu; the
+cast+transpose -> E4M3, dgelu+cast+transpose+dbias -> E5M2, LayerNorm forward -> E4M3 (rowwise,
+then both layouts: row kernel + byte transpose) and backward, gelu -> E4M3. tests/gpu/run_on_device.sh's `profile` step runs it under ncu; the
 benchmarks (gpu_bench.py) time the same calls."""
 import os
 import sys
@@ -34,6 +34,11 @@ def main(m=8192, n=4096):
     zt = nt(z["data"], DT.kFloat8E4M3, scale=z["scale"], amax=z["amax"], scale_inv=z["scale_inv"])
     mu, rs = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
     nvte.layernorm_fwd(nt(x), nt(g), nt(b), 1e-5, zt, nt(mu), nt(rs))
+
+    # the training forward: z in both layouts (row kernel, then the tiled byte transpose)
+    zc = torch.empty(n, m, dtype=torch.uint8, device="cuda")
+    zb = nt(z["data"], DT.kFloat8E4M3, columnwise=zc, scale=z["scale"], amax=z["amax"], scale_inv=z["scale_inv"])
+    nvte.layernorm_fwd(nt(x), nt(g), nt(b), 1e-5, zb, nt(mu), nt(rs))
 
     dx = torch.empty_like(x)
     dg, dbeta = torch.empty_like(g), torch.empty_like(b)
