@@ -195,19 +195,20 @@ void multi_quantize(size_t n, const Tensor *const *in, Tensor *const *out, cudaS
         if constexpr (is_fp8_type<InT>::value) {
           NVTE_FAIL(NVTE_ERROR_INVALID_ARGUMENT, "input must be float32, float16 or bfloat16");
         } else {
-          std::vector<tiles::Args> run;
+          tiles::Args run[tiles::kMaxMulti];
+          int count = 0;
           bool vec = false;
-          for (size_t j = i; j < items.size() && run.size() < (size_t)tiles::kMaxMulti; ++j) {
+          for (size_t j = i; j < items.size() && count < tiles::kMaxMulti; ++j) {
             tiles::Args a = items[j].a;
             a.col_vec = tiles::col_vec_ok(a.out_col, a.rows, sizeof(OutT));
             const bool v = tiles::vec_ok<InT, InT, OutT>(a);
             if (j == i) vec = v;
             if (items[j].in_t != items[i].in_t || items[j].out_t != items[i].out_t || v != vec) break;
-            run.push_back(a);
+            run[count++] = a;
           }
-          if (vec) tiles::launch_multi<InT, OutT, true>(run.data(), (int)run.size(), stream);
-          else tiles::launch_multi<InT, OutT, false>(run.data(), (int)run.size(), stream);
-          i += run.size();
+          if (vec) tiles::launch_multi<InT, OutT, true>(run, count, stream);
+          else tiles::launch_multi<InT, OutT, false>(run, count, stream);
+          i += count;
         }
       });
     });

@@ -226,6 +226,8 @@ __device__ __forceinline__ void tile_body(const Args &a, const size_t tile) {
     const size_t rt = tile / a.col_tiles, ct = tile % a.col_tiles;
     const size_t m0 = rt * kTileRows, n0 = ct * kCols;
     const size_t c0 = n0 + (size_t)v * N;
+    // Phase 1: this thread's 4-row chunk of column c of the tile in the swizzled image.
+    auto chunk_at = [&](int c) { return s_img + c * kRowBytes + (g ^ (4 * v)) * kChunk; };
 
     if constexpr (kRawBytes) {
       static_assert(N == 16, "16 bytes per row access");
@@ -243,7 +245,7 @@ __device__ __forceinline__ void tile_body(const Args &a, const size_t tile) {
         transpose_4x4_bytes(rw, t);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          *reinterpret_cast<uint32_t *>(s_img + (v * N + 4 * w + j) * kRowBytes + (g ^ (4 * v)) * kChunk) = t[j];
+          *reinterpret_cast<uint32_t *>(chunk_at(v * N + 4 * w + j)) = t[j];
       }
     } else {
     // ---- convert: g = x (* dact), amax, column sums, output values; rowwise stores
@@ -327,10 +329,8 @@ __device__ __forceinline__ void tile_body(const Args &a, const size_t tile) {
           for (int i = 0; i < 4; ++i) memcpy(&r[i], &y[i].v[4 * w], 4);
           transpose_4x4_bytes(r, t);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {  // t[j]: column 4w + j, byte i = row i
-            const int c = v * N + 4 * w + j;
-            *reinterpret_cast<uint32_t *>(s_img + c * kRowBytes + (g ^ (4 * v)) * kChunk) = t[j];
-          }
+          for (int j = 0; j < 4; ++j)  // t[j]: column 4w + j, byte i = row i
+            *reinterpret_cast<uint32_t *>(chunk_at(v * N + 4 * w + j)) = t[j];
         }
       } else {
 #pragma unroll
@@ -338,8 +338,7 @@ __device__ __forceinline__ void tile_body(const Args &a, const size_t tile) {
           Vec<OutT, 4> chunk;
 #pragma unroll
           for (int i = 0; i < 4; ++i) chunk.v[i] = y[i].v[k];
-          const int c = v * N + k;
-          *reinterpret_cast<Vec<OutT, 4> *>(s_img + c * kRowBytes + (g ^ (4 * v)) * kChunk) = chunk;
+          *reinterpret_cast<Vec<OutT, 4> *>(chunk_at(v * N + k)) = chunk;
         }
       }
     }
@@ -354,36 +353,35 @@ __device__ __forceinline__ void tile_body(const Args &a, const size_t tile) {
       constexpr int kUnit = 16 / (int)sizeof(OutT);  // elements per 16-byte unit
       constexpr int kUnitsPerRow = kTileRows / kUnit;
       OutT *out = static_cast<OutT *>(a.out_col);
+      // Element (c, r) of the transposed tile in the image, and the 16-byte output unit idx: its
+      // column c and first row r0 (false when it lies outside the matrix).
+      auto img_at = [&](int c, int r) {
+        return s_img + c * kRowBytes + ((r / 4) ^ (4 * (c / N))) * kChunk + (r % 4) * (int)sizeof(OutT);
+      };
+      auto unit = [&](int idx, int &c, int &r0) {
+        c = idx / kUnitsPerRow;
+        r0 = (idx % kUnitsPerRow) * kUnit;
+        return n0 + c < cols && m0 + r0 < rows;
+      };
       if (a.col_vec) {
 #pragma unroll
         for (int idx = threadIdx.x; idx < kCols * kUnitsPerRow; idx += kThreads) {
-          const int c = idx / kUnitsPerRow, u = idx % kUnitsPerRow;
-          const size_t gc = n0 + c;
-          const int r0 = u * kUnit;
-          const size_t gr = m0 + r0;
-          if (gc >= cols || gr >= rows) continue;
-          const unsigned char *src =
-              s_img + c * kRowBytes + ((r0 / 4) ^ (4 * (c / N))) * kChunk + (r0 % 4) * (int)sizeof(OutT);
-          *reinterpret_cast<uint4 *>(out + gc * rows + gr) = *reinterpret_cast<const uint4 *>(src);
+          int c, r0;
+          if (!unit(idx, c, r0)) continue;
+          const uint4 q = *reinterpret_cast<const uint4 *>(img_at(c, r0));
+          *reinterpret_cast<uint4 *>(out + (n0 + c) * rows + m0 + r0) = q;
         }
       } else {
         // Element by element (a misaligned or odd-length output row); not unrolled, so that the
         // compiler does not hoist every unit's loads and size the whole kernel's registers by it.
 #pragma unroll 1
         for (int idx = threadIdx.x; idx < kCols * kUnitsPerRow; idx += kThreads) {
-          const int c = idx / kUnitsPerRow, u = idx % kUnitsPerRow;
-          const size_t gc = n0 + c;
-          const int r0 = u * kUnit;
-          const size_t gr = m0 + r0;
-          if (gc >= cols || gr >= rows) continue;
-          const int key = 4 * (c / N);
+          int c, r0;
+          if (!unit(idx, c, r0)) continue;
 #pragma unroll
-          for (int e = 0; e < kUnit; ++e) {
-            const int r = r0 + e;
-            if (gr + e < rows)
-              out[gc * rows + gr + e] = *reinterpret_cast<const OutT *>(
-                  s_img + c * kRowBytes + ((r / 4) ^ key) * kChunk + (r % 4) * (int)sizeof(OutT));
-          }
+          for (int e = 0; e < kUnit; ++e)
+            if (m0 + r0 + e < rows)
+              out[(n0 + c) * rows + m0 + r0 + e] = *reinterpret_cast<const OutT *>(img_at(c, r0 + e));
         }
       }
     }
