@@ -141,8 +141,10 @@ class DotProductAttention(torch.nn.Module):
     ("thd", sequences given by cu_seqlens; see dpa_fused.py) inputs.
 
     Returns [s, b, h * d_v] (sbhd), [b, s, h * d_v] (bshd) or [t, h * d_v] (thd). Under
-    fp8_autocast with a DelayedScaling recipe whose fp8_dpa is True, attention runs in FP8
-    (fused_attention_fp8.py) with the module's own delayed-scaling state (`fp8_meta`).
+    fp8_autocast with a DelayedScaling recipe whose fp8_dpa (or fp8_mha) is True, attention runs in FP8
+    (fused_attention_fp8.py) with the module's own delayed-scaling state (`fp8_meta`); called on its
+    own it takes and returns high-precision tensors under fp8_mha too (MultiheadAttention hands it
+    FP8 tensors).
     num_gqa_groups < heads shares each key/value head among heads / groups consecutive query
     heads. Dropout applies to the softmax probabilities in training mode."""
 
@@ -376,7 +378,13 @@ class MultiheadAttention(torch.nn.Module):
     `core_attention` and `proj`. With fuse_qkv_params=False (default) the QKV submodule holds
     query_weight/key_weight/value_weight (+ _bias); with True one `weight`/`bias` whose rows are
     interleaved per GQA group [q heads of the group | k | v] when qkv_weight_interleaved, else
-    blocked [all q | all k | all v]."""
+    blocked [all q | all k | all v].
+
+    Under fp8_autocast with a DelayedScaling recipe whose fp8_mha is True (which implies fp8_dpa),
+    the tensors between the projections and attention stay in FP8 (fp8_handoff.py): the QKV GEMM
+    writes Q, K, V in FP8, attention reads them without a cast, O goes to the output projection's
+    GEMM in FP8, and the gradients between them flow back in FP8. The module's outputs are the
+    same high-precision tensors as without fp8_mha."""
 
     def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
                  attention_dropout: float = 0.1, layernorm_epsilon: float = 1e-5,

@@ -233,7 +233,8 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
             why = "" if ok else reason
     if why:
         if fp8 is not None:
-            raise NotImplementedError(f"DotProductAttention: FP8 attention (recipe fp8_dpa=True) cannot run this "
+            flag = "fp8_mha" if handoff is not None else "fp8_dpa"
+            raise NotImplementedError(f"DotProductAttention: FP8 attention (recipe {flag}=True) cannot run this "
                                       f"call ({why}); it does not fall back to high-precision attention")
         if fmt == "thd":
             raise NotImplementedError(f"DotProductAttention: qkv_format 'thd' runs only on the fused attention "
