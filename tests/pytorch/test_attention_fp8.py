@@ -177,11 +177,12 @@ def test_fp8_mha_on_dot_product_attention_alone_runs_as_fp8_dpa():
     """fp8_mha implies fp8_dpa (as in TE); DotProductAttention called directly takes and returns
     high-precision tensors, so it runs exactly as under fp8_dpa (the FP8 hand-offs are
     MultiheadAttention's)."""
-    q = torch.randn(1, 4, 2, 8, generator=torch.Generator().manual_seed(0))
+    s, d, dtype = (128, 128, torch.bfloat16) if ON_CUDA else (4, 8, torch.float32)  # cuDNN's FP8 training shapes
+    q = torch.randn(1, s, 2, d, generator=torch.Generator().manual_seed(0))
     res = []
     for r in (recipe.DelayedScaling(fp8_dpa=True), recipe.DelayedScaling(fp8_mha=True)):
-        dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="no_mask")
-        x = dev(q).detach().requires_grad_(True)
+        dpa = DotProductAttention(2, d, qkv_format="bshd", attn_mask_type="no_mask")
+        x = dev(q.to(dtype)).detach().requires_grad_(True)
         with te.fp8_autocast(fp8_recipe=r):
             out = dpa(x, x, x)
         out.sum().backward()
