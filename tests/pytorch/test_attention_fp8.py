@@ -1,7 +1,9 @@
 """FP8 attention (recipe fp8_dpa=True) in DotProductAttention: outputs and gradients against a
 float64 emulation of the same quantization points (_attn_ref.dpa_thd_ref with fp8 scales), the
 delayed-scaling state of the attention's FP8 tensors, the custom ops under torch.compile, and
-the clear errors (fp8_mha, unsupported recipes, bias, a backend without FP8 attention).
+the clear errors (unsupported recipes, bias, a backend without FP8 attention). fp8_mha (FP8
+hand-offs inside MultiheadAttention) is tested in test_attention_fp8_mha.py; DotProductAttention on
+its own runs it as fp8_dpa (checked here).
 
 The emulation comparisons hold to float64 rounding, which only the CPU backend's float64 FP8
 reference reaches, so they run in the CPU mode and are skipped with NVTE_TEST_DEVICE=cuda; there
@@ -171,11 +173,29 @@ def test_fp8_dpa_off_runs_high_precision(monkeypatch):
     assert torch.equal(got, want) and not called and not dpa.fp8_meta.initialized
 
 
-def test_fp8_mha_and_unsupported_recipes_are_clear_errors(monkeypatch):
+def test_fp8_mha_on_dot_product_attention_alone_runs_as_fp8_dpa():
+    """fp8_mha implies fp8_dpa (as in TE); DotProductAttention called directly takes and returns
+    high-precision tensors, so it runs exactly as under fp8_dpa (the FP8 hand-offs are
+    MultiheadAttention's)."""
+    s, d, dtype = (128, 128, torch.bfloat16) if ON_CUDA else (4, 8, torch.float32)  # cuDNN's FP8 training shapes
+    q = torch.randn(1, s, 2, d, generator=torch.Generator().manual_seed(0))
+    res = []
+    for r in (recipe.DelayedScaling(fp8_dpa=True), recipe.DelayedScaling(fp8_mha=True)):
+        dpa = DotProductAttention(2, d, qkv_format="bshd", attn_mask_type="no_mask")
+        x = dev(q.to(dtype)).detach().requires_grad_(True)
+        with te.fp8_autocast(fp8_recipe=r):
+            out = dpa(x, x, x)
+        out.sum().backward()
+        res.append((out.detach(), x.grad, dpa.fp8_meta.amax_history["bwd"].clone()))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_unsupported_fp8_attention_recipes_are_clear_errors(monkeypatch):
     dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="no_mask")
     q = dev(torch.randn(1, 4, 2, 8, generator=torch.Generator().manual_seed(0)))
-    cases = [(recipe.DelayedScaling(fp8_dpa=True, fp8_mha=True), "fp8_mha"),
-             (recipe.Float8CurrentScaling(fp8_dpa=True), "DelayedScaling recipe only"),
+    cases = [(recipe.Float8CurrentScaling(fp8_dpa=True), "fp8_dpa is implemented for the DelayedScaling recipe only"),
+             (recipe.Float8CurrentScaling(fp8_mha=True), "fp8_mha is implemented for the DelayedScaling recipe only"),
              (recipe.DelayedScaling(fp8_dpa=True, fp8_format=recipe.Format.E5M2), "float8_e4m3")]
     for r, msg in cases:
         with pytest.raises(NotImplementedError, match=msg), te.fp8_autocast(fp8_recipe=r):

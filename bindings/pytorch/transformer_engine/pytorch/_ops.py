@@ -329,6 +329,48 @@ def gemm(A, B, out_dtype: torch.dtype, transa: bool, transb: bool, bias: Optiona
     return out
 
 
+def gemm_fp8_output(A, B, out: torch.Tensor, out_scale_inv: torch.Tensor, fp8_dtype, scale: torch.Tensor,
+                    amax: Optional[torch.Tensor], slot: Optional[int], transa: bool, transb: bool,
+                    bias: Optional[torch.Tensor] = None) -> None:
+    """D = op(B) @ op(A) (+ bias) written in FP8 by the library (gemm.h: D quantized with D's scale,
+    its amax max-accumulated, its scale_inv written): out uint8 [n, m] receives the bytes and
+    out_scale_inv float32 [1] the scale_inv; scale / amax / slot as in quantize (the module's scales
+    [k] and amax history [len, k], slot `slot`). A, B: FP8Tensors (the CUDA backend needs FP8
+    operands for an FP8 D)."""
+    device = A.device if isinstance(A, FP8Tensor) else getattr(A, "device", None)
+    a, ashape = _operand(A, "A", device)
+    b, bshape = _operand(B, "B", device)
+    m, ka = (ashape[0], ashape[1]) if transa else (ashape[1], ashape[0])
+    n, kb = (bshape[1], bshape[0]) if transb else (bshape[0], bshape[1])
+    if ka != kb:
+        raise ValueError(f"GEMM inner dimensions differ: op(A) is [{ka}, {m}], op(B) is [{n}, {kb}] "
+                         f"(A {tuple(ashape)}, B {tuple(bshape)}, transa={transa}, transb={transb})")
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be DType.kFloat8E4M3 or kFloat8E5M2, got {fp8_dtype}")
+    _check(out, "out", (torch.uint8,), device)
+    if tuple(out.shape) != (n, m):
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected {(n, m)}")
+    _check(out_scale_inv, "out_scale_inv", (torch.float32,), device)
+    scale_ptr, amax_ptr = _meta_ptrs(scale, amax, device, slot)
+    d = _make(out.data_ptr(), (n, m), fp8_dtype, out_scale_inv.data_ptr(), 0, None, scale_ptr, amax_ptr)
+    bias_nt = None
+    if bias is not None:
+        _check(bias, "bias", HIGH_PRECISION, device)
+        bias_nt = _tensor(bias)
+    _nvte.gemm(a, b, d, bias_nt, None, transa, transb, False, _gemm_workspace(device), False, True, 0,
+               _stream(out))
+
+
+def transpose(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, cols] (any dtype the library takes, e.g. FP8 bytes as uint8) -> its transpose
+    [cols, rows], contiguous (nvte_transpose)."""
+    _check(x, "input")
+    rows, cols = _as2d_shape(x)
+    out = torch.empty(cols, rows, dtype=x.dtype, device=x.device)
+    _nvte.transpose(_tensor(x, (rows, cols)), _tensor(out), _stream(x))
+    return out
+
+
 def multi_gemm(As: Sequence, Bs: Sequence, out_dtype: torch.dtype, transa: bool, transb: bool,
                biases: Optional[Sequence[Optional[torch.Tensor]]] = None, grad: bool = False):
     """Independent GEMMs D_i = op(B_i) @ op(A_i) in one nvte_multi_tensor_gemm call (same flags for

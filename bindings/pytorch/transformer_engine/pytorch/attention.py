@@ -23,6 +23,7 @@ from . import dpa_fused as _df
 from . import fused_attention as _fa
 from . import fused_attention_fp8 as _fa8
 from .fp8 import FP8Meta
+from .fp8_handoff import handoff_parts
 from .module.base import default_device
 from .module.layernorm_linear import LayerNormLinear
 from .module.linear import Linear
@@ -140,8 +141,10 @@ class DotProductAttention(torch.nn.Module):
     ("thd", sequences given by cu_seqlens; see dpa_fused.py) inputs.
 
     Returns [s, b, h * d_v] (sbhd), [b, s, h * d_v] (bshd) or [t, h * d_v] (thd). Under
-    fp8_autocast with a DelayedScaling recipe whose fp8_dpa is True, attention runs in FP8
-    (fused_attention_fp8.py) with the module's own delayed-scaling state (`fp8_meta`).
+    fp8_autocast with a DelayedScaling recipe whose fp8_dpa (or fp8_mha) is True, attention runs in FP8
+    (fused_attention_fp8.py) with the module's own delayed-scaling state (`fp8_meta`); called on its
+    own it takes and returns high-precision tensors under fp8_mha too (MultiheadAttention hands it
+    FP8 tensors).
     num_gqa_groups < heads shares each key/value head among heads / groups consecutive query
     heads. Dropout applies to the softmax probabilities in training mode."""
 
@@ -204,7 +207,10 @@ class DotProductAttention(torch.nn.Module):
                 attn_mask_type: Optional[str] = None, window_size: Optional[Tuple[int, int]] = None,
                 checkpoint_core_attention: bool = False, core_attention_bias_type: str = "no_bias",
                 core_attention_bias=None, alibi_slopes=None, fast_zero_fill: bool = True,
-                inference_params=None, pad_between_seqs=None, **kwargs) -> torch.Tensor:
+                inference_params=None, pad_between_seqs=None, _fp8_handoff=None, **kwargs) -> torch.Tensor:
+        """_fp8_handoff (MultiheadAttention under fp8_mha, not part of TE's API): ((src_a, src_b), spec)
+        of fused_attention_fp8.FusedAttnFP8MHAFunc; query/key/value_layer are then uint8 views of the
+        FP8 bytes (they give the shapes) and the result is O's FP8 hand-off."""
         fmt = self._check_format(qkv_format or self.qkv_format)
         mask_type = self._check_mask_type(attn_mask_type or self.attn_mask_type)
         if core_attention_bias_type not in _fa.BIASES:
@@ -222,8 +228,10 @@ class DotProductAttention(torch.nn.Module):
         if seq is not None and fmt != "thd":  # cu_seqlens describe the padding (for the unfused path too)
             attention_mask = _df.padding_masks(seq)
         fp8 = _df.fp8_dpa_recipe(self, query_layer.device)
+        if _fp8_handoff is not None and fp8 is None:
+            raise RuntimeError("DotProductAttention: FP8 hand-offs need fp8_autocast with a recipe whose fp8_mha is True")
         fused = _df.run_fused(self, query_layer, key_layer, value_layer, fmt, mask_type, window, attention_mask,
-                              core_attention_bias_type, core_attention_bias, alibi_slopes, seq, fp8)
+                              core_attention_bias_type, core_attention_bias, alibi_slopes, seq, fp8, _fp8_handoff)
         if fused is not None:
             return fused
         # Unfused path -> [b, h, s, d]
@@ -370,7 +378,13 @@ class MultiheadAttention(torch.nn.Module):
     `core_attention` and `proj`. With fuse_qkv_params=False (default) the QKV submodule holds
     query_weight/key_weight/value_weight (+ _bias); with True one `weight`/`bias` whose rows are
     interleaved per GQA group [q heads of the group | k | v] when qkv_weight_interleaved, else
-    blocked [all q | all k | all v]."""
+    blocked [all q | all k | all v].
+
+    Under fp8_autocast with a DelayedScaling recipe whose fp8_mha is True (which implies fp8_dpa),
+    the tensors between the projections and attention stay in FP8 (fp8_handoff.py): the QKV GEMM
+    writes Q, K, V in FP8, attention reads them without a cast, O goes to the output projection's
+    GEMM in FP8, and the gradients between them flow back in FP8. The module's outputs are the
+    same high-precision tensors as without fp8_mha."""
 
     def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
                  attention_dropout: float = 0.1, layernorm_epsilon: float = 1e-5,
@@ -454,27 +468,12 @@ class MultiheadAttention(torch.nn.Module):
 
     # -------------------------------------------------------------- helpers
     def _split_qkv(self, mixed: torch.Tensor):
-        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.hidden_size_per_attention_head
-        lead = mixed.shape[:-1]
-        if self.qkv_weight_interleaved:
-            per = h // g
-            x = mixed.view(*lead, g, per + 2, d)
-            q = x[..., :per, :].reshape(*lead, h, d)
-            k = x[..., per, :]
-            v = x[..., per + 1, :]
-        else:
-            q, k, v = torch.split(mixed, [h * d, g * d, g * d], dim=-1)
-            q, k, v = q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
-        return q, k, v
+        return _fa8.split_qkv(mixed, self.num_attention_heads, self.num_gqa_groups,
+                              self.hidden_size_per_attention_head, self.qkv_weight_interleaved)
 
     def _split_kv(self, mixed: torch.Tensor):
-        g, d = self.num_gqa_groups, self.hidden_size_per_attention_head
-        lead = mixed.shape[:-1]
-        if self.qkv_weight_interleaved:
-            x = mixed.view(*lead, g, 2, d)
-            return x[..., 0, :], x[..., 1, :]
-        k, v = torch.split(mixed, [g * d, g * d], dim=-1)
-        return k.reshape(*lead, g, d), v.reshape(*lead, g, d)
+        return _fa8.split_kv(mixed, self.num_gqa_groups, self.hidden_size_per_attention_head,
+                             self.qkv_weight_interleaved)
 
     def _project_in(self, module, x, is_first_microbatch):
         """(output, layernorm output or None) of a QKV / query projection."""
@@ -493,6 +492,12 @@ class MultiheadAttention(torch.nn.Module):
             raise NotImplementedError("MultiheadAttention: rotary_pos_emb is not implemented")
         if inference_params is not None:
             raise NotImplementedError("MultiheadAttention: inference_params (KV cache) is not implemented")
+        attn_args = dict(attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
+                         core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+                         alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+        if _df.fp8_mha_recipe() is not None:
+            return self._forward_fp8_mha(hidden_states, encoder_output, is_first_microbatch, attn_args)
         ln_out = None
         if self.attention_type == "self":
             mod = self.layernorm_qkv if self.input_layernorm else self.qkv
@@ -505,13 +510,43 @@ class MultiheadAttention(torch.nn.Module):
             qo, ln_out = self._project_in(mod, hidden_states, is_first_microbatch)
             q = qo.view(*qo.shape[:-1], self.num_attention_heads, self.hidden_size_per_attention_head)
             k, v = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch))
-        ctx = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type,
-                                  window_size=window_size, core_attention_bias_type=core_attention_bias_type,
-                                  core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
-                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                                  max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+        ctx = self.core_attention(q, k, v, **attn_args)
         res = self.proj(ctx, is_first_microbatch=is_first_microbatch)
+        return self._outputs(res, ln_out)
+
+    def _outputs(self, res, ln_out):
         out = list(res) if self.return_bias else [res]
         if self.input_layernorm and self.return_layernorm_output:
             out.append(ln_out)
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _forward_fp8_mha(self, hidden_states, encoder_output, is_first_microbatch, attn_args):
+        """The forward under the recipe's fp8_mha (see fp8_handoff.py): the QKV (query, key/value)
+        projection GEMMs write FP8 hand-offs, attention reads their bytes and writes O as an FP8
+        hand-off, which the output projection's GEMM reads; in backward the gradients between
+        these three are FP8 hand-offs too. What the caller gets (output, layernorm output, bias)
+        is as without fp8_mha, in high precision."""
+        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.hidden_size_per_attention_head
+        inter = self.qkv_weight_interleaved
+        lead_q = tuple(hidden_states.shape[:-1])
+        rows_q = _fa8._rows(lead_q)
+        if self.attention_type == "self":
+            mod = self.layernorm_qkv if self.input_layernorm else self.qkv
+            src_a, ln_out = mod._fp8_handoff_out(hidden_states, is_first_microbatch)
+            src_b, lead_kv = None, lead_q
+            mixed = handoff_parts(src_a.detach(), rows_q, (h + 2 * g) * d)[0].view(*lead_q, -1)
+            q, k, v = _fa8.split_qkv(mixed, h, g, d, inter)  # (byte views: their shapes plan the call)
+        else:
+            if encoder_output is None:
+                raise ValueError("MultiheadAttention: cross attention needs encoder_output")
+            mod = self.layernorm_query if self.input_layernorm else self.query_layer
+            src_a, ln_out = mod._fp8_handoff_out(hidden_states, is_first_microbatch)
+            src_b, _ = self.key_value._fp8_handoff_out(encoder_output, is_first_microbatch)
+            lead_kv = tuple(encoder_output.shape[:-1])
+            q = handoff_parts(src_a.detach(), rows_q, h * d)[0].view(*lead_q, h, d)
+            kv = handoff_parts(src_b.detach(), _fa8._rows(lead_kv), 2 * g * d)[0].view(*lead_kv, -1)
+            k, v = _fa8.split_kv(kv, g, d, inter)
+        spec = (h, g, d, inter, lead_q, lead_kv)
+        o_h = self.core_attention(q, k, v, _fp8_handoff=((src_a, src_b), spec), **attn_args)
+        res = self.proj._fp8_handoff_in(o_h, lead_q, is_first_microbatch)
+        return self._outputs(res, ln_out)

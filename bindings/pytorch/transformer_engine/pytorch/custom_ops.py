@@ -10,7 +10,10 @@ scales) are declared in `mutates_args`, so functionalization orders them correct
 FP8 tensors cross the op boundary as three tensors: rowwise data (uint8 [rows, cols]),
 transposed data (uint8 [cols, rows]) and scale_inv (float32 [1]), plus the FP8 dtype as an int
 (a DType value; -1 marks a high-precision operand). A missing buffer is a 1-D empty uint8
-placeholder, since a custom op cannot return None.
+placeholder, since a custom op cannot return None. An FP8 result that goes on to another module
+(gemm_fp8_output, the recipe's fp8_mha) is returned as one FP8 hand-off tensor (fp8_handoff.py:
+the bytes and scale_inv in one float32 buffer), since the outputs of a custom op may not alias
+each other.
 """
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ from torch import Tensor
 from torch.library import custom_op
 
 from . import _ops
+from .fp8_handoff import handoff_parts, handoff_words, new_handoff
 
-__all__ = ["quantize", "dequantize", "gemm", "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "norm_fwd_fp8",
-           "rmsnorm_fwd", "rmsnorm_bwd", "activation",
+__all__ = ["quantize", "dequantize", "gemm", "gemm_fp8_output", "transpose", "grouped_gemm", "layernorm_fwd",
+           "layernorm_bwd", "norm_fwd_fp8", "rmsnorm_fwd", "rmsnorm_bwd", "activation",
            "dactivation", "softmax_forward", "softmax_backward", "delayed_scaling_update", "HIGH_PRECISION_OPERAND",
            "missing", "eager_or_op"]
 
@@ -161,6 +165,48 @@ def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_f
     n = bshape[1] if transb else bshape[0]
     aux = (n,) if dbias else ((n, m) if gelu else (0,))
     return A.new_empty((n, m), dtype=out_dtype), A.new_empty(aux, dtype=out_dtype)
+
+
+@custom_op("transformer_engine::gemm_fp8_output", mutates_args=("amax_history",))
+def gemm_fp8_output(A: Tensor, A_transpose: Optional[Tensor], A_scale_inv: Tensor, A_fp8_dtype: int, B: Tensor,
+                    B_transpose: Optional[Tensor], B_scale_inv: Tensor, B_fp8_dtype: int, out_fp8_dtype: int,
+                    scale: Tensor, amax_history: Tensor, index: int, transa: bool, transb: bool,
+                    bias: Optional[Tensor]) -> Tensor:
+    """D = op(B) @ op(A) (+ bias) of FP8 operands, written in FP8 (format out_fp8_dtype, delayed
+    scaling: scale[index], |D| max-accumulated into amax_history[0, index]) -> the FP8 hand-off
+    (fp8_handoff.py) holding D's bytes [n, m] and scale_inv."""
+    ashape = _logical_shape(A, A_transpose, A_fp8_dtype)
+    bshape = _logical_shape(B, B_transpose, B_fp8_dtype)
+    m = ashape[0] if transa else ashape[1]
+    n = bshape[1] if transb else bshape[0]
+    h = new_handoff(n, m, A_scale_inv.device)
+    data, si = handoff_parts(h, n, m)
+    _ops.gemm_fp8_output(_operand(A, A_transpose, A_scale_inv, A_fp8_dtype),
+                         _operand(B, B_transpose, B_scale_inv, B_fp8_dtype), data, si, _dtype(out_fp8_dtype), scale,
+                         amax_history, index, transa, transb, bias)
+    return h
+
+
+@gemm_fp8_output.register_fake
+def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_fp8_dtype, out_fp8_dtype, scale,
+      amax_history, index, transa, transb, bias):
+    ashape = _logical_shape(A, A_transpose, A_fp8_dtype)
+    bshape = _logical_shape(B, B_transpose, B_fp8_dtype)
+    m = ashape[0] if transa else ashape[1]
+    n = bshape[1] if transb else bshape[0]
+    return A_scale_inv.new_empty((handoff_words(n, m),), dtype=torch.float32)
+
+
+@custom_op("transformer_engine::transpose", mutates_args=())
+def transpose(x: Tensor) -> Tensor:
+    """The transpose [cols, rows] of x [rows, cols] (e.g. FP8 bytes), by the library."""
+    return _ops.transpose(x)
+
+
+@transpose.register_fake
+def _(x):
+    rows, cols = _rows_cols(x)
+    return x.new_empty((cols, rows))
 
 
 @custom_op("transformer_engine::grouped_gemm", mutates_args=())
@@ -357,8 +403,8 @@ def eager_or_op(op):
     return call
 
 
-for _name in ("quantize", "dequantize", "delayed_scaling_update", "gemm", "grouped_gemm", "layernorm_fwd",
-              "layernorm_bwd", "norm_fwd_fp8", "rmsnorm_fwd", "rmsnorm_bwd", "activation", "dactivation", "softmax_forward",
+for _name in ("quantize", "dequantize", "delayed_scaling_update", "gemm", "gemm_fp8_output", "transpose",
+              "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "norm_fwd_fp8", "rmsnorm_fwd", "rmsnorm_bwd", "activation", "dactivation", "softmax_forward",
               "softmax_backward"):
     globals()[_name] = eager_or_op(globals()[_name])
 del _name

@@ -118,26 +118,38 @@ def padding_masks(seq: Seq):
 
 
 # ------------------------------------------------------------------ FP8
+def _check_fp8_attention_recipe(r, who: str, flag: str) -> None:
+    if not isinstance(r, DelayedScaling):
+        raise NotImplementedError(f"{who}: {flag} is implemented for the DelayedScaling recipe only, "
+                                  f"got {type(r).__name__}")
+    if r.fp8_format == Format.E5M2:
+        raise NotImplementedError(f"{who}: {flag} needs Q, K, V in float8_e4m3 (fused_attn.h); "
+                                  "use Format.HYBRID or Format.E4M3, not Format.E5M2")
+
+
+def fp8_mha_recipe() -> Optional[DelayedScaling]:
+    """The recipe when MultiheadAttention runs with FP8 hand-offs (fp8_autocast with fp8_mha=True,
+    which implies fp8_dpa as in TE), else None; raises for recipes it cannot run."""
+    st = FP8GlobalState
+    if not st.enabled or not getattr(st.recipe, "fp8_mha", False):
+        return None
+    _check_fp8_attention_recipe(st.recipe, "MultiheadAttention", "fp8_mha")
+    return st.recipe
+
+
 def fp8_dpa_recipe(dpa, device: torch.device) -> Optional[DelayedScaling]:
-    """The recipe when this forward runs FP8 attention (fp8_autocast with fp8_dpa=True), else None;
-    prepares the module's FP8 metadata and registers it for the forward recipe step."""
+    """The recipe when this forward runs FP8 attention (fp8_autocast with fp8_dpa=True, or fp8_mha=True,
+    which implies it), else None; prepares the module's FP8 metadata and registers it for the forward
+    recipe step. (DotProductAttention called on its own runs fp8_mha as fp8_dpa: its inputs and output
+    are high-precision tensors; the FP8 hand-offs are MultiheadAttention's.)"""
     st = FP8GlobalState
     if not st.enabled:
         return None  # calibration runs attention in high precision and records nothing here
     r = st.recipe
-    if getattr(r, "fp8_mha", False):
-        raise NotImplementedError(
-            "DotProductAttention: recipe fp8_mha=True is not implemented: the adapter's Linear layers take "
-            "high-precision inputs only, so O cannot stay in FP8 between modules; use fp8_dpa=True with "
-            "fp8_mha=False (O is returned in the input dtype)")
-    if not getattr(r, "fp8_dpa", False):
+    mha = getattr(r, "fp8_mha", False)
+    if not (getattr(r, "fp8_dpa", False) or mha):
         return None
-    if not isinstance(r, DelayedScaling):
-        raise NotImplementedError(f"DotProductAttention: fp8_dpa is implemented for the DelayedScaling recipe only, "
-                                  f"got {type(r).__name__}")
-    if r.fp8_format == Format.E5M2:
-        raise NotImplementedError("DotProductAttention: fp8_dpa needs Q, K, V in float8_e4m3 (fused_attn.h); "
-                                  "use Format.HYBRID or Format.E4M3, not Format.E5M2")
+    _check_fp8_attention_recipe(r, "DotProductAttention", "fp8_mha" if mha else "fp8_dpa")
     dpa.fp8_meta.prepare(r, device)
     st.register_forward(dpa.fp8_meta)
     return r
@@ -169,9 +181,11 @@ def _zero_rng_state(device: torch.device) -> torch.Tensor:
 
 
 def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes,
-              seq: Optional[Seq], fp8: Optional[DelayedScaling]):
+              seq: Optional[Seq], fp8: Optional[DelayedScaling], handoff=None):
     """The fused attention output, or None when the unfused path should run; raises when neither
-    path can run the call."""
+    path can run the call. handoff (fp8_mha): ((src_a, src_b), spec) of
+    fused_attention_fp8.FusedAttnFP8MHAFunc, q, k, v being uint8 views of the FP8 bytes (for the
+    shapes); the output is then O's FP8 hand-off."""
     needs_fused = bias_type != "no_bias" or fmt == "thd" or fp8 is not None
     if needs_fused and bias_type in ("pre_scale_bias", "post_scale_bias") and bias is None:
         raise ValueError(f"core_attention_bias_type {bias_type!r} needs core_attention_bias")
@@ -209,7 +223,8 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
                     if cu[0] is None or cu[1] is None:
                         why = "the padding mask is not right-padded (valid tokens first)"
         grads = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, bias if bias_type != "alibi" else None))
+            t is not None and t.requires_grad for t in
+            ((q, k, v, bias if bias_type != "alibi" else None) if handoff is None else handoff[0]))
         is_training = grads or dropout > 0.0
         if not why:
             ok, reason = _fa.fused_backend_supports(q, k, v, layout, _fa.BIAS_INT[bias_type],
@@ -218,7 +233,8 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
             why = "" if ok else reason
     if why:
         if fp8 is not None:
-            raise NotImplementedError(f"DotProductAttention: FP8 attention (recipe fp8_dpa=True) cannot run this "
+            flag = "fp8_mha" if handoff is not None else "fp8_dpa"
+            raise NotImplementedError(f"DotProductAttention: FP8 attention (recipe {flag}=True) cannot run this "
                                       f"call ({why}); it does not fall back to high-precision attention")
         if fmt == "thd":
             raise NotImplementedError(f"DotProductAttention: qkv_format 'thd' runs only on the fused attention "
@@ -231,6 +247,12 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
     rng = _fa.new_rng_state(q.device) if dropout > 0.0 else _zero_rng_state(q.device)
     br = "causal" not in mask_type
     mask = _fa.MASK_INT[mask_type]
+    if handoff is not None:
+        meta = dpa.fp8_meta
+        cfg = (sq, sk, is_training, float(dpa.softmax_scale), float(dropout), layout, mask, int(wl), int(wr), br,
+               meta.fp8_dtype("bwd"), fp8.amax_compute_algo, float(fp8.margin))
+        return _fp8.FusedAttnFP8MHAFunc.apply(*handoff[0], *cu, rng, *_fp8_fwd_meta(dpa), meta.scale["bwd"],
+                                              meta.amax_history["bwd"], cfg, handoff[1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if fp8 is not None:
         meta = dpa.fp8_meta

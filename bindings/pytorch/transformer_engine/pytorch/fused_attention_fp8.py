@@ -15,8 +15,15 @@ fp8_autocast exits, the backward scales at the start of this backward. The scale
 with is kept from the forward (the backward must rebuild the very same P~), not re-read.
 
 O and dQ/dK/dV leave the library in FP8 and are decoded to the input dtype (fp8_dpa); the FP8
-copy of O is what the backward reads (D = dO . O), as in TE. fp8_mha (FP8 tensors between
-modules) is not implemented: the adapter's Linear layers take high-precision inputs only.
+copy of O is what the backward reads (D = dO . O), as in TE.
+
+fp8_mha (MultiheadAttention; FusedAttnFP8MHAFunc): Q, K, V are not cast here but cut (byte copies)
+from the FP8 hand-off (fp8_handoff.py) the QKV projection's GEMM wrote, with its scale_inv, so
+slot 0 of the forward state records nothing; O stays in FP8 and leaves as a hand-off for the
+output projection's GEMM. In backward dO arrives as the hand-off the output projection's dgrad
+GEMM wrote (no cast: backward slot 0 records nothing), and dQ, dK, dV (one scale, so one
+scale_inv) are put back (byte copies) into the layout of the QKV projection's output, as the
+hand-off its backward reads.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from transformer_engine import _nvte as _nv
 from . import _ops
 from . import custom_ops as ops
 from . import fused_attention as _fa
+from .fp8_handoff import handoff_parts, handoff_words, new_handoff
 
 E4M3 = int(_nv.DType.kFloat8E4M3)
 SLOT_QKV, SLOT_S, SLOT_O = 0, 1, 2      # forward
@@ -50,6 +58,32 @@ def _o_shape(q: Tensor, v: Tensor):
     return tuple(q.shape[:-1]) + (v.shape[-1],)
 
 
+def _o_rows_cols(q: Tensor, v: Tensor) -> Tuple[int, int]:
+    """O as a 2D [tokens, h * d_v] tensor (its hand-off shape)."""
+    rows = 1
+    for n in q.shape[:-2]:
+        rows *= n
+    return rows, q.shape[-2] * v.shape[-1]
+
+
+def _attn_fp8_fwd(qd, kd, vd, q_si, k_si, v_si, cu, rng_state, fwd_scale, fwd_hist, o, o_si, max_sq, max_skv,
+                  is_training, scale, dropout, layout, mask, wl, wr, br):
+    """The forward call, writing O's bytes into o and its scale_inv into o_si -> (the S scale used,
+    softmax statistics, rng_state copy)."""
+    c = _fa.AttnCfg(max_sq, max_skv, scale, dropout, layout, int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br)
+    dev = qd.device
+    qkv = (qd, kd, vd)
+    H = [_fp8(x, E4M3, si) for x, si in zip(qkv, (q_si, k_si, v_si))]
+    s_scale = fwd_scale[SLOT_S:SLOT_S + 1].clone()
+    s_h = _fp8(None, E4M3, scale=s_scale.data_ptr(), amax=_ops._slot_ptr(fwd_hist, SLOT_S))
+    o_h = _fp8(o, E4M3, o_si, _ops._slot_ptr(fwd_scale, SLOT_O), _ops._slot_ptr(fwd_hist, SLOT_O))
+    stats = torch.empty(_fa.stats_shape(qd, layout, max_sq, cu_q=cu[0]), dtype=torch.float32, device=dev)
+    rng_copy = torch.empty(2, dtype=torch.int64, device=dev)
+    aux = [_fa._handle(stats), _fa._handle(rng_copy)] if is_training else None
+    _fa.call_fwd(c, qkv, H, None, s_h, o_h, aux, cu, rng_state, is_training)
+    return s_scale, stats, rng_copy
+
+
 # ------------------------------------------------------------------ custom ops
 @custom_op("transformer_engine::fused_attn_fp8_fwd", mutates_args=("fwd_hist",))
 def fused_attn_fp8_fwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: Tensor, v_si: Tensor,
@@ -60,19 +94,11 @@ def fused_attn_fp8_fwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
     """qd, kd, vd: float8_e4m3 bytes (uint8) in the layout's shapes, with their scale_inv [1].
     Returns (O bytes (E4M3, uint8), O's scale_inv, the S scale used, softmax statistics,
     rng_state copy); S and O max-accumulate their amaxes into fwd_hist[0, 1] / [0, 2]."""
-    c = _fa.AttnCfg(max_sq, max_skv, scale, dropout, layout, int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br)
-    dev = qd.device
-    qkv = (qd, kd, vd)
-    H = [_fp8(x, E4M3, si) for x, si in zip(qkv, (q_si, k_si, v_si))]
-    o = torch.empty(_o_shape(qd, vd), dtype=torch.uint8, device=dev)
-    o_si = torch.empty(1, dtype=torch.float32, device=dev)
-    s_scale = fwd_scale[SLOT_S:SLOT_S + 1].clone()
-    s_h = _fp8(None, E4M3, scale=s_scale.data_ptr(), amax=_ops._slot_ptr(fwd_hist, SLOT_S))
-    o_h = _fp8(o, E4M3, o_si, _ops._slot_ptr(fwd_scale, SLOT_O), _ops._slot_ptr(fwd_hist, SLOT_O))
-    stats = torch.empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=torch.float32, device=dev)
-    rng_copy = torch.empty(2, dtype=torch.int64, device=dev)
-    aux = [_fa._handle(stats), _fa._handle(rng_copy)] if is_training else None
-    _fa.call_fwd(c, qkv, H, None, s_h, o_h, aux, (cu_q, cu_kv, cu_q_pad, cu_kv_pad), rng_state, is_training)
+    o = torch.empty(_o_shape(qd, vd), dtype=torch.uint8, device=qd.device)
+    o_si = torch.empty(1, dtype=torch.float32, device=qd.device)
+    s_scale, stats, rng_copy = _attn_fp8_fwd(qd, kd, vd, q_si, k_si, v_si, (cu_q, cu_kv, cu_q_pad, cu_kv_pad),
+                                             rng_state, fwd_scale, fwd_hist, o, o_si, max_sq, max_skv, is_training,
+                                             scale, dropout, layout, mask, wl, wr, br)
     return o, o_si, s_scale, stats, rng_copy
 
 
@@ -81,6 +107,32 @@ def _(qd, kd, vd, q_si, k_si, v_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state,
       max_skv, is_training, scale, dropout, layout, mask, wl, wr, br):
     f32 = torch.float32
     return (qd.new_empty(_o_shape(qd, vd)), q_si.new_empty(1), q_si.new_empty(1),
+            q_si.new_empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=f32), qd.new_empty(2, dtype=torch.int64))
+
+
+@custom_op("transformer_engine::fused_attn_fp8_fwd_handoff", mutates_args=("fwd_hist",))
+def fused_attn_fp8_fwd_handoff(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: Tensor, v_si: Tensor,
+                               cu_q: Optional[Tensor], cu_kv: Optional[Tensor], cu_q_pad: Optional[Tensor],
+                               cu_kv_pad: Optional[Tensor], rng_state: Tensor, fwd_scale: Tensor, fwd_hist: Tensor,
+                               max_sq: int, max_skv: int, is_training: bool, scale: float, dropout: float,
+                               layout: int, mask: int, wl: int, wr: int,
+                               br: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """fused_attn_fp8_fwd with O (E4M3 bytes [tokens, h * d_v] and scale_inv) written into an FP8
+    hand-off (fp8_handoff.py) -> (O's hand-off, the S scale used, softmax statistics, rng_state copy)."""
+    rows, cols = _o_rows_cols(qd, vd)
+    h = new_handoff(rows, cols, qd.device)
+    o, o_si = handoff_parts(h, rows, cols)
+    s_scale, stats, rng_copy = _attn_fp8_fwd(qd, kd, vd, q_si, k_si, v_si, (cu_q, cu_kv, cu_q_pad, cu_kv_pad),
+                                             rng_state, fwd_scale, fwd_hist, o.view(_o_shape(qd, vd)), o_si,
+                                             max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br)
+    return h, s_scale, stats, rng_copy
+
+
+@fused_attn_fp8_fwd_handoff.register_fake
+def _(qd, kd, vd, q_si, k_si, v_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist, max_sq,
+      max_skv, is_training, scale, dropout, layout, mask, wl, wr, br):
+    f32 = torch.float32
+    return (q_si.new_empty(handoff_words(*_o_rows_cols(qd, vd))), q_si.new_empty(1),
             q_si.new_empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=f32), qd.new_empty(2, dtype=torch.int64))
 
 
@@ -119,6 +171,7 @@ def _(qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng_copy, s_sca
 
 # eager calls run the bodies directly (the dispatcher's custom-op path costs tens of microseconds)
 fused_attn_fp8_fwd = ops.eager_or_op(fused_attn_fp8_fwd)
+fused_attn_fp8_fwd_handoff = ops.eager_or_op(fused_attn_fp8_fwd_handoff)
 fused_attn_fp8_bwd = ops.eager_or_op(fused_attn_fp8_bwd)
 
 
@@ -167,3 +220,113 @@ class FusedAttnFP8Func(torch.autograd.Function):
             bwd_dtype)
         dq, dk, dv = (_decode(g, si, bwd_dtype, dtype) for g, si in ((dqd, dq_si), (dkd, dk_si), (dvd, dv_si)))
         return (dq, dk, dv) + (None,) * 10
+
+
+# ------------------------------------------------------------------ fp8_mha: FP8 hand-offs in and out
+def split_qkv(mixed: Tensor, h: int, g: int, d: int, interleaved: bool, grouped_q: bool = False):
+    """Q [.., h, d], K and V [.., g, d] of the output [.., (h + 2g) d] of a QKV projection
+    (MultiheadAttention's weight row order: per GQA group [its h/g query heads | k | v] when
+    interleaved, else [all q | all k | all v]). Any dtype (values, or FP8 bytes). All are views,
+    except the interleaved Q with h > g, a strided view that [.., h, d] copies: grouped_q returns
+    that view as [.., g, h/g, d] instead (to write into)."""
+    lead = mixed.shape[:-1]
+    if interleaved:
+        per = h // g
+        x = mixed.view(*lead, g, per + 2, d)
+        q = x[..., :per, :]
+        return (q if grouped_q else q.reshape(*lead, h, d)), x[..., per, :], x[..., per + 1, :]
+    q, k, v = torch.split(mixed, [h * d, g * d, g * d], dim=-1)
+    return q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
+
+
+def split_kv(mixed: Tensor, g: int, d: int, interleaved: bool):
+    """K, V [.., g, d]: views into the output [.., 2 g d] of a key/value projection (per group
+    [k | v] when interleaved, else [all k | all v])."""
+    lead = mixed.shape[:-1]
+    if interleaved:
+        x = mixed.view(*lead, g, 2, d)
+        return x[..., 0, :], x[..., 1, :]
+    k, v = torch.split(mixed, [g * d, g * d], dim=-1)
+    return k.reshape(*lead, g, d), v.reshape(*lead, g, d)
+
+
+def _rows(lead) -> int:
+    n = 1
+    for x in lead:
+        n *= x
+    return n
+
+
+def _grad_handoff(rows: int, cols: int, lead, parts, scale_inv: Tensor, split) -> Tensor:
+    """A hand-off [rows, cols] receiving the FP8 gradient bytes `parts` at the places `split` (the
+    forward's split of the projection output) takes them from, and scale_inv."""
+    h = new_handoff(rows, cols, scale_inv.device)
+    data, si = handoff_parts(h, rows, cols)
+    for dst, src in zip(split(data.view(*lead, cols)), parts):
+        dst.copy_(src.view(dst.shape))  # (src is contiguous: any view of it is)
+    si.copy_(scale_inv)
+    return h
+
+
+class FusedAttnFP8MHAFunc(torch.autograd.Function):
+    """FP8 attention between FP8 hand-offs (recipe fp8_mha, MultiheadAttention).
+
+    src_a: the hand-off of the QKV projection output [tokens_q, (h + 2g) d] (self attention,
+    src_b None) or of the query projection [tokens_q, h d]; src_b: the key/value projection's
+    [tokens_kv, 2 g d] (cross attention). Returns O's hand-off [tokens_q, h d_v] (E4M3); the
+    backward takes dO's hand-off (the backward format) and returns the gradients of src_a / src_b
+    as hand-offs in the backward format. cfg as in FusedAttnFP8Func; spec: (h, g, d, interleaved,
+    lead_q, lead_kv), the heads, head size, weight row order and the token dimensions of the
+    layout (e.g. (s, b) for sbhd)."""
+
+    @staticmethod
+    def forward(ctx, src_a, src_b, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist, bwd_scale,
+                bwd_hist, cfg, spec):
+        (max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br, _, _, _) = cfg
+        h, g, d, inter, lead_q, lead_kv = spec
+        rows_q = _rows(lead_q)
+        if src_b is None:
+            mixed, si = handoff_parts(src_a, rows_q, (h + 2 * g) * d)
+            q, k, v = split_qkv(mixed.view(*lead_q, -1), h, g, d, inter)
+            q_si = k_si = si.clone()  # (a copy: saving the view would keep all of src_a alive)
+        else:
+            qb, q_si = handoff_parts(src_a, rows_q, h * d)
+            kvb, k_si = handoff_parts(src_b, _rows(lead_kv), 2 * g * d)
+            q = qb.view(*lead_q, h, d)
+            k, v = split_kv(kvb.view(*lead_kv, -1), g, d, inter)
+            q_si, k_si = q_si.clone(), k_si.clone()
+        qd, kd, vd = q.contiguous(), k.contiguous(), v.contiguous()  # byte copies: the layout wants them apart
+        o_h, s_scale, stats, rng_copy = fused_attn_fp8_fwd_handoff(
+            qd, kd, vd, q_si, k_si, k_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist,
+            max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br)
+        ctx.save_for_backward(qd, kd, vd, q_si, k_si, o_h, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad,
+                              cu_kv_pad)
+        ctx.bwd_scale, ctx.bwd_hist = bwd_scale, bwd_hist  # updated in place by the backward's recipe step
+        ctx.cfg, ctx.spec, ctx.cross = cfg, spec, src_b is not None
+        return o_h
+
+    @staticmethod
+    def backward(ctx, do_h):
+        qd, kd, vd, q_si, k_si, o_h, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad = ctx.saved_tensors
+        (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, algo, margin) = ctx.cfg
+        h, g, d, inter, lead_q, lead_kv = ctx.spec
+        ops.delayed_scaling_update(ctx.bwd_hist, ctx.bwd_scale, algo, bwd_dtype, margin)
+        rows, cols = _o_rows_cols(qd, vd)
+        od, o_si = handoff_parts(o_h, rows, cols)
+        dod, do_si = handoff_parts(do_h.contiguous(), rows, cols)
+        o_shape = _o_shape(qd, vd)
+        dqd, dkd, dvd, dq_si, _, _ = fused_attn_fp8_bwd(
+            qd, kd, vd, q_si, k_si, k_si, od.view(o_shape), o_si, dod.view(o_shape), do_si, stats, rng_copy,
+            s_scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad, ctx.bwd_scale, ctx.bwd_hist, max_sq, max_skv, scale, dropout,
+            layout, mask, wl, wr, br, bwd_dtype)
+        # dQ, dK, dV share one scale (backward slot 2): one scale_inv serves the merged gradient
+        rows_q = _rows(lead_q)
+        if not ctx.cross:
+            ga = _grad_handoff(rows_q, (h + 2 * g) * d, lead_q, (dqd, dkd, dvd), dq_si,
+                               lambda t: split_qkv(t, h, g, d, inter, grouped_q=True))
+            gb = None
+        else:
+            ga = _grad_handoff(rows_q, h * d, lead_q, (dqd,), dq_si, lambda t: (t.view(*lead_q, h, d),))
+            gb = _grad_handoff(_rows(lead_kv), 2 * g * d, lead_kv, (dkd, dvd), dq_si,
+                               lambda t: split_kv(t, g, d, inter))
+        return (ga, gb) + (None,) * 11

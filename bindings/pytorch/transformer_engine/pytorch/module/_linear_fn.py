@@ -9,6 +9,17 @@ gradient is cast (with the bias gradient fused) to the backward format, dgrad (N
 (NT) are FP8 GEMMs fed with the transposed copies, so every GEMM also runs in the TN layout
 Hopper's FP8 GEMMs need. Scales: "delayed" uses the module's FP8Meta (scale + amax history,
 updated by the library's recipe step), "current" derives each cast's scale from the tensor itself.
+
+FP8 hand-offs (delayed scaling, the recipe's fp8_mha; see fp8_handoff.py): with fp8_output the
+forward GEMM writes y in FP8 (forward format, the module's forward slot fwd_slot + 2, TE's GEMM
+output slot) and returns its hand-off, and the backward receives the output gradient as a hand-off
+(FP8 in the backward format, cast by its producer: no cast here). With fp8_input the input
+arrives as a hand-off (FP8 in the forward format: no cast, the input slot is unused), and the
+dgrad GEMM writes the input gradient in FP8 (backward format, backward slot bwd_slot + 1, TE's
+grad-input slot) as a hand-off. The transposed FP8 copy wgrad reads is made from the FP8 bytes
+(the library's transpose) in backward; an FP8 output gradient whose bias needs a gradient is
+decoded once for the bias gradient, which comes with its transposed cast (current scaling, no
+recipe state), as the library has no bias-gradient kernel for FP8 input.
 """
 from __future__ import annotations
 
@@ -18,6 +29,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import custom_ops as ops
+from ..fp8_handoff import handoff_parts
 from ..tensor import Float8Tensor
 
 HP = ops.HIGH_PRECISION_OPERAND
@@ -55,6 +67,9 @@ class LinearCfg:
     norm: str = ""                # "" | "LayerNorm" | "RMSNorm"
     norm_eps: float = 0.0
     norm_zero_centered: bool = False
+    # Delayed scaling only: FP8 hand-offs (fp8_handoff.py) of the input / the output
+    fp8_input: bool = False
+    fp8_output: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -64,14 +79,19 @@ class LinearCfg:
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, w_data, w_transpose, w_scale_inv, fwd_scale, fwd_hist, bwd_scale, bwd_hist,
-                cfg: LinearCfg, norm_weight=None, norm_bias=None):
-        # x2: contiguous [tokens, in] in weight's dtype (the norm's input with cfg.norm); w_*: the
-        # FP8 weight (FP8 modes only)
+                cfg: LinearCfg, norm_weight=None, norm_bias=None, rows: int = 0):
+        # x2: contiguous [tokens, in] in weight's dtype (the norm's input with cfg.norm), or with
+        # cfg.fp8_input the hand-off of FP8 [rows, in]; w_*: the FP8 weight (FP8 modes only)
         b = bias if bias is not None and bias.numel() else None
         delayed = cfg.scaling == "delayed"
+        dtype = weight.dtype if cfg.fp8_input else x2.dtype
+        ctx.rows = rows if cfg.fp8_input else x2.shape[0]
         if cfg.fp8:
             norm_saved = ()
-            if cfg.norm:
+            if cfg.fp8_input:  # already FP8: the hand-off is kept, wgrad's transpose is made in backward
+                xd, x_si = handoff_parts(x2, rows, weight.shape[1])
+                xt = x2
+            elif cfg.norm:
                 xd, xt, x_si, mu, rs = ops.norm_fwd_fp8(
                     x2, norm_weight, norm_bias if cfg.norm == "LayerNorm" else None, cfg.norm_eps,
                     cfg.norm_zero_centered, fwd_scale, fwd_hist, cfg.fwd_slot, cfg.fwd_dtype, cfg.need_wgrad)
@@ -80,8 +100,14 @@ class _LinearFn(torch.autograd.Function):
                 xd, xt, x_si, _ = ops.quantize(x2, fwd_scale if delayed else None, fwd_hist if delayed else None,
                                                cfg.fwd_slot, cfg.fwd_dtype, True, cfg.need_wgrad, False,
                                                cfg.inp_pow2, cfg.inp_eps)
-            out, pre = ops.gemm(w_data, w_transpose, w_scale_inv, cfg.fwd_dtype, xd, None, x_si, cfg.fwd_dtype,
-                                x2.dtype, True, False, b, cfg.gelu, False)
+            if cfg.fp8_output:
+                out = ops.gemm_fp8_output(w_data, w_transpose, w_scale_inv, cfg.fwd_dtype, xd, None, x_si,
+                                          cfg.fwd_dtype, cfg.fwd_dtype, fwd_scale, fwd_hist, cfg.fwd_slot + 2, True,
+                                          False, b)
+                pre = ops.missing(xd.device)
+            else:
+                out, pre = ops.gemm(w_data, w_transpose, w_scale_inv, cfg.fwd_dtype, xd, None, x_si, cfg.fwd_dtype,
+                                    dtype, True, False, b, cfg.gelu, False)
             # keep only the transposed copies: dgrad and wgrad read those
             ctx.save_for_backward(xt, x_si, w_transpose, w_scale_inv, pre, *norm_saved)
         else:
@@ -95,7 +121,8 @@ class _LinearFn(torch.autograd.Function):
         ctx.bwd_scale, ctx.bwd_hist = bwd_scale, bwd_hist
         ctx.cfg = cfg
         ctx.weight_dtype = weight.dtype
-        ctx.act_dtype = x2.dtype
+        ctx.act_dtype = dtype
+        ctx.features = (weight.shape[1], weight.shape[0])
         return out
 
     @staticmethod
@@ -103,8 +130,10 @@ class _LinearFn(torch.autograd.Function):
         cfg = ctx.cfg
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dtype = ctx.act_dtype
-        g = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
-        g = (g if g.dtype == dtype else g.to(dtype)).contiguous()
+        in_features, out_features = ctx.features
+        if not cfg.fp8_output:
+            g = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
+            g = (g if g.dtype == dtype else g.to(dtype)).contiguous()
         dx = dw = db = None
         norm_grads = (None, None)
         if cfg.fp8:
@@ -118,15 +147,33 @@ class _LinearFn(torch.autograd.Function):
             if delayed and cfg.update_bwd:
                 ops.delayed_scaling_update(ctx.bwd_hist, ctx.bwd_scale, cfg.amax_compute_algo, cfg.bwd_dtype,
                                            cfg.margin)
-            gd, gt, g_si, gb = ops.quantize(g, ctx.bwd_scale if delayed else None, ctx.bwd_hist if delayed else None,
-                                            cfg.bwd_slot, cfg.bwd_dtype, need_dx, need_dw or not need_dx, need_db,
-                                            cfg.grad_pow2, cfg.grad_eps)
-            none = ops.missing(g.device)  # the absent operand buffers (read-only: one serves them all)
-            if need_dx:
+            if cfg.fp8_output:  # the output gradient arrives in FP8 (no cast)
+                gd, g_si = handoff_parts(grad_out.contiguous(), ctx.rows, out_features)
+                none = ops.missing(gd.device)
+                gt, gt_si, gb = none, g_si, none
+                if need_db:  # decoded once for the bias gradient, which comes with wgrad's transposed cast
+                    g = ops.dequantize(gd, g_si, cfg.bwd_dtype, dtype)
+                    _, gt, gt_si, gb = ops.quantize(g, None, None, 0, cfg.bwd_dtype, False, True, True, False, 0.0)
+                elif need_dw:
+                    gt = ops.transpose(gd)
+            else:
+                gd, gt, g_si, gb = ops.quantize(g, ctx.bwd_scale if delayed else None,
+                                                ctx.bwd_hist if delayed else None, cfg.bwd_slot, cfg.bwd_dtype,
+                                                need_dx, need_dw or not need_dx, need_db, cfg.grad_pow2,
+                                                cfg.grad_eps)
+                gt_si = g_si
+                none = ops.missing(g.device)  # the absent operand buffers (read-only: one serves them all)
+            if cfg.fp8_input and need_dw:  # wgrad's transposed input, from the kept FP8 bytes
+                xt = ops.transpose(handoff_parts(xt, ctx.rows, in_features)[0])
+            if need_dx and cfg.fp8_input:  # the input gradient leaves in FP8, as a hand-off
+                dx = ops.gemm_fp8_output(none, w_t, w_si, cfg.fwd_dtype, gd, None, g_si, cfg.bwd_dtype,
+                                         cfg.bwd_dtype, ctx.bwd_scale, ctx.bwd_hist, cfg.bwd_slot + 1, False, False,
+                                         None)
+            elif need_dx:
                 dx = ops.gemm(none, w_t, w_si, cfg.fwd_dtype, gd, None, g_si, cfg.bwd_dtype, dtype, False, False,
                               None, False, False)[0]
             if need_dw:
-                dw = ops.gemm(none, xt, x_si, cfg.fwd_dtype, none, gt, g_si, cfg.bwd_dtype,
+                dw = ops.gemm(none, xt, x_si, cfg.fwd_dtype, none, gt, gt_si, cfg.bwd_dtype,
                               ctx.weight_dtype, False, True, None, False, False)[0]
             if need_db:
                 db = gb
@@ -148,7 +195,7 @@ class _LinearFn(torch.autograd.Function):
                 dw, gb = ops.gemm(x2, None, None, HP, g, None, None, HP, ctx.weight_dtype, False, True, None, False,
                                   need_db)
                 db = gb if need_db else None
-        return (dx, (dw if need_dw else None), db, None, None, None, None, None, None, None, None) + norm_grads
+        return (dx, (dw if need_dw else None), db, None, None, None, None, None, None, None, None) + norm_grads + (None,)
 
 
 def high_precision(weight: torch.Tensor) -> torch.Tensor:
@@ -160,16 +207,21 @@ def high_precision(weight: torch.Tensor) -> torch.Tensor:
 
 def linear_fn(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LinearCfg,
               qweight: Optional[QuantizedWeight] = None, meta=(None, None, None, None),
-              norm_weight: Optional[torch.Tensor] = None, norm_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+              norm_weight: Optional[torch.Tensor] = None, norm_bias: Optional[torch.Tensor] = None,
+              rows: int = 0) -> torch.Tensor:
     """y = act(x2 W^T + b), or act(norm(x2) W^T + b) with cfg.norm (delayed scaling; norm_weight /
     norm_bias: the norm's parameters). qweight: the FP8 weight (FP8 modes); meta: the module's
-    (fwd scale, fwd amax history, bwd scale, bwd amax history) for delayed scaling / calibration."""
+    (fwd scale, fwd amax history, bwd scale, bwd amax history) for delayed scaling / calibration.
+    cfg.fp8_input: x2 is the FP8 hand-off of a [rows, in] input; cfg.fp8_output: y is returned as
+    the FP8 hand-off of [tokens, out] (fp8_handoff.py)."""
     if cfg.fp8 and qweight is None:
         raise RuntimeError("linear_fn: an FP8 forward needs the quantized weight")
     if cfg.norm and not (cfg.scaling == "delayed" and norm_weight is not None):
         raise RuntimeError("linear_fn: the fused norm needs delayed scaling and the norm's weight")
+    if (cfg.fp8_input or cfg.fp8_output) and (cfg.scaling != "delayed" or cfg.gelu):
+        raise RuntimeError("linear_fn: FP8 hand-offs need delayed scaling and no GELU epilogue")
     w = (qweight.data, qweight.transpose, qweight.scale_inv) if qweight is not None else (None, None, None)
-    return _LinearFn.apply(x2, weight, bias, *w, *meta, cfg, norm_weight, norm_bias)
+    return _LinearFn.apply(x2, weight, bias, *w, *meta, cfg, norm_weight, norm_bias, rows)
 
 
 def grad_needs(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):

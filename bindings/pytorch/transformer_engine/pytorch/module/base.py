@@ -143,11 +143,12 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _linear_cfg(self, scaling: str, fwd_slot: int = 0, bwd_slot: int = 0, update_bwd: bool = True,
                     gelu: bool = False, need_dgrad: bool = True, need_wgrad: bool = True,
-                    norm: tuple = ()) -> LinearCfg:
+                    norm: tuple = (), handoff: tuple = ()) -> LinearCfg:
         """The constant configuration of one linear layer's autograd function for this forward;
-        norm: () or (kind, eps, zero_centered_gamma) of a fused norm. Kept per distinct configuration
-        and recipe settings (building the frozen dataclass every forward costs microseconds)."""
-        key = (scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm,
+        norm: () or (kind, eps, zero_centered_gamma) of a fused norm; handoff: () or (fp8_input,
+        fp8_output). Kept per distinct configuration and recipe settings (building the frozen
+        dataclass every forward costs microseconds)."""
+        key = (scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm, handoff,
                self._recipe_settings(scaling))
         if torch.compiler.is_compiling():  # no cache updates inside a traced graph
             return self._new_linear_cfg(*key)
@@ -169,11 +170,13 @@ class TransformerEngineBaseModule(torch.nn.Module):
         return dtypes + (r.amax_compute_algo, float(r.margin))
 
     @staticmethod
-    def _new_linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm,
+    def _new_linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm, handoff,
                         settings) -> LinearCfg:
         flags = dict(gelu=gelu, need_dgrad=need_dgrad, need_wgrad=need_wgrad)
         if norm:
             flags.update(norm=norm[0], norm_eps=float(norm[1]), norm_zero_centered=bool(norm[2]))
+        if handoff:
+            flags.update(fp8_input=bool(handoff[0]), fp8_output=bool(handoff[1]))
         if scaling == "none":
             return LinearCfg(**flags)
         if scaling == "current":
@@ -234,12 +237,18 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _linear(self, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], scaling: str,
                 is_first_microbatch: Optional[bool], fwd_slot: int = 0, bwd_slot: int = 0, update_bwd: bool = True,
-                gelu: bool = False, norm=None) -> torch.Tensor:
+                gelu: bool = False, norm=None, fp8_input: bool = False, fp8_output: bool = False,
+                rows: int = 0) -> torch.Tensor:
         """act(x2 W^T + b) through the shared linear autograd function, in this forward's scaling mode.
         Delayed-scaling slots: input fwd_slot, weight fwd_slot + 1, output gradient bwd_slot.
         norm = (kind, weight, bias, eps, zero_centered_gamma): x2 is the input of that norm, which
         runs inside the linear's autograd function with its output cast to FP8 by the norm kernel
-        (delayed scaling only; callers pass the norm's output and no norm otherwise)."""
+        (delayed scaling only; callers pass the norm's output and no norm otherwise).
+        fp8_input: x2 is the FP8 hand-off of a [rows, in] input; fp8_output: the output is returned
+        as an FP8 hand-off (fp8_handoff.py; delayed scaling only: output slot fwd_slot + 2, input
+        gradient slot bwd_slot + 1)."""
+        if (fp8_input or fp8_output) and scaling != "delayed":
+            raise RuntimeError(f"FP8 hand-offs between modules need delayed scaling, got scaling mode {scaling!r}")
         need_dgrad, need_wgrad = grad_needs(x2, weight, bias)
         if norm is not None:
             need_dgrad = need_dgrad or (torch.is_grad_enabled() and any(
@@ -249,9 +258,11 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if norm is not None:
             kind, norm_w, norm_b, eps, zc = norm
             norm_cfg = (kind, eps, zc)
-        cfg = self._linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm_cfg)
+        handoff = (fp8_input, fp8_output) if (fp8_input or fp8_output) else ()
+        cfg = self._linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm_cfg,
+                               handoff)
         qweight = self._quantized_weight(weight, cfg, fwd_slot + 1, is_first_microbatch)
-        return linear_fn(x2, weight, bias, cfg, qweight, self._meta_tensors(scaling), norm_w, norm_b)
+        return linear_fn(x2, weight, bias, cfg, qweight, self._meta_tensors(scaling), norm_w, norm_b, rows)
 
     def get_extra_state(self):
         return self.fp8_meta.state()

@@ -94,3 +94,21 @@ class LayerNormLinear(TransformerEngineBaseModule):
         if self.return_layernorm_output:
             res.append(ln.view(inp.shape))
         return res[0] if len(res) == 1 else tuple(res)
+
+    def _fp8_handoff_out(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """(the FP8 hand-off of y = Linear(Norm(x)) [tokens, out], the norm output or None): the GEMM
+        writes y in FP8 with this module's output slot (MultiheadAttention under fp8_mha; see
+        fp8_handoff.py); the norm output is returned when return_layernorm_output. Delayed scaling only."""
+        check_input(inp, self.in_features, "LayerNormLinear")
+        weight, bias = self._weight_and_bias()
+        ln_w, ln_b = self.layer_norm_weight, self.layer_norm_bias
+        check_same_device(inp, (ln_w, ln_b, weight, bias), "LayerNormLinear")
+        x2 = as_2d(inp, weight.dtype)
+        scaling = self._fp8_mode(weight.device)
+        bias = None if self.return_bias else bias
+        if norm_writes_fp8(scaling, self.return_layernorm_output):
+            norm = (self.normalization, ln_w, ln_b, self.eps, self.zero_centered_gamma)
+            return self._linear(x2, weight, bias, scaling, is_first_microbatch, norm=norm, fp8_output=True), None
+        ln = norm_fn(self.normalization, x2, ln_w, ln_b, self.eps, self.zero_centered_gamma)
+        h = self._linear(ln, weight, bias, scaling, is_first_microbatch, fp8_output=True)
+        return h, (ln.view(inp.shape) if self.return_layernorm_output else None)

@@ -83,3 +83,29 @@ class Linear(TransformerEngineBaseModule):
         if self.return_bias:
             return out, bias
         return out
+
+    # FP8 hand-offs (MultiheadAttention under the recipe's fp8_mha; see fp8_handoff.py)
+    def _fp8_handoff_out(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """(the FP8 hand-off of y = x W^T + b [tokens, out], None): the GEMM writes y in FP8 with this
+        module's output slot; its gradient comes back as a hand-off. Delayed scaling only."""
+        check_input(inp, self.in_features, "Linear")
+        weight, bias = self._weight_and_bias()
+        check_same_device(inp, (weight, bias), "Linear")
+        scaling = self._fp8_mode(weight.device)
+        x2 = as_2d(inp, weight.dtype)
+        return self._linear(x2, weight, None if self.return_bias else bias, scaling, is_first_microbatch,
+                            fp8_output=True), None
+
+    def _fp8_handoff_in(self, h: torch.Tensor, lead, is_first_microbatch: Optional[bool] = None):
+        """forward() of an input given as the FP8 hand-off h of [*lead, in_features] (no cast; the
+        input gradient goes back as a hand-off). Delayed scaling only."""
+        weight, bias = self._weight_and_bias()
+        check_same_device(h, (weight, bias), "Linear")
+        scaling = self._fp8_mode(weight.device)
+        rows = 1
+        for n in lead:
+            rows *= n
+        out = self._linear(h, weight, None if self.return_bias else bias, scaling, is_first_microbatch,
+                           fp8_input=True, rows=rows)
+        out = out.view(*lead, self.out_features)
+        return (out, bias) if self.return_bias else out
