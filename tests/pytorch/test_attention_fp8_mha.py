@@ -52,8 +52,14 @@ def _zero_in_exact_math(name):
     return name.endswith("key_bias")
 
 
-def _check_zero_grad(grads, name):
-    assert grads[name].norm() < 0.05 * grads[name.replace("key_bias", "value_bias")].norm(), name
+def _check_zero_grad(grads, name, other=None):
+    """Rounding noise only: small against the value bias's gradient (5%, as on the CPU), or, where
+    the E5M2 dK noise is larger (bf16 on CUDA, 128-token rows: ~12%), at most twice the noise of
+    the same gradient in `other` (the fp8_dpa run: dK through the same E5M2 codes)."""
+    got = grads[name].norm()
+    if got < 0.05 * grads[name.replace("key_bias", "value_bias")].norm():
+        return
+    assert other is not None and got <= 2 * other[name].norm(), (name, float(got), None if other is None else float(other[name].norm()))
 
 
 def _recipe(mha: bool, **kw):
@@ -189,7 +195,7 @@ def test_fp8_mha_matches_fp8_dpa_and_float64(config, fmt):
         assert set(grads_m) == set(grads_ref)
         for name, got, other, want in pairs:
             if _zero_in_exact_math(name):
-                _check_zero_grad(grads_m, name)
+                _check_zero_grad(grads_m, name, grads_d)
                 continue
             tol = TOL["out"] if name == "out" else TOL["grad"]
             e_mha, e_dpa, e_pair = rel_err(got, want), rel_err(other, want), rel_err(got, other)
@@ -338,7 +344,7 @@ def test_transformer_layer_fp8_mha(layer_type):
         assert rel_err(yb, ya) < TOL["out"] and rel_err(dxb, dxa) < TOL["grad"]
         for n in ga:
             if _zero_in_exact_math(n):
-                _check_zero_grad(gb, n)
+                _check_zero_grad(gb, n, ga)
             else:
                 assert rel_err(gb[n], ga[n]) < TOL["grad"], (step, n)
     attn = [b.self_attention] + ([b.inter_attention] if layer_type == "decoder" else [])
