@@ -35,6 +35,13 @@
 // business: their O / dQ rows are zeroed after each run and the backward gives cuDNN +inf
 // statistics there. Offsets are int32: a tensor of 2^31 elements or more is NOT_SUPPORTED.
 //
+// return_max_logit (float16/bfloat16, BSHD/SBHD and THD): the forward graph outputs cuDNN's Max
+// (row maximum of the softmax input, i.e. of the scaled logits with bias, ALiBi and masks
+// applied, in natural units, before dropout: the CPU backend's max logit) and Sum_exp (row sum
+// of exp(logit - Max)) in place of Stats, since cuDNN before 9.21 gives one or the other; a small
+// kernel then writes the statistics Max + log(Sum_exp) and the max logit, both -inf for padded
+// rows and rows that see no key, as the CPU backend does.
+//
 // FP8 (fused_attn.h "FP8 attention"): graphs and calls in fused_attn_cudnn_fp8.cpp.
 #include <dlfcn.h>
 
@@ -136,7 +143,8 @@ Key key_of(const AttnParams &p, bool bwd, bool has_dbias, const Fp8Types *fp8) {
   add({(int64_t)p.dtype, (int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.h_kv, (int64_t)p.d_qk, (int64_t)p.d_v,
        (int64_t)p.max_sq, (int64_t)p.max_skv, (int64_t)p.bias_type, (int64_t)p.padding, (int64_t)p.rule.causal,
        (int64_t)p.rule.bottom_right, p.rule.window_left, p.rule.window_right, (int64_t)(p.dropout > 0.0f),
-       (int64_t)p.is_training, (int64_t)p.bias_b, (int64_t)p.bias_h, (int64_t)has_dbias});
+       (int64_t)p.is_training, (int64_t)p.return_max_logit, (int64_t)p.bias_b, (int64_t)p.bias_h,
+       (int64_t)has_dbias});
   for (const auto &t : p.qkv.t) add({(int64_t)t.format, (int64_t)t.row_stride, (int64_t)t.head_stride});
   add({(int64_t)p.out.format, (int64_t)p.out.row_stride, (int64_t)p.out.head_stride});
   int32_t sb;  // the scale and dropout probability are baked into the graph
@@ -215,15 +223,21 @@ std::string build_fwd(const AttnParams &p, cudnnHandle_t h, Built &b) {
   set_ragged(k, r.off[1]);
   set_ragged(v, r.off[2]);
   fe::graph::SDPA_attributes a;
-  a.set_name("nvte_sdpa_fwd").set_generate_stats(p.is_training);
+  // return_max_logit: cuDNN before 9.21 gives either Stats or Max and Sum_exp (not both), so such a
+  // graph outputs Max and Sum_exp and the statistics are computed from them (logit_stats).
+  a.set_name("nvte_sdpa_fwd").set_generate_stats(p.is_training && !p.return_max_logit);
   common_options(g, p, a, false);
+  if (p.return_max_logit) {
+    a.set_logit_max(row_tensor(g, "max", kUMax, p));
+    a.set_score_sum_exp(row_tensor(g, "sum_exp", kUSumExp, p));
+  }
   auto [o, stats] = g.sdpa(q, k, v, a);
   o->set_output(true)
       .set_uid(kUO)
       .set_dim({(int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.max_sq, (int64_t)p.d_v})
       .set_stride(strides_of(p.out, p.batch, p.max_sq));
   set_ragged(o, r.off[3]);
-  if (p.is_training) {
+  if (p.is_training && !p.return_max_logit) {
     stats->set_output(true)
         .set_uid(kUStats)
         .set_data_type(fe::DataType_t::FLOAT)
@@ -292,8 +306,9 @@ std::shared_ptr<Built> graph_for(const AttnParams &call, bool bwd, bool has_dbia
 
 // Workspace: cuDNN's, then (padding masks, THD) two int32 [b] sequence-length arrays, then (THD)
 // the ragged offsets of Q, K, V, O (int32 [b + 1] each), the run's (seed, offset) and the
-// statistics scratch [b, h_q, max_sq] (b: the graph's batch), then (FP8) a block of float32
-// scalars (descales the graph reads, amax values it writes).
+// statistics scratch [b, h_q, max_sq] (b: the graph's batch; with return_max_logit two of them,
+// cuDNN's Sum_exp and Max), then (FP8) a block of float32 scalars (descales the graph reads, amax
+// values it writes).
 size_t seqlen_bytes(const AttnParams &p) {
   const AttnParams g = graph_params(p);
   return g.padding ? 2 * align256(g.batch * 4) : 0;
@@ -302,7 +317,8 @@ namespace {
 size_t ragged_bytes(const AttnParams &p) {
   if (!thd(p)) return 0;
   const AttnParams g = graph_params(p);
-  return 4 * align256((g.batch + 1) * 4) + 256 + (g.is_training ? align256(g.batch * g.h_q * g.max_sq * 4) : 0);
+  const size_t scratches = g.return_max_logit ? 2 : (g.is_training ? 1 : 0);
+  return 4 * align256((g.batch + 1) * 4) + 256 + scratches * align256(g.batch * g.h_q * g.max_sq * 4);
 }
 constexpr size_t kFp8ScalarBytes = 256;
 size_t fp8_scalar_bytes(const AttnParams &p) { return is_fp8(p.dtype) ? kFp8ScalarBytes : 0; }
@@ -352,6 +368,7 @@ namespace {
 struct ThdInputs {
   const Tensor *cu_q, *cu_kv, *pad_q, *pad_kv, *rng;
   float *stats;                     // the caller's [batch, h_q, max_sq] statistics, or null (inference)
+  float *max_logit = nullptr;       // forward with return_max_logit: the caller's max logit
   void *o = nullptr;                // forward: O
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;  // backward: the gradients
 };
@@ -369,6 +386,8 @@ void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, VariantPa
   for (int i = 0; i < 4; ++i, x += align256((r.n + 1) * 4)) r.off[i] = reinterpret_cast<int32_t *>(x);
   if (in.rng) r.rng = reinterpret_cast<int64_t *>(x);
   float *scratch = in.stats ? reinterpret_cast<float *>(x + 256) : nullptr;
+  // return_max_logit: scratch takes cuDNN's Sum_exp, max_scratch its Max.
+  float *max_scratch = in.max_logit ? scratch + align256(r.n * p.h_q * r.graph_max_q * 4) / 4 : nullptr;
 
   RaggedSource s;
   const auto i32 = [](const Tensor *t) { return t ? static_cast<const int32_t *>(data(t)) : nullptr; };
@@ -394,14 +413,20 @@ void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, VariantPa
     pack[kUSeed] = r.rng;
     pack[kUOffset] = r.rng + 1;
   }
-  if (scratch) pack[kUStats] = scratch;
+  if (max_scratch) {
+    pack[kUSumExp] = scratch;
+    pack[kUMax] = max_scratch;
+  } else if (scratch) {
+    pack[kUStats] = scratch;
+  }
   const bool fwd = in.o != nullptr;
   for (r.start = 0; r.start < p.batch; r.start += r.n) {
     ragged_run(s, r, stream);
     if (scratch && !fwd) ragged_stats(in.stats, scratch, s, r, p.h_q, false, stream);
     execute(b, pack, ws, stream);
     if (fwd) {
-      if (scratch) ragged_stats(in.stats, scratch, s, r, p.h_q, true, stream);
+      if (max_scratch) ragged_logit_stats(in.stats, in.max_logit, max_scratch, scratch, s, r, p.h_q, stream);
+      else if (scratch) ragged_stats(in.stats, scratch, s, r, p.h_q, true, stream);
       ragged_zero_rows(in.o, s, r, 3, false, p.h_q, p.out.head_stride, p.d_v, stream);
     } else {
       ragged_zero_rows(in.dq, s, r, 0, false, p.h_q, pl[0]->head_stride, p.d_qk, stream);
@@ -417,7 +442,15 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   auto b = graph_for(p, false, false, stream);
   char *ws = workspace_ptr(workspace, total_bytes(p, *b));
   VariantPack pack{{kUQ, data(t.q)}, {kUK, data(t.k)}, {kUV, data(t.v)}, {kUO, data(t.o)}};
-  if (p.is_training) pack[kUStats] = data(t.stats);
+  float *stats = static_cast<float *>(data(t.stats)), *max_logit = static_cast<float *>(data(t.max_logit));
+  if (p.return_max_logit) {
+    // Sum_exp goes into the statistics' buffer; logit_stats turns it into the statistics.
+    NVTE_CHECK(stats != nullptr && max_logit != nullptr, "internal: max logit requested without its aux buffers");
+    pack[kUSumExp] = stats;
+    pack[kUMax] = max_logit;
+  } else if (p.is_training) {
+    pack[kUStats] = stats;
+  }
   if (p.bias_type == NVTE_POST_SCALE_BIAS) pack[kUBias] = data(t.bias);
   if (p.dropout > 0.0f) {
     int64_t *rng = static_cast<int64_t *>(data(t.rng_state));
@@ -428,12 +461,17 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   if (p.padding || thd(p)) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));
   if (thd(p)) {
     ThdInputs in{t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded, p.dropout > 0.0f ? t.rng_state : nullptr,
-                 p.is_training ? static_cast<float *>(data(t.stats)) : nullptr};
+                 p.is_training || p.return_max_logit ? stats : nullptr};
+    in.max_logit = p.return_max_logit ? max_logit : nullptr;
     in.o = data(t.o);
     return run_thd(p, *b, in, pack, ws, stream);
   }
   bind_seqlens(p, t.cu_q, t.cu_kv, ws ? ws + cudnn_bytes(*b) : nullptr, pack, stream);
   execute(*b, pack, ws, stream);
+  if (p.return_max_logit) {
+    const auto seq = [&](int64_t uid) { return p.padding ? static_cast<const int32_t *>(pack.at(uid)) : nullptr; };
+    logit_stats(stats, max_logit, seq(kUSeqQ), seq(kUSeqKV), p.batch, p.h_q, p.max_sq, p.max_skv, p.rule, stream);
+  }
 }
 
 void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {
@@ -489,7 +527,14 @@ bool fused_attn_supported(const AttnParams &p, std::string *why) {
 
 size_t fused_attn_fwd_workspace_bytes(const AttnParams &p) {
   const Fp8Types *fp8 = is_fp8(p.dtype) ? &kQueryFp8Types : nullptr;
-  return total_bytes(p, *graph_for(p, false, false, nullptr, fp8));
+  size_t bytes = total_bytes(p, *graph_for(p, false, false, nullptr, fp8));
+  if (p.return_max_logit) {
+    // A call without an aux pack runs the plain graph (fused_attn_fwd): enough for either.
+    AttnParams plain = p;
+    plain.return_max_logit = false;
+    bytes = std::max(bytes, total_bytes(plain, *graph_for(plain, false, false, nullptr, fp8)));
+  }
+  return bytes;
 }
 
 size_t fused_attn_bwd_workspace_bytes(const AttnParams &p) {
@@ -499,7 +544,10 @@ size_t fused_attn_bwd_workspace_bytes(const AttnParams &p) {
   return total_bytes(p, *graph_for(p, true, db, nullptr, fp8));
 }
 
-void fused_attn_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+void fused_attn_fwd(const AttnParams &call, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+  // Without an aux pack there is no max-logit buffer: the plain graph runs (as on the CPU).
+  AttnParams p = call;
+  p.return_max_logit = call.return_max_logit && t.max_logit != nullptr;
   if (is_fp8(p.dtype)) {
     fp8_fwd(p, t, workspace, stream);
   } else {
@@ -509,7 +557,6 @@ void fused_attn_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *
     NVTE_CHECK_CUDA(cudaMemcpyAsync(data(t.aux_rng), data(t.rng_state), 16, cudaMemcpyDeviceToDevice, stream));
   if (t.aux_bias && t.bias)
     NVTE_CHECK_CUDA(cudaMemcpyAsync(data(t.aux_bias), data(t.bias), bytes_of(*t.bias), cudaMemcpyDeviceToDevice, stream));
-  if (t.max_logit) NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "return_max_logit is not supported by the CUDA backend yet");
 }
 
 void fused_attn_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {

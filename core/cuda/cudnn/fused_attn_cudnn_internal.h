@@ -29,7 +29,8 @@ enum Uid : int64_t {
   kUDescaleQ, kUDescaleK, kUDescaleV, kUDescaleO, kUDescaledO, kUDescaleS, kUDescaledP,
   kUScaleS, kUScaleO, kUScaledQ, kUScaledK, kUScaledV, kUScaledP,
   kUAmaxS, kUAmaxO, kUAmaxdQ, kUAmaxdK, kUAmaxdV, kUAmaxdP,
-  kURaggedQ, kURaggedK, kURaggedV, kURaggedO  // THD: ragged offsets of Q/dQ, K/dK, V/dV, O/dO
+  kURaggedQ, kURaggedK, kURaggedV, kURaggedO,  // THD: ragged offsets of Q/dQ, K/dK, V/dV, O/dO
+  kUMax, kUSumExp                               // return_max_logit: cuDNN's row max and sum of exp
 };
 
 // Element types of an FP8 call beyond Q/K/V (always E4M3): O (E4M3/E5M2, or float16/bfloat16),
@@ -125,6 +126,17 @@ inline std::vector<int64_t> stats_dim(const AttnParams &p) {
 }
 inline std::vector<int64_t> stats_stride(const AttnParams &p) {
   return {(int64_t)(p.h_q * p.max_sq), (int64_t)p.max_sq, 1, 1};
+}
+
+// A float32 output shaped like the statistics (cuDNN's Max and Sum_exp, which the SDPA attributes
+// take as tensors the caller declares).
+inline TensorPtr row_tensor(fe::graph::Graph &g, const char *name, int64_t uid, const AttnParams &p) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim(stats_dim(p))
+                      .set_stride(stats_stride(p))
+                      .set_data_type(fe::DataType_t::FLOAT));
 }
 
 // validate, build the operation graph, pick plans (heuristics A), check support, build plans and
