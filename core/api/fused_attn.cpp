@@ -462,10 +462,10 @@ NVTE_Fused_Attn_Backend nvte_get_fused_attn_backend(
       p.softmax_type = softmax_type;
       p.is_training = is_training;
       p.dropout = is_training ? dropout : 0.0f;
+      p.return_max_logit = return_max_logit;
       p.rule = api::mask_rule(s);
       std::string why;
       NVTE_CHECK_SUPPORTED(cuda::fused_attn_supported(p, &why), "CUDA fused attention: ", why);
-      NVTE_CHECK_SUPPORTED(!return_max_logit, "CUDA fused attention: return_max_logit is not supported yet");
     }
 #endif
   });

@@ -12,6 +12,8 @@ from gpu_util import T
 
 L, M, BT, ST = nvte.NVTE_QKV_Layout, nvte.NVTE_Mask_Type, nvte.NVTE_Bias_Type, nvte.NVTE_Softmax_Type
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# Softmax statistics and max logits (float32 of the same logits) against the CPU backend's.
+STATS_TOL = 1e-3
 
 
 def mask_enum(name):
@@ -20,8 +22,8 @@ def mask_enum(name):
 
 class Case:
     def __init__(self, layout="NVTE_BSHD_BSHD_BSHD", dtype="bfloat16", b=2, sq=64, skv=64, hq=4, hkv=4, d=64,
-                 dv=None, mask="no_mask", bias=False, dropout=0.0, lens_q=None, lens_kv=None, seed=0):
-        self.layout, self.dtype, self.b, self.sq, self.skv = layout, dtype, b, sq, skv
+                 dv=None, mask="no_mask", bias=False, dropout=0.0, lens_q=None, lens_kv=None, seed=0, alibi=False):
+        self.layout, self.dtype, self.b, self.sq, self.skv, self.alibi = layout, dtype, b, sq, skv, alibi
         self.hq, self.hkv, self.d, self.dv, self.mask, self.bias = hq, hkv, d, dv or d, mask, bias
         self.dropout, self.lens_q, self.lens_kv, self.seed = dropout, lens_q, lens_kv, seed
         self.fmt = "sbhd" if layout.startswith("NVTE_SB") else "bshd"
@@ -71,13 +73,17 @@ def lengths(c):
 
 def scalars(c):
     return dict(max_seqlen_q=c.sq, max_seqlen_kv=c.skv, attn_scale=1.0 / math.sqrt(c.d), dropout=c.dropout,
-                qkv_layout=getattr(L, c.layout), bias_type=BT.NVTE_POST_SCALE_BIAS if c.bias else BT.NVTE_NO_BIAS,
+                qkv_layout=getattr(L, c.layout),
+                bias_type=BT.NVTE_POST_SCALE_BIAS if c.bias else (BT.NVTE_ALIBI if c.alibi else BT.NVTE_NO_BIAS),
                 attn_mask_type=mask_enum(c.mask), softmax_type=ST.NVTE_VANILLA_SOFTMAX, window_size_left=-1,
                 window_size_right=-1, bottom_right_diagonal=False)
 
 
-def run(c, dev, q, k, v, do, bias, rng_state, backward=True):
-    """Forward (+ backward) on one backend. Returns canonical float64 O, dQ, dK, dV (CPU)."""
+def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, training=True):
+    """Forward (+ backward) on one backend. Returns canonical float64 O, dQ, dK, dV (CPU), the
+    described aux pack ("described": [(shape, dtype)]) and its buffers after the forward ("aux",
+    CPU copies). max_logit: return_max_logit, with the pack's float32 buffers poisoned with NaN
+    (every element must be written)."""
     nd = nv_dtype(c)
     (tq, tk, tv), keep = to_layout(c, (q, k, v), dev)
     padded, lq, lkv, cuq, cukv = lengths(c)
@@ -89,21 +95,25 @@ def run(c, dev, q, k, v, do, bias, rng_state, backward=True):
     rng = T(rng_state.to(dev)).t
     H = [handle(x, nd) for x in (tq, tk, tv)]
     sc = scalars(c)
-    ws_f = nvte.fused_attn_fwd_workspace_size(*H, side["Bias"], c.sq, c.skv, True, False, c.dropout,
+    ws_f = nvte.fused_attn_fwd_workspace_size(*H, side["Bias"], c.sq, c.skv, training, max_logit, c.dropout,
                                                sc["qkv_layout"], sc["bias_type"], sc["attn_mask_type"],
                                                sc["softmax_type"])
     wsf = torch.empty(max(ws_f, 1), dtype=torch.uint8, device=dev)
     kw = dict(**side, SoftmaxOffset=None, S=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
-              page_table_k=None, page_table_v=None, rng_state=rng, is_training=True, return_max_logit=False,
+              page_table_k=None, page_table_v=None, rng_state=rng, is_training=training, return_max_logit=max_logit,
               cuda_graph=False, workspace=T(wsf).t, **sc)
     ot = handle(o, nd)
     described = nvte.fused_attn_fwd(*H, O=ot, aux=[], **kw)
-    aux_bufs = [torch.zeros(shape, dtype={nvte.DType.kFloat32: torch.float32, nvte.DType.kInt64: torch.int64}.get(
-        dt, DTYPES[c.dtype]), device=dev) for shape, dt in described]
+    f32, i64 = nvte.DType.kFloat32, nvte.DType.kInt64
+    fill = float("nan") if max_logit else 0.0
+    aux_bufs = [torch.full(shape, fill, dtype=torch.float32, device=dev) if dt == f32 else
+                torch.zeros(shape, dtype=torch.int64 if dt == i64 else DTYPES[c.dtype], device=dev)
+                for shape, dt in described]
     aux = [handle(a, dt) for a, (_, dt) in zip(aux_bufs, described)]
     nvte.fused_attn_fwd(*H, O=ot, aux=aux, **kw)
     canon = lambda x: (x if c.fmt == "bshd" else x.transpose(0, 1)).double().cpu()
-    res = {"o": canon(o)}
+    res = {"o": canon(o), "described": [(list(shape), dt) for shape, dt in described],
+           "aux": [a.clone().cpu() for a in aux_bufs]}
     if backward:
         dO = (do if c.fmt == "bshd" else do.transpose(0, 1)).to(DTYPES[c.dtype]).to(dev).contiguous()
         nanq = torch.full_like(q, float("nan"))
@@ -191,11 +201,13 @@ def zero_padding(c, r):
     return r
 
 
-def check(c, backward=True):
+def check(c, backward=True, max_logit=False, training=True):
+    """The rule above for O (and the gradients); max_logit: with return_max_logit, the gradients
+    computed from that forward's aux pack, and check_logit_aux on the pack."""
     q, k, v, do, bias = inputs(c)
     rng_state = torch.tensor([123, 0], dtype=torch.int64)
-    got = run(c, "cuda", q, k, v, do, bias, rng_state, backward)
-    cpu = run(c, "cpu", q, k, v, do, bias, rng_state, backward)
+    got = run(c, "cuda", q, k, v, do, bias, rng_state, backward, max_logit, training)
+    cpu = run(c, "cpu", q, k, v, do, bias, rng_state, backward, max_logit, training)
     ref = zero_padding(c, reference(c, q, k, v, do, bias))
     naive = zero_padding(c, reference(c, q, k, v, do, bias, DTYPES[c.dtype], "cuda"))
     padded, lq, lkv, _, _ = lengths(c)
@@ -215,3 +227,37 @@ def check(c, backward=True):
         bound = 2.0 * err_naive + 1e-3 * scale + 1e-6
         assert err <= bound, f"{key}: CUDA error {err:.3g} > 2 x naive {err_naive:.3g} (+floor); CPU {err_cpu:.3g}"
         assert (g - cpu[key]).abs().max().item() <= bound + err_cpu, f"{key}: CUDA vs CPU backend beyond the bound"
+    if max_logit:
+        plain = run(c, "cuda", q, k, v, do, bias, rng_state, False, False, training)
+        check_logit_aux(got, cpu, plain if training else None)
+
+
+def compare_rows(name, g, c):
+    """float32 per-row values (statistics, max logits) of CUDA (g) and CPU (c): no NaN, -inf
+    exactly where the CPU has -inf (padded rows, rows that see no key), STATS_TOL elsewhere."""
+    assert not torch.isnan(g).any(), f"{name}: {int(torch.isnan(g).sum())} NaN (unwritten or computed as NaN)"
+    fin = torch.isfinite(c)
+    assert torch.equal(torch.isfinite(g), fin) and (g[~fin] == c[~fin]).all(), \
+        f"{name}: -inf rows differ from the CPU's ({int((torch.isfinite(g) != fin).sum())} rows)"
+    if fin.any():
+        err = (g[fin] - c[fin]).abs().max().item()
+        assert err <= STATS_TOL, f"{name}: {err:.3g} from the CPU's"
+
+
+def check_logit_aux(got, cpu, plain=None):
+    """return_max_logit on both backends: the same pack layout ([stats, max logit, rng_state,
+    (bias)]; the plain pack with the max logit inserted second), statistics and max logits as
+    compare_rows says, the copied slots equal; plain: the CUDA run without the flag, whose
+    statistics must agree with the flagged run's wherever the CPU's are finite."""
+    assert got["described"] == cpu["described"], (got["described"], cpu["described"])
+    if plain is not None:
+        want = plain["described"][:1] + [plain["described"][0]] + plain["described"][1:]
+        assert got["described"] == want, (got["described"], plain["described"])
+    compare_rows("statistics", got["aux"][0], cpu["aux"][0])
+    compare_rows("max logit", got["aux"][1], cpu["aux"][1])
+    for i in range(2, len(got["aux"])):
+        assert torch.equal(got["aux"][i], cpu["aux"][i]), f"aux slot {i} (a copy) differs from the CPU's"
+    if plain is not None:
+        fin = torch.isfinite(cpu["aux"][0])
+        err = (got["aux"][0][fin] - plain["aux"][0][fin]).abs().max().item() if fin.any() else 0.0
+        assert err <= STATS_TOL, f"statistics with the flag differ from those without it by {err:.3g}"

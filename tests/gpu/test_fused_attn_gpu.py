@@ -6,14 +6,15 @@ GPU: scores, softmax and products in the input dtype) plus a small floor. The CP
 the oracle too: its result (float64 accumulation, rounded once) is within one output ulp of
 the float64 reference, so the same bound holds against it. Padded positions must be zero in
 O and in the gradients. Dropout (different random streams on the two backends) is checked for
-determinism per rng_state and for its keep rate. THD layouts are in
+determinism per rng_state and for its keep rate. return_max_logit: the statistics and max
+logits of the aux pack against the CPU backend's (check_logit_aux). THD layouts are in
 test_fused_attn_thd_gpu.py, FP8 attention in test_fused_attn_fp8_gpu.py."""
 import pytest
 import torch
 
 from transformer_engine import _nvte as nvte
 
-from attn_gpu_util import BT, Case, check, handle, inputs, nv_dtype, run, scalars, to_layout
+from attn_gpu_util import BT, L, M, ST, Case, check, check_logit_aux, handle, inputs, nv_dtype, run, scalars, to_layout
 from gpu_util import T
 
 LAYOUTS = ["NVTE_BSHD_BSHD_BSHD", "NVTE_SBHD_SBHD_SBHD", "NVTE_BS3HD", "NVTE_SB3HD", "NVTE_BSH3D",
@@ -79,3 +80,126 @@ def test_unsupported_config_is_a_clear_error():
     with pytest.raises(nvte.Error, match="pre-scale bias"):
         nvte.fused_attn_fwd_workspace_size(*H, T(bias_t).t, c.sq, c.skv, True, False, 0.0, sc["qkv_layout"],
                                            sc["bias_type"], sc["attn_mask_type"], sc["softmax_type"])
+
+
+# ------------------------------------------------------------------ return_max_logit
+#
+# cuDNN's Max and Sum_exp outputs replace its Stats (fused_attn_cudnn.cpp): the max logit (the
+# largest scaled, biased, masked logit of each row) and the statistics must match the CPU
+# backend's, -inf exactly where the CPU's are; the pack must be laid out as on the CPU; and the
+# backward fed that pack must pass check()'s bound (the Max slot is skipped, the statistics are
+# the ones computed from Max and Sum_exp). Sizes are odd on purpose.
+
+
+@pytest.mark.parametrize("layout", ["NVTE_BSHD_BSHD_BSHD", "NVTE_SBHD_SBHD_SBHD", "NVTE_BS3HD", "NVTE_SBHD_SBH2D"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_max_logit_layouts(layout, dtype):
+    check(Case(layout=layout, dtype=dtype, b=3, sq=77, skv=77, mask="causal"), max_logit=True)
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "padding", "padding_causal", "causal_bottom_right",
+                                  "padding_causal_bottom_right"])
+def test_max_logit_masks(mask):
+    padded = mask.startswith("padding")
+    check(Case(mask=mask, sq=45, skv=71, lens_q=[45, 17] if padded else None, lens_kv=[71, 30] if padded else None),
+          max_logit=True)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1)])
+def test_max_logit_gqa(hq, hkv):
+    check(Case(hq=hq, hkv=hkv, sq=96, skv=83, mask="padding_causal", lens_q=[96, 33], lens_kv=[83, 41]),
+          max_logit=True)
+
+
+def test_max_logit_post_scale_bias():
+    """The max logit includes the bias (added after the scale)."""
+    check(Case(bias=True, sq=65, skv=65, mask="padding", lens_q=[65, 20], lens_kv=[65, 51]), max_logit=True)
+
+
+def test_max_logit_alibi():
+    """ALiBi (cuDNN's default slopes, causal): the max logit includes the ALiBi term. The float64
+    reference has no ALiBi, so O and the gradients are compared with the CPU backend's only."""
+    c = Case(alibi=True, mask="causal", sq=75, skv=75, hq=8, hkv=2)
+    q, k, v, do, bias = inputs(c)
+    rs = torch.tensor([0, 0], dtype=torch.int64)
+    got = run(c, "cuda", q, k, v, do, bias, rs, max_logit=True)
+    cpu = run(c, "cpu", q, k, v, do, bias, rs, max_logit=True)
+    check_logit_aux(got, cpu, run(c, "cuda", q, k, v, do, bias, rs, backward=False))
+    for key in ("o", "dq", "dk", "dv"):
+        assert not torch.isnan(got[key]).any()
+        err = (got[key] - cpu[key]).abs().max().item()
+        assert err <= 2e-2 * cpu[key].abs().max().item(), f"{key}: {err:.3g} from the CPU's"
+
+
+def test_max_logit_head_dim_128():
+    check(Case(d=128, sq=50, skv=93, b=3), max_logit=True)
+
+
+def test_max_logit_inference():
+    """An inference forward with the pack: the max logit and statistics are written too (as on the
+    CPU), O as without the flag."""
+    check(Case(mask="padding_causal", sq=70, skv=70, lens_q=[70, 9], lens_kv=[70, 40]), backward=False,
+          max_logit=True, training=False)
+
+
+def test_max_logit_with_dropout():
+    """Dropout acts after the softmax: the max logit and statistics are the CPU's whatever the mask.
+    The flagged forward must draw the mask the backward regenerates: its O and the gradients from
+    its pack equal (up to summation order) those of the run without the flag."""
+    c = Case(dropout=0.25, sq=128, skv=128, mask="causal")
+    q, k, v, do, bias = inputs(c)
+    rs = torch.tensor([7, 4096], dtype=torch.int64)
+    got = run(c, "cuda", q, k, v, do, bias, rs, max_logit=True)
+    again = run(c, "cuda", q, k, v, do, bias, rs, max_logit=True)
+    plain = run(c, "cuda", q, k, v, do, bias, rs)
+    cpu = run(c, "cpu", q, k, v, do, bias, rs, backward=False, max_logit=True)
+    check_logit_aux(got, cpu, plain)
+    for key in ("o", "dq", "dk", "dv"):
+        assert torch.equal(got[key], again[key]), f"{key}: same rng_state gave different results"
+        assert not torch.isnan(got[key]).any()
+        err = (got[key] - plain[key]).abs().max().item()
+        assert err <= 2e-2 * plain[key].abs().max().item(), f"{key}: {err:.3g} from the run without the flag"
+
+
+def test_max_logit_without_aux_pack():
+    """return_max_logit with no aux pack (inference) keeps nothing: the plain graph runs, in the
+    workspace the flagged query asked for, and O is that of a call without the flag."""
+    c = Case(mask="padding", lens_q=[64, 23], lens_kv=[64, 47])
+    q, k, v, do, bias = inputs(c)
+    (tq, tk, tv), keep = to_layout(c, (q, k, v), "cuda")
+    H = [handle(x, nv_dtype(c)) for x in (tq, tk, tv)]
+    sc = scalars(c)
+    cu = lambda ls: T(torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32, device="cuda"))
+    cuq, cukv = cu(c.lens_q), cu(c.lens_kv)
+    outs = []
+    for flag in (True, False):
+        ws = nvte.fused_attn_fwd_workspace_size(*H, None, c.sq, c.skv, False, flag, 0.0, sc["qkv_layout"],
+                                                sc["bias_type"], sc["attn_mask_type"], sc["softmax_type"])
+        wst = torch.empty(max(ws, 1), dtype=torch.uint8, device="cuda")
+        o = torch.full((c.b, c.sq, c.hq, c.dv), float("nan"), dtype=torch.bfloat16, device="cuda")
+        nvte.fused_attn_fwd(*H, O=handle(o, nv_dtype(c)), aux=None, Bias=None, SoftmaxOffset=None, S=None,
+                            cu_seqlens_q=cuq.t, cu_seqlens_kv=cukv.t, cu_seqlens_q_padded=None,
+                            cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, rng_state=None,
+                            is_training=False, return_max_logit=flag, cuda_graph=False, workspace=T(wst).t, **sc)
+        outs.append(o)
+    torch.cuda.synchronize()
+    assert not torch.isnan(outs[0]).any()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_max_logit_backend_query():
+    """nvte_get_fused_attn_backend with return_max_logit: the float16/bfloat16 path for BSHD/SBHD and
+    THD; FP8 stays NVTE_No_Backend (no max logit for FP8 attention, as in TE)."""
+    BK = nvte.NVTE_Fused_Attn_Backend
+    args = dict(is_training=True, bias_type=BT.NVTE_NO_BIAS, attn_mask_type=M.NVTE_PADDING_CAUSAL_MASK,
+                softmax_type=ST.NVTE_VANILLA_SOFTMAX, dropout=0.0, num_attn_heads=4, max_seqlen_q=128,
+                max_seqlen_kv=128, head_dim_qk=64, head_dim_v=64, return_max_logit=True)
+    bf16 = dict(q_dtype=nvte.DType.kBFloat16, kv_dtype=nvte.DType.kBFloat16)
+    for layout, hkv in ((L.NVTE_BSHD_BSHD_BSHD, 2), (L.NVTE_SB3HD, 4), (L.NVTE_THD_THD_THD, 2)):
+        got = nvte.get_fused_attn_backend(qkv_layout=layout, num_gqa_groups=hkv, **bf16, **args)
+        assert got == BK.NVTE_F16_arbitrary_seqlen, (layout, nvte.get_last_error())
+    fp8 = dict(q_dtype=nvte.DType.kFloat8E4M3, kv_dtype=nvte.DType.kFloat8E4M3)
+    args.update(head_dim_qk=128, head_dim_v=128)
+    got = nvte.get_fused_attn_backend(qkv_layout=L.NVTE_BSHD_BSHD_BSHD, num_gqa_groups=2, **fp8, **args)
+    assert got == BK.NVTE_No_Backend
+    assert "max logit" in nvte.get_last_error()

@@ -6,7 +6,7 @@ import torch
 
 from transformer_engine import _nvte as nvte
 
-from attn_gpu_util import BT, DTYPES, L, M, ST, Case, handle, nv_dtype, scalars
+from attn_gpu_util import BT, DTYPES, L, M, ST, Case, check_logit_aux, handle, nv_dtype, scalars
 from gpu_util import T
 
 # ------------------------------------------------------------------ THD (packed sequences)
@@ -91,24 +91,25 @@ def thd_scalars(c):
     return sc
 
 
-def run_thd(c, dev, q, k, v, do, rng_state, backward=True, training=True):
-    """Forward (+ backward) on one backend: O, statistics, dQ, dK, dV as float64 [t, h, d] (CPU)."""
+def run_thd(c, dev, q, k, v, do, rng_state, backward=True, training=True, max_logit=False):
+    """Forward (+ backward) on one backend: O, statistics, dQ, dK, dV as float64 [t, h, d] (CPU).
+    max_logit: return_max_logit, with the aux pack also in inference ("described", "aux")."""
     nd = nv_dtype(c)
     (tq, tk, tv), keep = thd_layout(c, (q, k, v), dev)
     side, cu_keep = thd_cu(c, dev)
     H = [handle(x, nd) for x in (tq, tk, tv)]
     sc = thd_scalars(c)
-    ws_f = nvte.fused_attn_fwd_workspace_size(*H, None, c.sq, c.skv, training, False, c.dropout, sc["qkv_layout"],
+    ws_f = nvte.fused_attn_fwd_workspace_size(*H, None, c.sq, c.skv, training, max_logit, c.dropout, sc["qkv_layout"],
                                                sc["bias_type"], sc["attn_mask_type"], sc["softmax_type"])
     wsf = torch.empty(max(ws_f, 1), dtype=torch.uint8, device=dev)
     o = torch.full((c.tq, c.hq, c.dv), float("nan"), dtype=DTYPES[c.dtype], device=dev)
     ot = handle(o, nd)
     rng = T(rng_state.to(dev)).t
     kw = dict(**side, Bias=None, SoftmaxOffset=None, S=None, page_table_k=None, page_table_v=None, rng_state=rng,
-              is_training=training, return_max_logit=False, cuda_graph=False, workspace=T(wsf).t, **sc)
+              is_training=training, return_max_logit=max_logit, cuda_graph=False, workspace=T(wsf).t, **sc)
     res = {}
     aux = None
-    if training:
+    if training or max_logit:
         described = nvte.fused_attn_fwd(*H, O=ot, aux=[], **kw)
         f32 = nvte.DType.kFloat32
         aux_bufs = [torch.full(shape, float("nan"), dtype=torch.float32, device=dev) if dt == f32 else
@@ -118,8 +119,10 @@ def run_thd(c, dev, q, k, v, do, rng_state, backward=True, training=True):
     else:
         nvte.fused_attn_fwd(*H, O=ot, aux=None, **kw)
     res["o"] = o.double().cpu()
-    if training:
+    if aux is not None:
         res["stats"] = aux_bufs[0].cpu()
+        res["described"] = [(list(shape), dt) for shape, dt in described]
+        res["aux"] = [a.clone().cpu() for a in aux_bufs]
     if backward:
         dO = do.to(DTYPES[c.dtype]).to(dev).contiguous()
         nan = lambda x: torch.full_like(x, float("nan"))
@@ -178,11 +181,11 @@ def thd_used(offs, lens, t):
     return used
 
 
-def check_thd(c, backward=True, training=True):
+def check_thd(c, backward=True, training=True, max_logit=False):
     q, k, v, do = thd_inputs(c)
     rng_state = torch.tensor([123, 0], dtype=torch.int64)
-    got = run_thd(c, "cuda", q, k, v, do, rng_state, backward, training)
-    cpu = run_thd(c, "cpu", q, k, v, do, rng_state, backward, training)
+    got = run_thd(c, "cuda", q, k, v, do, rng_state, backward, training, max_logit)
+    cpu = run_thd(c, "cpu", q, k, v, do, rng_state, backward, training, max_logit)
     ref = thd_reference(c, q, k, v, do)
     naive = thd_reference(c, q, k, v, do, DTYPES[c.dtype], "cuda")
     used = {"q": thd_used(c.off_q, c.lens_q, c.tq), "kv": thd_used(c.off_kv, c.lens_kv, c.tkv)}
@@ -214,6 +217,9 @@ def check_thd(c, backward=True, training=True):
         elif fin.any() and (gs[fin] - cs[fin]).abs().max().item() > 1e-3:
             bad.append(f"statistics differ from the CPU's by {(gs[fin] - cs[fin]).abs().max().item():.3g}")
     assert not bad, bad
+    if max_logit:
+        plain = run_thd(c, "cuda", q, k, v, do, rng_state, False, training) if training else None
+        check_logit_aux(got, cpu, plain)
 
 
 THD_LAYOUTS = ["NVTE_THD_THD_THD", "NVTE_T3HD", "NVTE_TH3D", "NVTE_THD_T2HD", "NVTE_THD_TH2D"]
@@ -328,3 +334,38 @@ def test_thd_mixed_layouts_and_bias_are_not_supported():
     args["bias_type"] = BT.NVTE_POST_SCALE_BIAS
     assert nvte.get_fused_attn_backend(qkv_layout=L.NVTE_THD_THD_THD, **args) == BK.NVTE_No_Backend
     assert "THD" in nvte.get_last_error() and "bias" in nvte.get_last_error()
+
+
+# ------------------------------------------------------------------ return_max_logit (THD)
+#
+# cuDNN's Max and Sum_exp go through the graph-sized scratch like the statistics; the caller's
+# max logit and statistics must match the CPU's (-inf past each sequence's length and for rows
+# that see no key), and the backward from that pack must pass the bound (check_logit_aux).
+
+
+@pytest.mark.parametrize("mask", ["padding", "padding_causal"])
+@pytest.mark.parametrize("layout", ["NVTE_THD_THD_THD", "NVTE_T3HD", "NVTE_THD_TH2D"])
+def test_thd_max_logit(layout, mask):
+    packed = layout == "NVTE_T3HD"
+    check_thd(ThdCase(layout=layout, mask=mask, lens_q=[37, 1, 64, 20], lens_kv=None if packed else [50, 1, 64, 9],
+                      gaps_q=[0, 3, 0, 5], gaps_kv=None if packed else [2, 0, 4, 1], tail_q=4,
+                      tail_kv=4 if packed else 6), max_logit=True)
+
+
+@pytest.mark.parametrize("mask", ["padding_causal_bottom_right", "padding"])
+def test_thd_max_logit_rows_without_keys(mask):
+    """An empty K/V sequence, and (bottom-right) queries before the first visible key: -inf."""
+    check_thd(ThdCase(mask=mask, hq=8, hkv=2, lens_q=[12, 5, 0, 9, 30], lens_kv=[16, 0, 7, 9, 11],
+                      gaps_q=[0, 1, 1, 0, 2], tail_q=2), max_logit=True)
+
+
+def test_thd_max_logit_many_runs():
+    """Several graph runs per call: each run's scratch lands at its sequences in the caller's pack."""
+    lens = [3, 1, 7, 2, 5, 1, 4, 6, 2, 8, 1]
+    check_thd(ThdCase(mask="padding_causal", lens_q=lens, gaps_q=[i % 3 for i in range(len(lens))], tail_q=5,
+                      max_sq=64, max_skv=64), max_logit=True)
+
+
+def test_thd_max_logit_inference():
+    check_thd(ThdCase(mask="padding_causal", gaps_q=[0, 3, 0, 5], tail_q=4), backward=False, training=False,
+              max_logit=True)

@@ -8,7 +8,8 @@
 // layout, packed or not, is a stride pattern over the caller's own pointers (no copies).
 // cuDNN is opened at run time (dlopen, frontend dynamic loading): the copy already in the
 // process (PyTorch's) first, then NVTE_CUDNN_PATH, then the loader path. The frontend headers
-// are heavy to compile, so everything that includes them lives in this one file.
+// are heavy to compile, so only this file and fused_attn_cudnn_fp8.cpp include them
+// (fused_attn_cudnn_internal.h).
 //
 // Supported here: BF16/FP16, BSHD/SBHD (all packed forms) and pure THD (below), no_mask / causal /
 // causal_bottom_right / padding / padding_causal(_bottom_right) (padding from cu_seqlens),
@@ -34,14 +35,14 @@
 // business: their O / dQ rows are zeroed after each run and the backward gives cuDNN +inf
 // statistics there. Offsets are int32: a tensor of 2^31 elements or more is NOT_SUPPORTED.
 //
-// FP8 (fused_attn.h "FP8 attention", graphs in fused_attn_cudnn_fp8.cpp): E4M3 Q/K/V, BSHD/SBHD
-// (packed too), no_mask / causal / padding / padding_causal (bottom-right where cuDNN allows:
-// Blackwell), GQA/MQA, no bias, no dropout, no window, vanilla softmax; head dims, sequence
-// lengths, float16/bfloat16 O or gradients (Blackwell only) are cuDNN's call (its reason is
-// reported; on Hopper the backward takes head_dim 128 only). The scales live on the device:
-// before a graph runs, a tiny kernel writes 1/scale_S, 1/scale_dP (and 1 for float16/bfloat16
-// outputs) into the workspace; after it, amax values are max-folded into the tensors' amax
-// buffers and every FP8 output's scale_inv is written as 1/scale, as the CPU reference does.
+// return_max_logit (float16/bfloat16, BSHD/SBHD and THD): the forward graph outputs cuDNN's Max
+// (row maximum of the softmax input, i.e. of the scaled logits with bias, ALiBi and masks
+// applied, in natural units, before dropout: the CPU backend's max logit) and Sum_exp (row sum
+// of exp(logit - Max)) in place of Stats, since cuDNN before 9.21 gives one or the other; a small
+// kernel then writes the statistics Max + log(Sum_exp) and the max logit, both -inf for padded
+// rows and rows that see no key, as the CPU backend does.
+//
+// FP8 (fused_attn.h "FP8 attention"): graphs and calls in fused_attn_cudnn_fp8.cpp.
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -64,9 +65,7 @@ namespace cudnn_frontend {
 void *cudnn_dlhandle = nullptr;
 }
 
-namespace nvte::cuda {
-using namespace cudnn_attn;
-
+namespace nvte::cuda::cudnn_attn {
 namespace {
 
 // ------------------------------------------------------------------ loading cuDNN
@@ -144,7 +143,8 @@ Key key_of(const AttnParams &p, bool bwd, bool has_dbias, const Fp8Types *fp8) {
   add({(int64_t)p.dtype, (int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.h_kv, (int64_t)p.d_qk, (int64_t)p.d_v,
        (int64_t)p.max_sq, (int64_t)p.max_skv, (int64_t)p.bias_type, (int64_t)p.padding, (int64_t)p.rule.causal,
        (int64_t)p.rule.bottom_right, p.rule.window_left, p.rule.window_right, (int64_t)(p.dropout > 0.0f),
-       (int64_t)p.is_training, (int64_t)p.bias_b, (int64_t)p.bias_h, (int64_t)has_dbias});
+       (int64_t)p.is_training, (int64_t)p.return_max_logit, (int64_t)p.bias_b, (int64_t)p.bias_h,
+       (int64_t)has_dbias});
   for (const auto &t : p.qkv.t) add({(int64_t)t.format, (int64_t)t.row_stride, (int64_t)t.head_stride});
   add({(int64_t)p.out.format, (int64_t)p.out.row_stride, (int64_t)p.out.head_stride});
   int32_t sb;  // the scale and dropout probability are baked into the graph
@@ -223,15 +223,21 @@ std::string build_fwd(const AttnParams &p, cudnnHandle_t h, Built &b) {
   set_ragged(k, r.off[1]);
   set_ragged(v, r.off[2]);
   fe::graph::SDPA_attributes a;
-  a.set_name("nvte_sdpa_fwd").set_generate_stats(p.is_training);
+  // return_max_logit: cuDNN before 9.21 gives either Stats or Max and Sum_exp (not both), so such a
+  // graph outputs Max and Sum_exp and the statistics are computed from them (logit_stats).
+  a.set_name("nvte_sdpa_fwd").set_generate_stats(p.is_training && !p.return_max_logit);
   common_options(g, p, a, false);
+  if (p.return_max_logit) {
+    a.set_logit_max(row_tensor(g, "max", kUMax, p));
+    a.set_score_sum_exp(row_tensor(g, "sum_exp", kUSumExp, p));
+  }
   auto [o, stats] = g.sdpa(q, k, v, a);
   o->set_output(true)
       .set_uid(kUO)
       .set_dim({(int64_t)p.batch, (int64_t)p.h_q, (int64_t)p.max_sq, (int64_t)p.d_v})
       .set_stride(strides_of(p.out, p.batch, p.max_sq));
   set_ragged(o, r.off[3]);
-  if (p.is_training) {
+  if (p.is_training && !p.return_max_logit) {
     stats->set_output(true)
         .set_uid(kUStats)
         .set_data_type(fe::DataType_t::FLOAT)
@@ -269,10 +275,12 @@ std::string build_bwd(const AttnParams &p, bool has_dbias, cudnnHandle_t h, Buil
 std::mutex g_cache_mutex;
 std::map<Key, std::shared_ptr<Built>> g_cache;
 
-// The built graph of p (building it on first use). Throws NOT_SUPPORTED when cuDNN rejects it.
-// fp8: the FP8 element types (FP8 calls only).
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+}  // namespace
+
 std::shared_ptr<Built> graph_for(const AttnParams &call, bool bwd, bool has_dbias, cudaStream_t stream,
-                                 const Fp8Types *fp8 = nullptr) {
+                                 const Fp8Types *fp8) {
   const std::string why = unsupported_reason(call);
   NVTE_CHECK_SUPPORTED(why.empty(), why);
   NVTE_CHECK(is_fp8(call.dtype) == (fp8 != nullptr), "internal: FP8 attention graph requested without its types");
@@ -298,37 +306,29 @@ std::shared_ptr<Built> graph_for(const AttnParams &call, bool bwd, bool has_dbia
 
 // Workspace: cuDNN's, then (padding masks, THD) two int32 [b] sequence-length arrays, then (THD)
 // the ragged offsets of Q, K, V, O (int32 [b + 1] each), the run's (seed, offset) and the
-// statistics scratch [b, h_q, max_sq] (b: the graph's batch), then (FP8) a block of float32
-// scalars (descales the graph reads, amax values it writes).
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+// statistics scratch [b, h_q, max_sq] (b: the graph's batch; with return_max_logit two of them,
+// cuDNN's Sum_exp and Max), then (FP8) a block of float32 scalars (descales the graph reads, amax
+// values it writes).
 size_t seqlen_bytes(const AttnParams &p) {
   const AttnParams g = graph_params(p);
   return g.padding ? 2 * align256(g.batch * 4) : 0;
 }
+namespace {
 size_t ragged_bytes(const AttnParams &p) {
   if (!thd(p)) return 0;
   const AttnParams g = graph_params(p);
-  return 4 * align256((g.batch + 1) * 4) + 256 + (g.is_training ? align256(g.batch * g.h_q * g.max_sq * 4) : 0);
+  const size_t scratches = g.return_max_logit ? 2 : (g.is_training ? 1 : 0);
+  return 4 * align256((g.batch + 1) * 4) + 256 + scratches * align256(g.batch * g.h_q * g.max_sq * 4);
 }
-size_t cudnn_bytes(const Built &b) { return align256((size_t)b.workspace); }
 constexpr size_t kFp8ScalarBytes = 256;
 size_t fp8_scalar_bytes(const AttnParams &p) { return is_fp8(p.dtype) ? kFp8ScalarBytes : 0; }
+}  // namespace
+size_t cudnn_bytes(const Built &b) { return align256((size_t)b.workspace); }
 size_t total_bytes(const AttnParams &p, const Built &b) {
   return cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + fp8_scalar_bytes(p);
 }
-
-void *data(const Tensor *t) { return t ? t->params[kNVTERowwiseData].data_ptr : nullptr; }
-
-size_t bytes_of(const Tensor &t) {
-  const NVTEBasicTensor &b = t.params[kNVTERowwiseData];
-  return numel(b.shape) * dtype_size(b.dtype);
-}
-
-// Bytes from a Q/K/V-like tensor's pointer to the end of its last element (packed tensors
-// interleave: their footprint is wider than their element count).
-size_t extent_bytes(const attn::TensorPlacement &t, size_t rows, size_t heads, size_t d, NVTEDType dt) {
-  if (rows == 0 || heads == 0 || d == 0) return 0;
-  return ((rows - 1) * t.row_stride + (heads - 1) * t.head_stride + d) * dtype_size(dt);
+float *fp8_scalars(const AttnParams &p, const Built &b, char *ws) {
+  return reinterpret_cast<float *>(ws + cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p));
 }
 
 char *workspace_ptr(Tensor *ws, size_t need) {
@@ -340,9 +340,8 @@ char *workspace_ptr(Tensor *ws, size_t need) {
   return static_cast<char *>(data(ws));
 }
 
-// Binds the padding lengths: seq_q / seq_kv computed from cu_seqlens into the workspace.
-void bind_seqlens(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv, char *extra,
-                  std::unordered_map<int64_t, void *> &pack, cudaStream_t stream) {
+void bind_seqlens(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv, char *extra, VariantPack &pack,
+                  cudaStream_t stream) {
   if (!p.padding) return;
   NVTE_CHECK(cu_q != nullptr && cu_kv != nullptr, "padding masks need cu_seqlens_q and cu_seqlens_kv");
   int32_t *sq = reinterpret_cast<int32_t *>(extra);
@@ -353,11 +352,13 @@ void bind_seqlens(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv, 
   pack[kUSeqKV] = skv;
 }
 
-void run(const Built &b, std::unordered_map<int64_t, void *> &pack, void *ws, cudaStream_t stream) {
+void execute(const Built &b, VariantPack &pack, void *ws, cudaStream_t stream) {
   cudnnHandle_t h = handle_for(stream);
   auto e = b.graph->execute(h, pack, ws);
   NVTE_CHECK(e.is_good(), "cuDNN attention execution failed: ", e.get_message(), " (", cudnn_description(), ")");
 }
+
+namespace {
 
 // THD: runs the graph over sequences [0, n), [n, 2n), ... of the call (n: the graph's batch). The
 // lengths, ragged offsets, dropout seed and statistics of each run go through the workspace
@@ -367,11 +368,12 @@ void run(const Built &b, std::unordered_map<int64_t, void *> &pack, void *ws, cu
 struct ThdInputs {
   const Tensor *cu_q, *cu_kv, *pad_q, *pad_kv, *rng;
   float *stats;                     // the caller's [batch, h_q, max_sq] statistics, or null (inference)
+  float *max_logit = nullptr;       // forward with return_max_logit: the caller's max logit
   void *o = nullptr;                // forward: O
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;  // backward: the gradients
 };
 
-void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, std::unordered_map<int64_t, void *> &pack,
+void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, VariantPack &pack,
              char *ws, cudaStream_t stream) {
   NVTE_CHECK(in.cu_q != nullptr && in.cu_kv != nullptr, "THD needs cu_seqlens_q and cu_seqlens_kv");
   RaggedRun r;
@@ -384,6 +386,8 @@ void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, std::unor
   for (int i = 0; i < 4; ++i, x += align256((r.n + 1) * 4)) r.off[i] = reinterpret_cast<int32_t *>(x);
   if (in.rng) r.rng = reinterpret_cast<int64_t *>(x);
   float *scratch = in.stats ? reinterpret_cast<float *>(x + 256) : nullptr;
+  // return_max_logit: scratch takes cuDNN's Sum_exp, max_scratch its Max.
+  float *max_scratch = in.max_logit ? scratch + align256(r.n * p.h_q * r.graph_max_q * 4) / 4 : nullptr;
 
   RaggedSource s;
   const auto i32 = [](const Tensor *t) { return t ? static_cast<const int32_t *>(data(t)) : nullptr; };
@@ -409,14 +413,20 @@ void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, std::unor
     pack[kUSeed] = r.rng;
     pack[kUOffset] = r.rng + 1;
   }
-  if (scratch) pack[kUStats] = scratch;
+  if (max_scratch) {
+    pack[kUSumExp] = scratch;
+    pack[kUMax] = max_scratch;
+  } else if (scratch) {
+    pack[kUStats] = scratch;
+  }
   const bool fwd = in.o != nullptr;
   for (r.start = 0; r.start < p.batch; r.start += r.n) {
     ragged_run(s, r, stream);
     if (scratch && !fwd) ragged_stats(in.stats, scratch, s, r, p.h_q, false, stream);
-    run(b, pack, ws, stream);
+    execute(b, pack, ws, stream);
     if (fwd) {
-      if (scratch) ragged_stats(in.stats, scratch, s, r, p.h_q, true, stream);
+      if (max_scratch) ragged_logit_stats(in.stats, in.max_logit, max_scratch, scratch, s, r, p.h_q, stream);
+      else if (scratch) ragged_stats(in.stats, scratch, s, r, p.h_q, true, stream);
       ragged_zero_rows(in.o, s, r, 3, false, p.h_q, p.out.head_stride, p.d_v, stream);
     } else {
       ragged_zero_rows(in.dq, s, r, 0, false, p.h_q, pl[0]->head_stride, p.d_qk, stream);
@@ -431,8 +441,16 @@ void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, std::unor
 void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
   auto b = graph_for(p, false, false, stream);
   char *ws = workspace_ptr(workspace, total_bytes(p, *b));
-  std::unordered_map<int64_t, void *> pack{{kUQ, data(t.q)}, {kUK, data(t.k)}, {kUV, data(t.v)}, {kUO, data(t.o)}};
-  if (p.is_training) pack[kUStats] = data(t.stats);
+  VariantPack pack{{kUQ, data(t.q)}, {kUK, data(t.k)}, {kUV, data(t.v)}, {kUO, data(t.o)}};
+  float *stats = static_cast<float *>(data(t.stats)), *max_logit = static_cast<float *>(data(t.max_logit));
+  if (p.return_max_logit) {
+    // Sum_exp goes into the statistics' buffer; logit_stats turns it into the statistics.
+    NVTE_CHECK(stats != nullptr && max_logit != nullptr, "internal: max logit requested without its aux buffers");
+    pack[kUSumExp] = stats;
+    pack[kUMax] = max_logit;
+  } else if (p.is_training) {
+    pack[kUStats] = stats;
+  }
   if (p.bias_type == NVTE_POST_SCALE_BIAS) pack[kUBias] = data(t.bias);
   if (p.dropout > 0.0f) {
     int64_t *rng = static_cast<int64_t *>(data(t.rng_state));
@@ -443,19 +461,24 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   if (p.padding || thd(p)) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));
   if (thd(p)) {
     ThdInputs in{t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded, p.dropout > 0.0f ? t.rng_state : nullptr,
-                 p.is_training ? static_cast<float *>(data(t.stats)) : nullptr};
+                 p.is_training || p.return_max_logit ? stats : nullptr};
+    in.max_logit = p.return_max_logit ? max_logit : nullptr;
     in.o = data(t.o);
     return run_thd(p, *b, in, pack, ws, stream);
   }
   bind_seqlens(p, t.cu_q, t.cu_kv, ws ? ws + cudnn_bytes(*b) : nullptr, pack, stream);
-  run(*b, pack, ws, stream);
+  execute(*b, pack, ws, stream);
+  if (p.return_max_logit) {
+    const auto seq = [&](int64_t uid) { return p.padding ? static_cast<const int32_t *>(pack.at(uid)) : nullptr; };
+    logit_stats(stats, max_logit, seq(kUSeqQ), seq(kUSeqKV), p.batch, p.h_q, p.max_sq, p.max_skv, p.rule, stream);
+  }
 }
 
 void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {
   const bool db = p.bias_type == NVTE_POST_SCALE_BIAS && t.dbias != nullptr && data(t.dbias) != nullptr;
   auto b = graph_for(p, true, db, stream);
   char *ws = workspace_ptr(workspace, total_bytes(p, *b));
-  std::unordered_map<int64_t, void *> pack{{kUQ, data(t.q)},   {kUK, data(t.k)},   {kUV, data(t.v)},
+  VariantPack pack{{kUQ, data(t.q)},   {kUK, data(t.k)},   {kUV, data(t.v)},
                                            {kUO, data(t.o)},   {kUdO, data(t.d_o)}, {kUStats, data(t.stats)},
                                            {kUdQ, data(t.dq)}, {kUdK, data(t.dk)}, {kUdV, data(t.dv)}};
   if (p.bias_type == NVTE_POST_SCALE_BIAS) pack[kUBias] = data(t.bias);
@@ -482,138 +505,19 @@ void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspa
     return run_thd(p, *b, in, pack, ws, stream);
   }
   bind_seqlens(p, t.cu_q, t.cu_kv, ws ? ws + cudnn_bytes(*b) : nullptr, pack, stream);
-  run(*b, pack, ws, stream);
+  execute(*b, pack, ws, stream);
 }
-
-// ------------------------------------------------------------------ FP8 calls
-
-// A float32 [1] metadata buffer of t (scale, amax, scale_inv), or null.
-float *meta(const Tensor *t, NVTETensorParam k) {
-  return t ? static_cast<float *>(t->params[k].data_ptr) : nullptr;
-}
-
-float *required_meta(const Tensor *t, NVTETensorParam k, const char *what) {
-  float *m = meta(t, k);
-  NVTE_CHECK(m != nullptr, "FP8 attention: ", what, " is missing");
-  return m;
-}
-
-NVTEDType dtype_of(const Tensor *t) { return t->params[kNVTERowwiseData].dtype; }
 
 // The workspace queries see only Q, K, V: they size the graph of TE's HYBRID recipe (E4M3 O,
 // E5M2 dO and gradients). Other output formats build their own graph at the call, whose cuDNN
 // workspace is checked against the one given.
 const Fp8Types kQueryFp8Types{};
 
-// The pointers both FP8 graphs bind: Q, K, V, O and the descales of Q, K, V (their scale_inv),
-// S's descale and scale.
-template <class Tensors>
-std::unordered_map<int64_t, void *> fp8_common_pack(const Tensors &t, float *descale_s, float *scale_s) {
-  return {{kUQ, data(t.q)},
-          {kUK, data(t.k)},
-          {kUV, data(t.v)},
-          {kUO, data(t.o)},
-          {kUDescaleQ, required_meta(t.q, kNVTERowwiseScaleInv, "Q's scale_inv")},
-          {kUDescaleK, required_meta(t.k, kNVTERowwiseScaleInv, "K's scale_inv")},
-          {kUDescaleV, required_meta(t.v, kNVTERowwiseScaleInv, "V's scale_inv")},
-          {kUDescaleS, descale_s},
-          {kUScaleS, scale_s}};
-}
-
-void fp8_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
-  Fp8Types ty;
-  ty.o = dtype_of(t.o);
-  auto b = graph_for(p, false, false, stream, &ty);
-  char *ws = workspace_ptr(workspace, total_bytes(p, *b));
-  float *sc = reinterpret_cast<float *>(ws + cudnn_bytes(*b) + seqlen_bytes(p));
-  float *descale_s = sc, *scale_o = sc + 1, *amax_s = sc + 2, *amax_o = sc + 3;
-  const bool o8 = is_fp8(ty.o);
-  float *scale_s = required_meta(t.s, kNVTEScale, "S's scale");
-  ScalarOps pre;
-  pre.add(descale_s, scale_s, ScalarOp::kRecip);
-  pre.add(scale_o, o8 ? required_meta(t.o, kNVTEScale, "O's scale") : nullptr, ScalarOp::kSet);
-  run_scalar_ops(pre, stream);
-  std::unordered_map<int64_t, void *> pack = fp8_common_pack(t, descale_s, scale_s);
-  pack.insert({{kUScaleO, scale_o}, {kUAmaxS, amax_s}, {kUAmaxO, amax_o}});
-  if (p.is_training) pack[kUStats] = data(t.stats);
-  bind_seqlens(p, t.cu_q, t.cu_kv, ws + cudnn_bytes(*b), pack, stream);
-  if (p.padding) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));  // +0 in FP8 too
-  run(*b, pack, ws, stream);
-  ScalarOps post;
-  // cuDNN quantizes the unnormalized exp(z - row max) (at most 1; O matches that on an H200)
-  // but reports the amax of the normalized probabilities (0.2-0.4 in no-mask tests). A
-  // delayed-scaling recipe fed the latter picks an S scale under which every exponential above
-  // it saturates (a 30% O error in a no-mask module test), so S's amax is that of the tensor
-  // actually quantized: 1 whenever some row had a key (cuDNN's value > 0), as on the CPU.
-  post.add(meta(t.s, kNVTEAmax), amax_s, ScalarOp::kFoldUnit);
-  post.add(meta(t.s, kNVTERowwiseScaleInv), scale_s, ScalarOp::kRecip);
-  post.add(meta(t.o, kNVTEAmax), amax_o, ScalarOp::kFoldMax);
-  if (o8) post.add(meta(t.o, kNVTERowwiseScaleInv), meta(t.o, kNVTEScale), ScalarOp::kRecip);
-  run_scalar_ops(post, stream);
-}
-
-void fp8_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {
-  Fp8Types ty;
-  ty.o = dtype_of(t.o);
-  ty.d_o = dtype_of(t.d_o);
-  ty.grad = dtype_of(t.dq);
-  NVTE_CHECK_SUPPORTED(dtype_of(t.dk) == ty.grad && dtype_of(t.dv) == ty.grad,
-                       "FP8 attention on the GPU writes dQ, dK, dV in one dtype");
-  auto b = graph_for(p, true, false, stream, &ty);
-  char *ws = workspace_ptr(workspace, total_bytes(p, *b));
-  float *sc = reinterpret_cast<float *>(ws + cudnn_bytes(*b) + seqlen_bytes(p));
-  float *descale_s = sc, *descale_dp = sc + 1, *descale_o = sc + 2, *scale_g = sc + 3, *amax_g = sc + 6,
-        *amax_dp = sc + 9;  // scale_g / amax_g: dQ, dK, dV
-  const bool o8 = is_fp8(ty.o), g8 = is_fp8(ty.grad);
-  float *scale_s = required_meta(t.s, kNVTEScale, "S's scale");
-  float *scale_dp = required_meta(t.dp, kNVTEScale, "dP's scale");
-  const Tensor *grads[3] = {t.dq, t.dk, t.dv};
-  const char *gscale[3] = {"dQ's scale", "dK's scale", "dV's scale"};
-  ScalarOps pre;
-  pre.add(descale_s, scale_s, ScalarOp::kRecip);
-  pre.add(descale_dp, scale_dp, ScalarOp::kRecip);
-  pre.add(descale_o, o8 ? required_meta(t.o, kNVTERowwiseScaleInv, "O's scale_inv") : nullptr, ScalarOp::kSet);
-  for (int i = 0; i < 3; ++i)
-    pre.add(scale_g + i, g8 ? required_meta(grads[i], kNVTEScale, gscale[i]) : nullptr, ScalarOp::kSet);
-  run_scalar_ops(pre, stream);
-  std::unordered_map<int64_t, void *> pack = fp8_common_pack(t, descale_s, scale_s);
-  pack.insert({
-      {kUdO, data(t.d_o)},
-      {kUStats, data(t.stats)},
-      {kUdQ, data(t.dq)},
-      {kUdK, data(t.dk)},
-      {kUdV, data(t.dv)},
-      {kUDescaleO, descale_o},
-      {kUDescaledO, required_meta(t.d_o, kNVTERowwiseScaleInv, "dO's scale_inv")},
-      {kUDescaledP, descale_dp},
-      {kUScaledQ, scale_g},
-      {kUScaledK, scale_g + 1},
-      {kUScaledV, scale_g + 2},
-      {kUScaledP, scale_dp},
-      {kUAmaxdQ, amax_g},
-      {kUAmaxdK, amax_g + 1},
-      {kUAmaxdV, amax_g + 2},
-      {kUAmaxdP, amax_dp}});
-  bind_seqlens(p, t.cu_q, t.cu_kv, ws + cudnn_bytes(*b), pack, stream);
-  if (p.padding) {
-    // Gradients of padded positions are zero; packed gradients share one buffer (set whole).
-    const size_t ext[3] = {extent_bytes(p.qkv.t[attn::kQ], p.rows_q, p.h_q, p.d_qk, ty.grad),
-                           extent_bytes(p.qkv.t[attn::kK], p.rows_kv, p.h_kv, p.d_qk, ty.grad),
-                           extent_bytes(p.qkv.t[attn::kV], p.rows_kv, p.h_kv, p.d_v, ty.grad)};
-    for (int i = 0; i < 3; ++i) NVTE_CHECK_CUDA(cudaMemsetAsync(data(grads[i]), 0, ext[i], stream));
-  }
-  run(*b, pack, ws, stream);
-  ScalarOps post;
-  for (int i = 0; i < 3; ++i) {
-    post.add(meta(grads[i], kNVTEAmax), amax_g + i, ScalarOp::kFoldMax);
-    if (g8) post.add(meta(grads[i], kNVTERowwiseScaleInv), meta(grads[i], kNVTEScale), ScalarOp::kRecip);
-  }
-  post.add(meta(t.dp, kNVTEAmax), amax_dp, ScalarOp::kFoldMax);
-  post.add(meta(t.dp, kNVTERowwiseScaleInv), scale_dp, ScalarOp::kRecip);
-  run_scalar_ops(post, stream);
-}
-
 }  // namespace
+}  // namespace nvte::cuda::cudnn_attn
+
+namespace nvte::cuda {
+using namespace cudnn_attn;
 
 bool fused_attn_supported(const AttnParams &p, std::string *why) {
   const std::string r = unsupported_reason(p);
@@ -623,7 +527,14 @@ bool fused_attn_supported(const AttnParams &p, std::string *why) {
 
 size_t fused_attn_fwd_workspace_bytes(const AttnParams &p) {
   const Fp8Types *fp8 = is_fp8(p.dtype) ? &kQueryFp8Types : nullptr;
-  return total_bytes(p, *graph_for(p, false, false, nullptr, fp8));
+  size_t bytes = total_bytes(p, *graph_for(p, false, false, nullptr, fp8));
+  if (p.return_max_logit) {
+    // A call without an aux pack runs the plain graph (fused_attn_fwd): enough for either.
+    AttnParams plain = p;
+    plain.return_max_logit = false;
+    bytes = std::max(bytes, total_bytes(plain, *graph_for(plain, false, false, nullptr, fp8)));
+  }
+  return bytes;
 }
 
 size_t fused_attn_bwd_workspace_bytes(const AttnParams &p) {
@@ -633,7 +544,10 @@ size_t fused_attn_bwd_workspace_bytes(const AttnParams &p) {
   return total_bytes(p, *graph_for(p, true, db, nullptr, fp8));
 }
 
-void fused_attn_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+void fused_attn_fwd(const AttnParams &call, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+  // Without an aux pack there is no max-logit buffer: the plain graph runs (as on the CPU).
+  AttnParams p = call;
+  p.return_max_logit = call.return_max_logit && t.max_logit != nullptr;
   if (is_fp8(p.dtype)) {
     fp8_fwd(p, t, workspace, stream);
   } else {
@@ -643,7 +557,6 @@ void fused_attn_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *
     NVTE_CHECK_CUDA(cudaMemcpyAsync(data(t.aux_rng), data(t.rng_state), 16, cudaMemcpyDeviceToDevice, stream));
   if (t.aux_bias && t.bias)
     NVTE_CHECK_CUDA(cudaMemcpyAsync(data(t.aux_bias), data(t.bias), bytes_of(*t.bias), cudaMemcpyDeviceToDevice, stream));
-  if (t.max_logit) NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "return_max_logit is not supported by the CUDA backend yet");
 }
 
 void fused_attn_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {

@@ -1,22 +1,32 @@
-// cuda/cudnn/fused_attn_cudnn_fp8.cpp - the FP8 graphs of the CUDA attention backend: cuDNN's
-// per-tensor-scaled sdpa_fp8 (forward) and sdpa_fp8_backward, i.e. the dataflow of
+// cuda/cudnn/fused_attn_cudnn_fp8.cpp - the FP8 graphs and calls of the CUDA attention backend:
+// cuDNN's per-tensor-scaled sdpa_fp8 (forward) and sdpa_fp8_backward, i.e. the dataflow of
 // fused_attn.h "FP8 attention" and of its CPU reference (cpu/fused_attn_fp8.cpp):
 //   forward   z = attn_scale * descale_q * descale_k * (Q K^T), stats = lse; the flash kernel
 //             quantizes U = exp(z - running row max) as fp8_E4M3(U * scale_S) and divides
 //             (U~ V) * descale_S * descale_V by the row sum afterwards (measured on an H200: O
 //             agrees with the CPU reference of that dataflow); amax_O = max |O| (before scaling),
 //             stored as O * scale_O. Its amax_S output is the normalized P's (the caller replaces
-//             it by 1, the amax of U: see fused_attn_cudnn.cpp).
+//             it by 1, the amax of U: see fp8_fwd below).
 //   backward  D = rowsum(dO * O) * descale_dO * descale_O; P recomputed from stats,
 //             P~ = fp8_E4M3(P * scale_S); dV = (P~^T dO) * descale_S * descale_dO;
 //             dS = attn_scale * P * ((dO V^T) * descale_dO * descale_V - D); amax_dP = max |dS|;
 //             dS~ = fp8_{dO's format}(dS * scale_dP); dQ = (dS~ K) * descale_dP * descale_K,
 //             dK = (dS~^T Q) * descale_dP * descale_Q; each gradient's amax before its scale.
-// The caller (fused_attn_cudnn.cpp) binds descale_S = 1/scale_S and descale_dP = 1/scale_dP
+// The calls (fp8_fwd / fp8_bwd below) bind descale_S = 1/scale_S and descale_dP = 1/scale_dP
 // (computed on the device), a scale of 1 for float16/bfloat16 outputs, and folds the amax
 // outputs into the tensors' amax buffers afterwards. Every descale/scale is a float32 [1]
 // device tensor, so one built graph serves every scale value.
+//
+// Supported: E4M3 Q/K/V, BSHD/SBHD (packed too), no_mask / causal / padding / padding_causal
+// (bottom-right where cuDNN allows: Blackwell), GQA/MQA, no bias, no dropout, no window, vanilla
+// softmax; head dims, sequence lengths, float16/bfloat16 O or gradients (Blackwell only) are
+// cuDNN's call (its reason is reported; on Hopper the backward takes head_dim 128 only). The scales live on the device:
+// before a graph runs, a tiny kernel writes 1/scale_S, 1/scale_dP (and 1 for float16/bfloat16
+// outputs) into the workspace; after it, amax values are max-folded into the tensors' amax
+// buffers and every FP8 output's scale_inv is written as 1/scale, as the CPU reference does.
+#include "../cuda_check.h"
 #include "fused_attn_cudnn_internal.h"
+#include "fused_attn_seqlens.h"
 
 namespace nvte::cuda::cudnn_attn {
 namespace {
@@ -40,7 +50,6 @@ void set_amax(const TensorPtr &t, int64_t uid) {
   t->set_output(true).set_uid(uid).set_dim({1, 1, 1, 1}).set_stride({1, 1, 1, 1}).set_data_type(kF32);
 }
 
-
 // The float32 [1] scalars both graphs take: the descales of Q, K, V and S, and S's scale.
 struct QkvsScalars {
   TensorPtr descale_q, descale_k, descale_v, descale_s, scale_s;
@@ -50,7 +59,6 @@ QkvsScalars qkvs_scalars(fe::graph::Graph &g) {
           scalar_tensor(g, kUDescaleV, "descale_v", kF32), scalar_tensor(g, kUDescaleS, "descale_s", kF32),
           scalar_tensor(g, kUScaleS, "scale_s", kF32)};
 }
-
 
 }  // namespace
 
@@ -109,6 +117,133 @@ std::string build_fp8_bwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t
   set_amax(amax_dv, kUAmaxdV);
   set_amax(amax_dp, kUAmaxdP);
   return finish(g, h, b);
+}
+
+// ------------------------------------------------------------------ calls
+
+namespace {
+
+// A float32 [1] metadata buffer of t (scale, amax, scale_inv), or null.
+float *meta(const Tensor *t, NVTETensorParam k) {
+  return t ? static_cast<float *>(t->params[k].data_ptr) : nullptr;
+}
+
+float *required_meta(const Tensor *t, NVTETensorParam k, const char *what) {
+  float *m = meta(t, k);
+  NVTE_CHECK(m != nullptr, "FP8 attention: ", what, " is missing");
+  return m;
+}
+
+NVTEDType dtype_of(const Tensor *t) { return t->params[kNVTERowwiseData].dtype; }
+
+// The pointers both FP8 graphs bind: Q, K, V, O and the descales of Q, K, V (their scale_inv),
+// S's descale and scale.
+template <class Tensors>
+VariantPack fp8_common_pack(const Tensors &t, float *descale_s, float *scale_s) {
+  return {{kUQ, data(t.q)},
+          {kUK, data(t.k)},
+          {kUV, data(t.v)},
+          {kUO, data(t.o)},
+          {kUDescaleQ, required_meta(t.q, kNVTERowwiseScaleInv, "Q's scale_inv")},
+          {kUDescaleK, required_meta(t.k, kNVTERowwiseScaleInv, "K's scale_inv")},
+          {kUDescaleV, required_meta(t.v, kNVTERowwiseScaleInv, "V's scale_inv")},
+          {kUDescaleS, descale_s},
+          {kUScaleS, scale_s}};
+}
+
+}  // namespace
+
+void fp8_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+  Fp8Types ty;
+  ty.o = dtype_of(t.o);
+  auto b = graph_for(p, false, false, stream, &ty);
+  char *ws = workspace_ptr(workspace, total_bytes(p, *b));
+  float *sc = fp8_scalars(p, *b, ws);
+  float *descale_s = sc, *scale_o = sc + 1, *amax_s = sc + 2, *amax_o = sc + 3;
+  const bool o8 = is_fp8(ty.o);
+  float *scale_s = required_meta(t.s, kNVTEScale, "S's scale");
+  ScalarOps pre;
+  pre.add(descale_s, scale_s, ScalarOp::kRecip);
+  pre.add(scale_o, o8 ? required_meta(t.o, kNVTEScale, "O's scale") : nullptr, ScalarOp::kSet);
+  run_scalar_ops(pre, stream);
+  VariantPack pack = fp8_common_pack(t, descale_s, scale_s);
+  pack.insert({{kUScaleO, scale_o}, {kUAmaxS, amax_s}, {kUAmaxO, amax_o}});
+  if (p.is_training) pack[kUStats] = data(t.stats);
+  bind_seqlens(p, t.cu_q, t.cu_kv, ws + cudnn_bytes(*b), pack, stream);
+  if (p.padding) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));  // +0 in FP8 too
+  execute(*b, pack, ws, stream);
+  ScalarOps post;
+  // cuDNN quantizes the unnormalized exp(z - row max) (at most 1; O matches that on an H200)
+  // but reports the amax of the normalized probabilities (0.2-0.4 in no-mask tests). A
+  // delayed-scaling recipe fed the latter picks an S scale under which every exponential above
+  // it saturates (a 30% O error in a no-mask module test), so S's amax is that of the tensor
+  // actually quantized: 1 whenever some row had a key (cuDNN's value > 0), as on the CPU.
+  post.add(meta(t.s, kNVTEAmax), amax_s, ScalarOp::kFoldUnit);
+  post.add(meta(t.s, kNVTERowwiseScaleInv), scale_s, ScalarOp::kRecip);
+  post.add(meta(t.o, kNVTEAmax), amax_o, ScalarOp::kFoldMax);
+  if (o8) post.add(meta(t.o, kNVTERowwiseScaleInv), meta(t.o, kNVTEScale), ScalarOp::kRecip);
+  run_scalar_ops(post, stream);
+}
+
+void fp8_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+  Fp8Types ty;
+  ty.o = dtype_of(t.o);
+  ty.d_o = dtype_of(t.d_o);
+  ty.grad = dtype_of(t.dq);
+  NVTE_CHECK_SUPPORTED(dtype_of(t.dk) == ty.grad && dtype_of(t.dv) == ty.grad,
+                       "FP8 attention on the GPU writes dQ, dK, dV in one dtype");
+  auto b = graph_for(p, true, false, stream, &ty);
+  char *ws = workspace_ptr(workspace, total_bytes(p, *b));
+  float *sc = fp8_scalars(p, *b, ws);
+  float *descale_s = sc, *descale_dp = sc + 1, *descale_o = sc + 2, *scale_g = sc + 3, *amax_g = sc + 6,
+        *amax_dp = sc + 9;  // scale_g / amax_g: dQ, dK, dV
+  const bool o8 = is_fp8(ty.o), g8 = is_fp8(ty.grad);
+  float *scale_s = required_meta(t.s, kNVTEScale, "S's scale");
+  float *scale_dp = required_meta(t.dp, kNVTEScale, "dP's scale");
+  const Tensor *grads[3] = {t.dq, t.dk, t.dv};
+  const char *gscale[3] = {"dQ's scale", "dK's scale", "dV's scale"};
+  ScalarOps pre;
+  pre.add(descale_s, scale_s, ScalarOp::kRecip);
+  pre.add(descale_dp, scale_dp, ScalarOp::kRecip);
+  pre.add(descale_o, o8 ? required_meta(t.o, kNVTERowwiseScaleInv, "O's scale_inv") : nullptr, ScalarOp::kSet);
+  for (int i = 0; i < 3; ++i)
+    pre.add(scale_g + i, g8 ? required_meta(grads[i], kNVTEScale, gscale[i]) : nullptr, ScalarOp::kSet);
+  run_scalar_ops(pre, stream);
+  VariantPack pack = fp8_common_pack(t, descale_s, scale_s);
+  pack.insert({
+      {kUdO, data(t.d_o)},
+      {kUStats, data(t.stats)},
+      {kUdQ, data(t.dq)},
+      {kUdK, data(t.dk)},
+      {kUdV, data(t.dv)},
+      {kUDescaleO, descale_o},
+      {kUDescaledO, required_meta(t.d_o, kNVTERowwiseScaleInv, "dO's scale_inv")},
+      {kUDescaledP, descale_dp},
+      {kUScaledQ, scale_g},
+      {kUScaledK, scale_g + 1},
+      {kUScaledV, scale_g + 2},
+      {kUScaledP, scale_dp},
+      {kUAmaxdQ, amax_g},
+      {kUAmaxdK, amax_g + 1},
+      {kUAmaxdV, amax_g + 2},
+      {kUAmaxdP, amax_dp}});
+  bind_seqlens(p, t.cu_q, t.cu_kv, ws + cudnn_bytes(*b), pack, stream);
+  if (p.padding) {
+    // Gradients of padded positions are zero; packed gradients share one buffer (set whole).
+    const size_t ext[3] = {extent_bytes(p.qkv.t[attn::kQ], p.rows_q, p.h_q, p.d_qk, ty.grad),
+                           extent_bytes(p.qkv.t[attn::kK], p.rows_kv, p.h_kv, p.d_qk, ty.grad),
+                           extent_bytes(p.qkv.t[attn::kV], p.rows_kv, p.h_kv, p.d_v, ty.grad)};
+    for (int i = 0; i < 3; ++i) NVTE_CHECK_CUDA(cudaMemsetAsync(data(grads[i]), 0, ext[i], stream));
+  }
+  execute(*b, pack, ws, stream);
+  ScalarOps post;
+  for (int i = 0; i < 3; ++i) {
+    post.add(meta(grads[i], kNVTEAmax), amax_g + i, ScalarOp::kFoldMax);
+    if (g8) post.add(meta(grads[i], kNVTERowwiseScaleInv), meta(grads[i], kNVTEScale), ScalarOp::kRecip);
+  }
+  post.add(meta(t.dp, kNVTEAmax), amax_dp, ScalarOp::kFoldMax);
+  post.add(meta(t.dp, kNVTERowwiseScaleInv), scale_dp, ScalarOp::kRecip);
+  run_scalar_ops(post, stream);
 }
 
 }  // namespace nvte::cuda::cudnn_attn

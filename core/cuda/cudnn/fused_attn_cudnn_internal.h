@@ -1,7 +1,7 @@
 // cuda/cudnn/fused_attn_cudnn_internal.h - what the two cuDNN attention translation units share:
-// fused_attn_cudnn.cpp (loading, support rules, graph cache, binding and execution, the
-// float16/bfloat16 graphs) and fused_attn_cudnn_fp8.cpp (the FP8 graphs). Internal to
-// core/cuda/cudnn/; includes the cuDNN frontend, so only those two files include it.
+// fused_attn_cudnn.cpp (loading, graph cache, binding and execution, workspace layout, the
+// float16/bfloat16 graphs and calls) and fused_attn_cudnn_fp8.cpp (the FP8 graphs and calls).
+// Internal to core/cuda/cudnn/; includes the cuDNN frontend, so only those two files include it.
 #pragma once
 
 #define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING 1
@@ -13,9 +13,11 @@
 
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "../fused_attn.h"
+#include "fused_attn_cudnn_rules.h"
 
 namespace nvte::cuda::cudnn_attn {
 namespace fe = cudnn_frontend;
@@ -27,7 +29,8 @@ enum Uid : int64_t {
   kUDescaleQ, kUDescaleK, kUDescaleV, kUDescaleO, kUDescaledO, kUDescaleS, kUDescaledP,
   kUScaleS, kUScaleO, kUScaledQ, kUScaledK, kUScaledV, kUScaledP,
   kUAmaxS, kUAmaxO, kUAmaxdQ, kUAmaxdK, kUAmaxdV, kUAmaxdP,
-  kURaggedQ, kURaggedK, kURaggedV, kURaggedO  // THD: ragged offsets of Q/dQ, K/dK, V/dV, O/dO
+  kURaggedQ, kURaggedK, kURaggedV, kURaggedO,  // THD: ragged offsets of Q/dQ, K/dK, V/dV, O/dO
+  kUMax, kUSumExp                               // return_max_logit: cuDNN's row max and sum of exp
 };
 
 // Element types of an FP8 call beyond Q/K/V (always E4M3): O (E4M3/E5M2, or float16/bfloat16),
@@ -125,6 +128,17 @@ inline std::vector<int64_t> stats_stride(const AttnParams &p) {
   return {(int64_t)(p.h_q * p.max_sq), (int64_t)p.max_sq, 1, 1};
 }
 
+// A float32 output shaped like the statistics (cuDNN's Max and Sum_exp, which the SDPA attributes
+// take as tensors the caller declares).
+inline TensorPtr row_tensor(fe::graph::Graph &g, const char *name, int64_t uid, const AttnParams &p) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim(stats_dim(p))
+                      .set_stride(stats_stride(p))
+                      .set_data_type(fe::DataType_t::FLOAT));
+}
+
 // validate, build the operation graph, pick plans (heuristics A), check support, build plans and
 // read the workspace size; "" or the first failure.
 inline std::string finish(fe::graph::Graph &g, cudnnHandle_t h, Built &b) {
@@ -141,5 +155,51 @@ inline std::string finish(fe::graph::Graph &g, cudnnHandle_t h, Built &b) {
 // scales bound by uid (kUDescale*, kUScale*) and float32 [1] amax outputs (kUAmax*).
 std::string build_fp8_fwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t h, Built &b);
 std::string build_fp8_bwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t h, Built &b);
+
+// ------------------------------------------------------------------ calls (fused_attn_cudnn.cpp)
+
+using VariantPack = std::unordered_map<int64_t, void *>;
+
+// The built graph of a call (built on first use, then cached). Throws NOT_SUPPORTED with the
+// reason when the support rules or cuDNN reject it. fp8: the FP8 element types (FP8 calls only).
+std::shared_ptr<Built> graph_for(const AttnParams &call, bool bwd, bool has_dbias, cudaStream_t stream,
+                                 const Fp8Types *fp8 = nullptr);
+
+// Runs a built graph with the pointers of pack on stream.
+void execute(const Built &b, VariantPack &pack, void *ws, cudaStream_t stream);
+
+// Workspace layout (fused_attn_cudnn.cpp): cuDNN's own bytes, then the sequence lengths of padding
+// masks, then what each kind of call adds (THD: ragged offsets and scratch; FP8: scalars).
+size_t cudnn_bytes(const Built &b);
+size_t seqlen_bytes(const AttnParams &p);
+size_t total_bytes(const AttnParams &p, const Built &b);
+// FP8 calls: the float32 scalars in the workspace (descales the graph reads, amax values it writes).
+float *fp8_scalars(const AttnParams &p, const Built &b, char *ws);
+
+// The workspace's data pointer after checking that it holds `need` bytes (null when need is 0).
+char *workspace_ptr(Tensor *ws, size_t need);
+
+// Padding masks: computes seq_q / seq_kv from cu_seqlens into the workspace (`extra`: the bytes
+// after cuDNN's) and binds them; nothing otherwise.
+void bind_seqlens(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv, char *extra, VariantPack &pack,
+                  cudaStream_t stream);
+
+inline void *data(const Tensor *t) { return t ? t->params[kNVTERowwiseData].data_ptr : nullptr; }
+
+inline size_t bytes_of(const Tensor &t) {
+  const NVTEBasicTensor &b = t.params[kNVTERowwiseData];
+  return numel(b.shape) * dtype_size(b.dtype);
+}
+
+// Bytes from a Q/K/V-like tensor's pointer to the end of its last element (packed tensors
+// interleave: their footprint is wider than their element count).
+inline size_t extent_bytes(const attn::TensorPlacement &t, size_t rows, size_t heads, size_t d, NVTEDType dt) {
+  if (rows == 0 || heads == 0 || d == 0) return 0;
+  return ((rows - 1) * t.row_stride + (heads - 1) * t.head_stride + d) * dtype_size(dt);
+}
+
+// The FP8 calls (fused_attn_cudnn_fp8.cpp).
+void fp8_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream);
+void fp8_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream);
 
 }  // namespace nvte::cuda::cudnn_attn

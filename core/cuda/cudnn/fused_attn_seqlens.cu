@@ -87,6 +87,35 @@ __global__ void ragged_stats_kernel(float *caller, float *scratch, RaggedSource 
   }
 }
 
+// The statistics and max logit of one row from cuDNN's max and sum_exp (fused_attn_seqlens.h).
+__device__ void logit_row(bool sees_key, float m, float sum, float *stats, float *max) {
+  const float neg_inf = __int_as_float(0xff800000);
+  *stats = sees_key ? m + logf(sum) : neg_inf;
+  *max = sees_key ? m : neg_inf;
+}
+
+__global__ void logit_stats_kernel(float *stats, float *max, const int32_t *seq_q, const int32_t *seq_kv,
+                                   size_t batch, size_t h, size_t max_q, size_t max_kv, attn::MaskRule rule) {
+  const size_t total = batch * h * max_q;
+  for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
+    const size_t b = x / (h * max_q), row = x % max_q;
+    const int64_t lq = seq_q ? seq_q[b] : (int64_t)max_q, lkv = seq_kv ? seq_kv[b] : (int64_t)max_kv;
+    const attn::KeyRange k = attn::visible_keys(rule, (int64_t)row, lq, lkv);  // empty past lq
+    logit_row(k.lo <= k.hi, max[x], stats[x], &stats[x], &max[x]);
+  }
+}
+
+__global__ void ragged_logit_stats_kernel(float *stats, float *max, const float *max_scratch,
+                                          const float *sum_scratch, RaggedSource s, RaggedRun r, size_t h) {
+  const size_t sg = r.graph_max_q, total = r.n * h * sg;
+  for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
+    const size_t i = x / (h * sg), row = x % sg;
+    if (r.start + i >= s.batch || row >= s.max_q) continue;
+    const size_t c = ((r.start + i) * h + x / sg % h) * s.max_q + row;  // the caller's element
+    logit_row(query_row_kind(s, r, i, row) == 1, max_scratch[x], sum_scratch[x], &stats[c], &max[c]);
+  }
+}
+
 __global__ void ragged_zero_rows_kernel(uint16_t *base, RaggedSource s, RaggedRun r, int role, bool key_side,
                                         size_t heads, size_t head_stride, size_t d) {
   const size_t rows = key_side ? s.max_kv : s.max_q, total = r.n * rows * heads;
@@ -141,6 +170,24 @@ void ragged_stats(float *caller, float *scratch, const RaggedSource &s, const Ra
   const size_t total = r.n * h * r.graph_max_q;
   if (total == 0) return;
   ragged_stats_kernel<<<grid_for(total, 256), 256, 0, stream>>>(caller, scratch, s, r, h, to_caller);
+  NVTE_CHECK_LAUNCH();
+}
+
+void logit_stats(float *stats, float *max, const int32_t *seq_q, const int32_t *seq_kv, size_t batch, size_t h,
+                 size_t max_q, size_t max_kv, const attn::MaskRule &rule, cudaStream_t stream) {
+  const size_t total = batch * h * max_q;
+  if (total == 0) return;
+  logit_stats_kernel<<<grid_for(total, 256), 256, 0, stream>>>(stats, max, seq_q, seq_kv, batch, h, max_q, max_kv,
+                                                                rule);
+  NVTE_CHECK_LAUNCH();
+}
+
+void ragged_logit_stats(float *stats, float *max, const float *max_scratch, const float *sum_scratch,
+                        const RaggedSource &s, const RaggedRun &r, size_t h, cudaStream_t stream) {
+  const size_t total = r.n * h * r.graph_max_q;
+  if (total == 0) return;
+  ragged_logit_stats_kernel<<<grid_for(total, 256), 256, 0, stream>>>(stats, max, max_scratch, sum_scratch, s, r,
+                                                                       h);
   NVTE_CHECK_LAUNCH();
 }
 

@@ -1,7 +1,7 @@
 // fused_attn_seqlens.h - small device helpers of the cuDNN attention backend: per-sequence
-// lengths from cu_seqlens for cuDNN's padding masks, THD ragged offsets and statistics, and the
-// float32 scalar bookkeeping of the FP8 graphs (descales computed as 1/scale before a graph runs,
-// amax folding and scale_inv after).
+// lengths from cu_seqlens for cuDNN's padding masks, THD ragged offsets and statistics, the
+// statistics and max logit of return_max_logit, and the float32 scalar bookkeeping of the FP8
+// graphs (descales computed as 1/scale before a graph runs, amax folding and scale_inv after).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -48,6 +48,18 @@ void ragged_run(const RaggedSource &s, const RaggedRun &r, cudaStream_t stream);
 // length and for sequences past the batch.
 void ragged_stats(float *caller, float *scratch, const RaggedSource &s, const RaggedRun &r, size_t h,
                   bool to_caller, cudaStream_t stream);
+
+// return_max_logit (fused_attn_cudnn.cpp): cuDNN gives the row maximum of the logits `max` and
+// sum_exp = sum of exp(logit - max) over the row, from which these write the statistics
+// max + log(sum_exp) and the max logit, each -inf for rows past a sequence's length and rows that
+// see no key (fused_attn.h).
+// BSHD/SBHD, in place: `stats` holds sum_exp on entry, both buffers are [batch, h, max_q]. seq_q /
+// seq_kv: the padding lengths (null: every sequence has max_q / max_kv).
+void logit_stats(float *stats, float *max, const int32_t *seq_q, const int32_t *seq_kv, size_t batch, size_t h,
+                 size_t max_q, size_t max_kv, const attn::MaskRule &rule, cudaStream_t stream);
+// THD: from the graph's [n, h, graph_max_q] scratch of run r into the caller's [batch, h, max_q].
+void ragged_logit_stats(float *stats, float *max, const float *max_scratch, const float *sum_scratch,
+                        const RaggedSource &s, const RaggedRun &r, size_t h, cudaStream_t stream);
 
 // Zeroes rows of one float16/bfloat16 THD tensor of r's sequences that cuDNN leaves undefined:
 // key_side false: query rows that see no key (O, dQ: fused_attn.h says 0; cuDNN gives NaN or
