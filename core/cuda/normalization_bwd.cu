@@ -184,8 +184,15 @@ constexpr size_t bwd_ring_bytes() {
   return (size_t)ST * 2 * NV * TPR * sizeof(uint4);
 }
 
-template <class TI, int TPR, int NV, int ST>
-__global__ void __launch_bounds__(TPR, (bwd_row_blocks_per_sm<TPR, NV>())) norm_bwd_row(const BwdParams p) {
+// KEEP: xhat and dy of pass 1 stay in registers for pass 2 (instead of being recomputed from the
+// ring), KEEPG: gamma (+ 1) too. 72 registers: one 512-thread block per SM instead of two.
+// Used for rows of 2049..4096 elements (one vector per thread of 512), where the kernel was
+// instruction-bound rather than short of parallelism (128 and 256 blocks ran equally fast):
+// 0.79 -> 0.82 of copy bandwidth at 8192 x 4096 on an H100.
+constexpr bool bwd_keeps_terms(size_t h) { return h > 2048 && h <= 4096; }
+
+template <class TI, int TPR, int NV, int ST, bool KEEP = false, bool KEEPG = false>
+__global__ void __launch_bounds__(TPR, (KEEP ? 1 : bwd_row_blocks_per_sm<TPR, NV>())) norm_bwd_row(const BwdParams p) {
   pdl_begin();
   constexpr int W = TPR / 32;
   __shared__ float red[2][W][2];
@@ -200,6 +207,16 @@ __global__ void __launch_bounds__(TPR, (bwd_row_blocks_per_sm<TPR, NV>())) norm_
 #pragma unroll
     for (int j = 0; j < kVec; ++j) pg[i][j] = pb[i][j] = 0.0f;
 
+  float gk[KEEPG ? NV : 1][kVec];  // KEEPG: gamma (+ 1) of this thread's columns, read once
+  if constexpr (KEEPG) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int k = t + i * TPR;
+      if (k < nvec) unpack8<TI>(__ldg(gam + k), gk[i]);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) gk[i][j] = p.zc ? gk[i][j] + 1.0f : gk[i][j];
+    }
+  }
   const size_t r0 = blockIdx.x * p.rows_per_part;
   const size_t r1 = min(p.rows, r0 + p.rows_per_part);
   auto at = [&](int slot, int which, int i) -> uint4 & { return ring[((slot * 2 + which) * NV + i) * TPR + t]; };
@@ -251,16 +268,18 @@ __global__ void __launch_bounds__(TPR, (bwd_row_blocks_per_sm<TPR, NV>())) norm_
     // passes from the stored row (the same operations give the same bits).
     auto terms = [&](int i, int k, float (&xh)[kVec], float (&dz)[kVec], float (&dy)[kVec]) {
       float g[kVec], xf[kVec];
-      unpack8<TI>(__ldg(gam + k), g);
+      if constexpr (!KEEPG) unpack8<TI>(__ldg(gam + k), g);
       unpack8<TI>(ST > 0 ? at(slot, 0, i) : xr[i], xf);
       unpack8<TI>(ST > 0 ? at(slot, 1, i) : dr[i], dz);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         xh[j] = __fmul_rn(__fsub_rn(xf[j], m), rs);
-        dy[j] = __fmul_rn(dz[j], p.zc ? g[j] + 1.0f : g[j]);
+        if constexpr (KEEPG) dy[j] = __fmul_rn(dz[j], gk[i][j]);
+        else dy[j] = __fmul_rn(dz[j], p.zc ? g[j] + 1.0f : g[j]);
       }
     };
     float a = 0.0f, b = 0.0f;  // sums of dy and dy * xhat
+    float kx[KEEP ? NV : 1][kVec], ky[KEEP ? NV : 1][kVec];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int k = t + i * TPR;
@@ -269,6 +288,10 @@ __global__ void __launch_bounds__(TPR, (bwd_row_blocks_per_sm<TPR, NV>())) norm_
         terms(i, k, xh, dz, dy);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
+          if constexpr (KEEP) {
+            kx[i][j] = xh[j];
+            ky[i][j] = dy[j];
+          }
           a += dy[j];
           b = fmaf(dy[j], xh[j], b);
           pg[i][j] = fmaf(dz[j], xh[j], pg[i][j]);
@@ -293,10 +316,16 @@ __global__ void __launch_bounds__(TPR, (bwd_row_blocks_per_sm<TPR, NV>())) norm_
     for (int i = 0; i < NV; ++i) {
       const int k = t + i * TPR;
       if (k < nvec) {
-        float xh[kVec], dz[kVec], dy[kVec], o[kVec];
-        terms(i, k, xh, dz, dy);
+        float o[kVec];
+        if constexpr (KEEP) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) o[j] = dx_value(rs, dy[j], xh[j], mean_dy, mean_dyx);
+          for (int j = 0; j < kVec; ++j) o[j] = dx_value(rs, ky[i][j], kx[i][j], mean_dy, mean_dyx);
+        } else {
+          float xh[kVec], dz[kVec], dy[kVec];
+          terms(i, k, xh, dz, dy);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o[j] = dx_value(rs, dy[j], xh[j], mean_dy, mean_dyx);
+        }
         if (p.add) {
           float ad[kVec];
           unpack8<TI>(static_cast<const uint4 *>(p.add)[row * (size_t)nvec + k], ad);
@@ -419,6 +448,7 @@ Plan bwd_plan(size_t n, size_t h, int sm) {
   size_t per_sm = 1;
   if (h % kVec == 0 && h <= kRowMaxH)
     per_sm = h <= (size_t)kVec * row_threads(h) ? 1024 / row_threads(h) : bwd_row_blocks_per_sm<512, 2>();
+  if (h % kVec == 0 && bwd_keeps_terms(h)) per_sm = 1;
   const size_t want = (size_t)std::max(sm, 1) * per_sm;
   size_t rpp = (n + std::min(n, want) - 1) / std::min(n, want);
   // Whole multiples of 8 rows per part. Measured on an H100 (132 SMs, 8192 rows, one block per
@@ -461,6 +491,13 @@ void launch_bwd_row(const BwdParams &p, cudaStream_t stream) {
 
 template <class TI>
 void launch_bwd_row_for(const BwdParams &p, cudaStream_t stream) {
+  if (bwd_keeps_terms(p.cols)) {
+    constexpr auto k = norm_bwd_row<TI, 512, 1, 4, true, true>;
+    constexpr size_t smem = bwd_ring_bytes<512, 1, 4>();
+    resident_blocks(reinterpret_cast<const void *>(k), 512, smem);
+    launch_pdl(k, (unsigned)p.parts, 512, smem, stream, p);
+    return;
+  }
   switch (row_threads(p.cols)) {
     case 32: return launch_bwd_row<TI, 32>(p, stream);
     case 64: return launch_bwd_row<TI, 64>(p, stream);
