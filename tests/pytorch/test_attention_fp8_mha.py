@@ -52,6 +52,15 @@ def _zero_in_exact_math(name):
     return name.endswith("key_bias")
 
 
+def _assert_same_bits(got, want):
+    """(output, input gradient, {parameter: gradient}) of two runs: bit for bit equal."""
+    (y1, dx1, g1), (y0, dx0, g0) = got, want
+    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    torch.testing.assert_close(dx1, dx0, rtol=0, atol=0)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=0, atol=0)
+
+
 def _check_zero_grad(grads, name, other=None):
     """Rounding noise only: small against the value bias's gradient (5%, as on the CPU), or, where
     the E5M2 dK noise is larger (bf16 on CUDA, 128-token rows: ~12%), at most twice the noise of
@@ -373,11 +382,7 @@ def test_fp8_mha_under_activation_recompute(use_reentrant):
             y.backward(dev(dy.to(DTYPE)))
             res.append((y.detach(), xs.grad, {n: p.grad.clone() for n, p in m.named_parameters()}))
             m.zero_grad(set_to_none=True)
-        (yp, dxp, gp), (yc, dxc, gc) = res
-        torch.testing.assert_close(yc, yp, rtol=0, atol=0)
-        torch.testing.assert_close(dxc, dxp, rtol=0, atol=0)
-        for n in gp:
-            torch.testing.assert_close(gc[n], gp[n], rtol=0, atol=0)
+        _assert_same_bits(res[1], res[0])
         for (n, mp), mc in zip(plain.named_modules(), ck.modules()):
             if getattr(mp, "fp8_meta", None) is not None and mp.fp8_meta.initialized:
                 for key in ("fwd", "bwd"):
@@ -480,11 +485,7 @@ def test_compile_transformer_layer_fp8_mha():
                 y.backward(dy)
                 res.append((y.detach(), xs.grad, {n: p.grad.clone() for n, p in params.named_parameters()}))
                 params.zero_grad(set_to_none=True)
-            (ye, dxe, ge), (yc, dxc, gc) = res
-            torch.testing.assert_close(yc, ye, rtol=0, atol=0)
-            torch.testing.assert_close(dxc, dxe, rtol=0, atol=0)
-            for n in ge:
-                torch.testing.assert_close(gc[n], ge[n], rtol=0, atol=0)
+            _assert_same_bits(res[1], res[0])
             se, sc = _meta_state(eager), _meta_state(src)
             for k in se:
                 torch.testing.assert_close(sc[k], se[k], rtol=0, atol=0)

@@ -284,6 +284,18 @@ def _operand(x, name, device):
     return _tensor(x), x.shape
 
 
+def _gemm_operands(A, B, transa: bool, transb: bool, device):
+    """(a, b, m, n): the operand handles and D's [n, m] for op(B) @ op(A), inner dimensions checked."""
+    a, ashape = _operand(A, "A", device)
+    b, bshape = _operand(B, "B", device)
+    m, ka = (ashape[0], ashape[1]) if transa else (ashape[1], ashape[0])
+    n, kb = (bshape[1], bshape[0]) if transb else (bshape[0], bshape[1])
+    if ka != kb:
+        raise ValueError(f"GEMM inner dimensions differ: op(A) is [{ka}, {m}], op(B) is [{n}, {kb}] "
+                         f"(A {tuple(ashape)}, B {tuple(bshape)}, transa={transa}, transb={transb})")
+    return a, b, m, n
+
+
 def gemm(A, B, out_dtype: torch.dtype, transa: bool, transb: bool, bias: Optional[torch.Tensor] = None,
          gelu: bool = False, grad: bool = False, pre_gelu: Optional[torch.Tensor] = None,
          out: Optional[torch.Tensor] = None, accumulate: bool = False):
@@ -296,13 +308,7 @@ def gemm(A, B, out_dtype: torch.dtype, transa: bool, transb: bool, bias: Optiona
     device = A.device if isinstance(A, FP8Tensor) else getattr(A, "device", None)
     if not isinstance(A, (torch.Tensor, FP8Tensor)):
         raise TypeError(f"A: expected a torch.Tensor or FP8Tensor, got {type(A).__name__}")
-    a, ashape = _operand(A, "A", device)
-    b, bshape = _operand(B, "B", device)
-    m, ka = (ashape[0], ashape[1]) if transa else (ashape[1], ashape[0])
-    n, kb = (bshape[1], bshape[0]) if transb else (bshape[0], bshape[1])
-    if ka != kb:
-        raise ValueError(f"GEMM inner dimensions differ: op(A) is [{ka}, {m}], op(B) is [{n}, {kb}] "
-                         f"(A {tuple(ashape)}, B {tuple(bshape)}, transa={transa}, transb={transb})")
+    a, b, m, n = _gemm_operands(A, B, transa, transb, device)
     if out_dtype not in HIGH_PRECISION:
         raise TypeError(f"GEMM output dtype {out_dtype} is not supported")
     if out is None:
@@ -338,13 +344,7 @@ def gemm_fp8_output(A, B, out: torch.Tensor, out_scale_inv: torch.Tensor, fp8_dt
     [k] and amax history [len, k], slot `slot`). A, B: FP8Tensors (the CUDA backend needs FP8
     operands for an FP8 D)."""
     device = A.device if isinstance(A, FP8Tensor) else getattr(A, "device", None)
-    a, ashape = _operand(A, "A", device)
-    b, bshape = _operand(B, "B", device)
-    m, ka = (ashape[0], ashape[1]) if transa else (ashape[1], ashape[0])
-    n, kb = (bshape[1], bshape[0]) if transb else (bshape[0], bshape[1])
-    if ka != kb:
-        raise ValueError(f"GEMM inner dimensions differ: op(A) is [{ka}, {m}], op(B) is [{n}, {kb}] "
-                         f"(A {tuple(ashape)}, B {tuple(bshape)}, transa={transa}, transb={transb})")
+    a, b, m, n = _gemm_operands(A, B, transa, transb, device)
     if fp8_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dtype must be DType.kFloat8E4M3 or kFloat8E5M2, got {fp8_dtype}")
     _check(out, "out", (torch.uint8,), device)
