@@ -1,33 +1,16 @@
 // cuda/normalization_bwd.cu - LayerNorm / RMSNorm backward (normalization.h) on the GPU: per-row
 // dx from registers, deterministic dgamma/dbeta through per-block partials and a fixed-order
 // reduce. The design (units of TPR threads per row, typed 16-bit paths) is described at the top
-// of normalization_fwd.cu; shared pieces are in norm_common.cuh.
+// of normalization_fwd.cu; shared pieces are in norm_common.cuh and norm_bwd.cuh, the kernel for
+// rows of 2049..4096 elements in normalization_bwd_pipelined.cu.
 #include <algorithm>
 
-#include "norm_common.cuh"
+#include "norm_bwd.cuh"
 #include "normalization.h"
 
 namespace nvte::cuda {
 namespace {
 using namespace norm;
-
-// -------------------------------------------------------------------------- backward
-struct BwdParams {
-  const void *dz, *x, *add, *gamma;
-  const float *mu, *rsigma;  // mu == nullptr: RMSNorm
-  void *dx;
-  float *ws;  // [parts, H] dgamma partials, then (LayerNorm) [parts, H] dbeta partials
-  size_t rows, cols, rows_per_part;  // block c: rows [c * rows_per_part, min(rows, (c + 1) * rows_per_part))
-  size_t parts;
-  NVTEDType dzt, xt, at, gt, dxt;
-  bool zc, ln;
-};
-
-// dx of one element with the CPU's operation order: rs * ((dy - mean_dy) - xhat * mean_dyx).
-__device__ __forceinline__ float dx_value(float rs, float dy, float xh, float mean_dy, float mean_dyx) {
-  return __fmul_rn(rs, __fsub_rn(__fsub_rn(dy, mean_dy), __fmul_rn(xh, mean_dyx)));
-}
-
 
 // Rows in registers (H % 8 == 0, 16-byte aligned rows, H <= 8 * NV * TPR, x and dz of
 // storage type TI). Dynamic shared memory: per unit and output (dgamma, dbeta) [8][NV * TPR]
@@ -176,23 +159,14 @@ constexpr int bwd_row_blocks_per_sm() {  // NV > 1 needs up to 128 registers (pa
   return NV == 1 ? 1024 / TPR : 1;
 }
 
-// ST > 0: x and dz of the block's next ST - 1 rows are in flight in a shared-memory ring (see
-// cp_async16; 128 KiB per SM at ST = 4 and one vector per thread); ST == 0: each row is loaded
-// into registers when it starts.
-template <int TPR, int NV, int ST>
-constexpr size_t bwd_ring_bytes() {
-  return (size_t)ST * 2 * NV * TPR * sizeof(uint4);
-}
-
-// KEEP: xhat and dy of pass 1 stay in registers for pass 2 (instead of being recomputed from the
-// ring), KEEPG: gamma (+ 1) too. 72 registers: one 512-thread block per SM instead of two.
-// Used for rows of 2049..4096 elements (one vector per thread of 512), where the kernel was
-// instruction-bound rather than short of parallelism (128 and 256 blocks ran equally fast):
-// 0.79 -> 0.82 of copy bandwidth at 8192 x 4096 on an H100.
+// Rows of 2049..4096 elements (one vector per thread of 512) take norm_bwd_row_pipelined, one
+// block per SM: it keeps pass 1's terms in registers and overlaps the row reductions (the kernel
+// was instruction- and latency-bound there, not short of parallelism: 128 and 256 blocks ran
+// equally fast). H100, 8192 x 4096: 0.79 (norm_bwd_row) -> 0.82 (terms kept) -> 0.86 (pipelined).
 constexpr bool bwd_keeps_terms(size_t h) { return h > 2048 && h <= 4096; }
 
-template <class TI, int TPR, int NV, int ST, bool KEEP = false, bool KEEPG = false>
-__global__ void __launch_bounds__(TPR, (KEEP ? 1 : bwd_row_blocks_per_sm<TPR, NV>())) norm_bwd_row(const BwdParams p) {
+template <class TI, int TPR, int NV, int ST>
+__global__ void __launch_bounds__(TPR, bwd_row_blocks_per_sm<TPR, NV>()) norm_bwd_row(const BwdParams p) {
   pdl_begin();
   constexpr int W = TPR / 32;
   __shared__ float red[2][W][2];
@@ -207,16 +181,6 @@ __global__ void __launch_bounds__(TPR, (KEEP ? 1 : bwd_row_blocks_per_sm<TPR, NV
 #pragma unroll
     for (int j = 0; j < kVec; ++j) pg[i][j] = pb[i][j] = 0.0f;
 
-  float gk[KEEPG ? NV : 1][kVec];  // KEEPG: gamma (+ 1) of this thread's columns, read once
-  if constexpr (KEEPG) {
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int k = t + i * TPR;
-      if (k < nvec) unpack8<TI>(__ldg(gam + k), gk[i]);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) gk[i][j] = p.zc ? gk[i][j] + 1.0f : gk[i][j];
-    }
-  }
   const size_t r0 = blockIdx.x * p.rows_per_part;
   const size_t r1 = min(p.rows, r0 + p.rows_per_part);
   auto at = [&](int slot, int which, int i) -> uint4 & { return ring[((slot * 2 + which) * NV + i) * TPR + t]; };
@@ -268,18 +232,16 @@ __global__ void __launch_bounds__(TPR, (KEEP ? 1 : bwd_row_blocks_per_sm<TPR, NV
     // passes from the stored row (the same operations give the same bits).
     auto terms = [&](int i, int k, float (&xh)[kVec], float (&dz)[kVec], float (&dy)[kVec]) {
       float g[kVec], xf[kVec];
-      if constexpr (!KEEPG) unpack8<TI>(__ldg(gam + k), g);
+      unpack8<TI>(__ldg(gam + k), g);
       unpack8<TI>(ST > 0 ? at(slot, 0, i) : xr[i], xf);
       unpack8<TI>(ST > 0 ? at(slot, 1, i) : dr[i], dz);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         xh[j] = __fmul_rn(__fsub_rn(xf[j], m), rs);
-        if constexpr (KEEPG) dy[j] = __fmul_rn(dz[j], gk[i][j]);
-        else dy[j] = __fmul_rn(dz[j], p.zc ? g[j] + 1.0f : g[j]);
+        dy[j] = __fmul_rn(dz[j], p.zc ? g[j] + 1.0f : g[j]);
       }
     };
     float a = 0.0f, b = 0.0f;  // sums of dy and dy * xhat
-    float kx[KEEP ? NV : 1][kVec], ky[KEEP ? NV : 1][kVec];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int k = t + i * TPR;
@@ -288,10 +250,6 @@ __global__ void __launch_bounds__(TPR, (KEEP ? 1 : bwd_row_blocks_per_sm<TPR, NV
         terms(i, k, xh, dz, dy);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          if constexpr (KEEP) {
-            kx[i][j] = xh[j];
-            ky[i][j] = dy[j];
-          }
           a += dy[j];
           b = fmaf(dy[j], xh[j], b);
           pg[i][j] = fmaf(dz[j], xh[j], pg[i][j]);
@@ -316,16 +274,10 @@ __global__ void __launch_bounds__(TPR, (KEEP ? 1 : bwd_row_blocks_per_sm<TPR, NV
     for (int i = 0; i < NV; ++i) {
       const int k = t + i * TPR;
       if (k < nvec) {
-        float o[kVec];
-        if constexpr (KEEP) {
+        float o[kVec], xh[kVec], dz[kVec], dy[kVec];
+        terms(i, k, xh, dz, dy);
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) o[j] = dx_value(rs, ky[i][j], kx[i][j], mean_dy, mean_dyx);
-        } else {
-          float xh[kVec], dz[kVec], dy[kVec];
-          terms(i, k, xh, dz, dy);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) o[j] = dx_value(rs, dy[j], xh[j], mean_dy, mean_dyx);
-        }
+        for (int j = 0; j < kVec; ++j) o[j] = dx_value(rs, dy[j], xh[j], mean_dy, mean_dyx);
         if (p.add) {
           float ad[kVec];
           unpack8<TI>(static_cast<const uint4 *>(p.add)[row * (size_t)nvec + k], ad);
@@ -492,10 +444,7 @@ void launch_bwd_row(const BwdParams &p, cudaStream_t stream) {
 template <class TI>
 void launch_bwd_row_for(const BwdParams &p, cudaStream_t stream) {
   if (bwd_keeps_terms(p.cols)) {
-    constexpr auto k = norm_bwd_row<TI, 512, 1, 4, true, true>;
-    constexpr size_t smem = bwd_ring_bytes<512, 1, 4>();
-    resident_blocks(reinterpret_cast<const void *>(k), 512, smem);
-    launch_pdl(k, (unsigned)p.parts, 512, smem, stream, p);
+    launch_bwd_rows_upto_4096(p, stream);
     return;
   }
   switch (row_threads(p.cols)) {

@@ -27,8 +27,9 @@ F32 = 2.0 ** -24
 K = 64
 HP = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ROUND = {"float32": 0.0, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}  # one output ulp, relative
+# (70, 3000): rows of 2049..4096 elements where not every thread of the row block owns a vector
 SHAPES = [(1, 1), (3, 5), (37, 129), (256, 1000), (1023, 4096), (64, 8192), (17, 12288), (4, 6, 40),
-          (33, 4097), (5, 20000)]
+          (33, 4097), (5, 20000), (70, 3000)]
 SMALL = [(1, 1), (3, 5), (37, 129), (256, 1000), (4, 6, 40)]
 
 
@@ -253,20 +254,24 @@ def bwd_inputs(shape, xdt, gdt, zc, seed, ln, misalign=False):
 
 
 def ws_bytes(n, h, sm):
-    """The backward's workspace, restated from its plan: one float32 dgamma and dbeta row per part;
-    parts = resident row blocks (1024 / threads per SM) for rows of H % 8 == 0 up to 4096 elements,
-    one per SM otherwise (normalization_bwd.cu's bwd_plan)."""
+    """The backward's workspace, restated from its plan (normalization_bwd.cu's bwd_plan): one
+    float32 dgamma and dbeta row per part. Parts: as many as resident row blocks (1024 / threads
+    per row, per SM) for rows of H % 8 == 0 up to 8 elements per thread, one per SM for longer rows
+    and for 2049..4096 elements; rows per part above 8 are rounded up to a multiple of 8."""
     if n == 0 or h == 0:
         return 0
     per_sm = 1
-    if h % 8 == 0 and h <= 4096:
+    if h % 8 == 0 and h <= 16384:
         threads = 32
-        while threads < 1024 and threads < h // 8:
+        while threads < 512 and threads < h // 8:
             threads *= 2
-        per_sm = 1024 // threads
-    want = sm * per_sm
-    g = min(n, want)
+        per_sm = 1024 // threads if h <= 8 * threads else 1
+        if 2048 < h <= 4096:
+            per_sm = 1
+    g = min(n, sm * per_sm)
     rpp = -(-n // g)
+    if rpp > 8:
+        rpp = -(-rpp // 8) * 8
     return -(-n // rpp) * h * 8
 
 
@@ -359,6 +364,14 @@ def test_bwd_misaligned_rows_take_the_scalar_path(norm):
 @pytest.mark.parametrize("sm_count", [1, 7])
 def test_bwd_with_multiprocessor_hint(sm_count):
     _bwd_case("layernorm", (300, 1000), "bfloat16", "bfloat16", False, seed=14, sm_count=sm_count)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("shape,sm_count", [((300, 4096), 7), ((301, 2056), 5), ((7, 4096), 0), ((1, 3000), 0)])
+def test_bwd_rows_of_2049_to_4096_per_block(norm, shape, sm_count):
+    """The 2049..4096-element row kernel finishes each row one iteration late (pipelined): blocks
+    of many rows (odd and even counts, a short last block) and of a single row."""
+    _bwd_case(norm, shape, "bfloat16", "bfloat16", False, seed=15, sm_count=sm_count)
 
 
 def test_bwd_no_rows_gives_zero_dgamma_dbeta():
