@@ -3,7 +3,8 @@
 FP8: nvte_cublas_gemm, E4M3 x E4M3 -> bf16, TN (Linear fprop: A = W [N, K], B = X [M, K],
 D = X W^T [M, N]) with scale_inv != 1, against torch._scaled_mm(X, W^T, scale_a, scale_b,
 out_dtype=bf16). BF16: the same GEMM in bf16 against torch.matmul(X, W^T). Random data,
-three input sets rotated, median time of many runs; TFLOP/s = 2 M N K / time.
+three input sets rotated, median time of many runs, ours and torch's timed alternately
+(three rounds each: the ratios are a few percent from 1); TFLOP/s = 2 M N K / time.
 Run alone: python benchmarks/gpu_gemm.py (or through gpu_bench.py).
 """
 import os
@@ -12,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_harness import Report, time_ms  # noqa: E402
+from gpu_harness import Report, time_pair_ms  # noqa: E402
 
 from transformer_engine import _nvte as nvte  # noqa: E402
 
@@ -69,7 +70,7 @@ def run(report, iters=50):
         torch.cuda.synchronize()
         err = (sets[0][4].float() - sets[0][5].float()).abs().max().item()
         scale = sets[0][5].float().abs().max().item()
-        t_ours, t_theirs = time_ms(ours, iters=iters), time_ms(theirs, iters=iters)
+        t_ours, t_theirs = time_pair_ms(ours, theirs, iters=iters)
         report.add("gemm fp8 (torch: _scaled_mm)", f"fp8 e4m3 TN M={M} N={n} K={k} -> bf16",
                    nvte_TFLOPs=_tflops(n, k, t_ours),
                    torch_TFLOPs=_tflops(n, k, t_theirs), ratio_vs_torch=t_theirs / t_ours,
@@ -98,7 +99,7 @@ def run(report, iters=50):
         torch.cuda.synchronize()
         err = (sets[0][2].float() - sets[0][3].float()).abs().max().item()
         scale = sets[0][3].float().abs().max().item()
-        t_ours, t_theirs = time_ms(ours_bf16, iters=iters), time_ms(theirs_bf16, iters=iters)
+        t_ours, t_theirs = time_pair_ms(ours_bf16, theirs_bf16, iters=iters)
         report.add("gemm bf16 (torch: matmul)", f"bf16 TN M={M} N={n} K={k}", nvte_TFLOPs=_tflops(n, k, t_ours),
                    torch_TFLOPs=_tflops(n, k, t_theirs), ratio_vs_torch=t_theirs / t_ours,
                    max_rel_diff=err / max(scale, 1e-30))

@@ -34,6 +34,18 @@ def time_ms(fn, iters=30, warmup=10, inner=8):
     return statistics.median(times)
 
 
+def time_pair_ms(ours, theirs, rounds=3, **kw):
+    """(ours, theirs) median milliseconds, timed alternately `rounds` times each (ours, theirs,
+    ours, ...) and the median of the per-round medians taken: at a few percent apart, the card's
+    clock and power state drifts between two long back-to-back timings, which favours whichever
+    runs in the better state; alternating spreads that over both."""
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(time_ms(ours, **kw))
+        b.append(time_ms(theirs, **kw))
+    return statistics.median(a), statistics.median(b)
+
+
 def host_us(fn, calls=64):
     """Host microseconds per fn() call (Python + binding + library dispatch + launch), measured
     while the GPU sleeps, so that nothing waits for the device."""
