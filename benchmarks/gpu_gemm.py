@@ -36,13 +36,13 @@ def _tflops(n, k, ms):
     return 2.0 * M * n * k / (ms * 1e-3) / 1e12
 
 
-def run(report, iters=50):
+def run(report, iters=50, shapes=SHAPES):
     dev = "cuda"
     ws_buf = torch.empty(nvte.gemm_workspace_size(nvte.Backend.CUDA), dtype=torch.uint8, device=dev)
     ws = _tensor(ws_buf)
     g = torch.Generator(device=dev)
     g.manual_seed(0)
-    for n, k in SHAPES:
+    for n, k in shapes:
         # ------------------------------------------------------------------ FP8
         sets = []
         for _ in range(SETS):
@@ -108,6 +108,8 @@ def run(report, iters=50):
 
 
 if __name__ == "__main__":
+    # python benchmarks/gpu_gemm.py [N K]: all shapes, or the one (N, K) (e.g. under
+    # CUBLASLT_LOG_LEVEL=2, whose trace shows the algorithm each side's cublasLtMatmul ran)
     r = Report()
-    run(r)
+    run(r, shapes=[(int(sys.argv[1]), int(sys.argv[2]))] if len(sys.argv) == 3 else SHAPES)
     print(r.markdown())

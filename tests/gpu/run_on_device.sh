@@ -3,7 +3,7 @@
 # (CUDA vs the CPU oracle), compute-sanitizer memcheck over it, and the GPU benchmarks.
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
 #   tests/gpu/run_on_device.sh [build|prebuilt] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
-#                              [tutorial] [quickstart] [host] [cpu] [pack]   (default: build test bench)
+#                              [tutorial] [quickstart] [host] [cpu] [gemmlog] [pack]   (default: build test bench)
 # prebuilt: use the package staged by tests/gpu/prebuild_for_device.sh on the CPU machine
 # (.prebuilt/transformer_engine, carried: libtransformer_engine.so for sm_90 with static cudart
 # and the _nvte module for Python 3.12) instead of building here (saves the device minutes of
@@ -18,6 +18,8 @@
 # sanitize / pytorch; GPU_TESTS: the test paths for test (default tests/gpu); GPU_TEST_ARGS:
 # extra pytest arguments for test (e.g. -s); SANITIZE_ARGS: extra pytest arguments for sanitize.
 # Each step prints its wall time.
+# gemmlog: benchmarks/gpu_gemm.py on one shape (GEMMLOG_SHAPE, default "4096 16384") under
+# cuBLASLt's trace log ($OUT/cublaslt_trace.log).
 # pack: every file under $OUT into one $OUT/logs.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -86,6 +88,13 @@ if [[ " $steps " == *" bench "* ]]; then
   $PY benchmarks/gpu_bench.py --out "$OUT" ${BENCH_ONLY:+--only $BENCH_ONLY} 2>&1 | tee "$OUT/bench.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   took bench
+fi
+if [[ " $steps " == *" gemmlog "* ]]; then
+  # cuBLASLt's own trace of one GEMM shape (GEMMLOG_SHAPE="N K", M = 8192), ours and torch's calls:
+  # which algorithm (tile, stages, split-K, cluster) each side ran
+  CUBLASLT_LOG_LEVEL=2 CUBLASLT_LOG_FILE="$OUT/cublaslt_trace.log" \
+    $PY benchmarks/gpu_gemm.py ${GEMMLOG_SHAPE:-4096 16384} 2>&1 | tail -12
+  took gemmlog
 fi
 if [[ " $steps " == *" pytorch "* ]]; then
   NVTE_TEST_DEVICE=cuda $PY -m pytest -q ${PYTORCH_TESTS:-tests/pytorch} -p no:cacheprovider -rfs --tb=short 2>&1 \
