@@ -30,6 +30,33 @@ constexpr size_t bwd_ring_bytes() {
   return (size_t)ST * 2 * NV * TPR * sizeof(uint4);
 }
 
+// dx of vector k of `row` (+ the add input's), stored: the typed 16-bit row kernels (x, dz,
+// gamma, dx and add of one dtype TI; nvec = cols / 8 vectors per row).
+template <class TI>
+__device__ __forceinline__ void store_dx_vec(const BwdParams &p, size_t nvec, size_t row, size_t k,
+                                             float (&o)[kVec]) {
+  if (p.add) {
+    float ad[kVec];
+    unpack8<TI>(static_cast<const uint4 *>(p.add)[row * nvec + k], ad);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) o[j] = __fadd_rn(o[j], ad[j]);
+  }
+  store8<TI>(static_cast<TI *>(p.dx) + row * p.cols + k * kVec, o, 1.0f);
+}
+
+// This block's dgamma (and, LayerNorm, dbeta) partials of vector k into its workspace rows.
+__device__ __forceinline__ void write_partials(const BwdParams &p, size_t k, const float (&pg)[kVec],
+                                               const float (&pb)[kVec]) {
+  float4 *g4 = reinterpret_cast<float4 *>(p.ws + blockIdx.x * p.cols + k * kVec);
+  g4[0] = make_float4(pg[0], pg[1], pg[2], pg[3]);
+  g4[1] = make_float4(pg[4], pg[5], pg[6], pg[7]);
+  if (p.ln) {
+    float4 *b4 = reinterpret_cast<float4 *>(p.ws + (p.parts + blockIdx.x) * p.cols + k * kVec);
+    b4[0] = make_float4(pb[0], pb[1], pb[2], pb[3]);
+    b4[1] = make_float4(pb[4], pb[5], pb[6], pb[7]);
+  }
+}
+
 // Rows of 2049..4096 elements (H % 8 == 0, 16-byte aligned, x, dz, gamma, dx and add of one
 // 16-bit dtype): norm_bwd_row_pipelined, one 512-thread block per part (normalization_bwd_pipelined.cu).
 void launch_bwd_rows_upto_4096(const BwdParams &p, cudaStream_t stream);

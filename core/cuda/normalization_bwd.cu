@@ -163,7 +163,7 @@ constexpr int bwd_row_blocks_per_sm() {  // NV > 1 needs up to 128 registers (pa
 // block per SM: it keeps pass 1's terms in registers and overlaps the row reductions (the kernel
 // was instruction- and latency-bound there, not short of parallelism: 128 and 256 blocks ran
 // equally fast). H100, 8192 x 4096: 0.79 (norm_bwd_row) -> 0.82 (terms kept) -> 0.86 (pipelined).
-constexpr bool bwd_keeps_terms(size_t h) { return h > 2048 && h <= 4096; }
+constexpr bool bwd_rows_pipelined(size_t h) { return h > 2048 && h <= 4096; }
 
 template <class TI, int TPR, int NV, int ST>
 __global__ void __launch_bounds__(TPR, bwd_row_blocks_per_sm<TPR, NV>()) norm_bwd_row(const BwdParams p) {
@@ -278,33 +278,16 @@ __global__ void __launch_bounds__(TPR, bwd_row_blocks_per_sm<TPR, NV>()) norm_bw
         terms(i, k, xh, dz, dy);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) o[j] = dx_value(rs, dy[j], xh[j], mean_dy, mean_dyx);
-        if (p.add) {
-          float ad[kVec];
-          unpack8<TI>(static_cast<const uint4 *>(p.add)[row * (size_t)nvec + k], ad);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) o[j] = __fadd_rn(o[j], ad[j]);
-        }
-        store8<TI>(static_cast<TI *>(p.dx) + row * p.cols + (size_t)k * kVec, o, 1.0f);
+        store_dx_vec<TI>(p, (size_t)nvec, row, k, o);
       }
     }
     m = mn;
     rs = rsn;
   }
-  float *dg = p.ws + blockIdx.x * p.cols;
-  float *db = p.ws + (p.parts + blockIdx.x) * p.cols;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int k = t + i * TPR;
-    if (k < nvec) {
-      float4 *g4 = reinterpret_cast<float4 *>(dg + (size_t)k * kVec);
-      g4[0] = make_float4(pg[i][0], pg[i][1], pg[i][2], pg[i][3]);
-      g4[1] = make_float4(pg[i][4], pg[i][5], pg[i][6], pg[i][7]);
-      if (p.ln) {
-        float4 *b4 = reinterpret_cast<float4 *>(db + (size_t)k * kVec);
-        b4[0] = make_float4(pb[i][0], pb[i][1], pb[i][2], pb[i][3]);
-        b4[1] = make_float4(pb[i][4], pb[i][5], pb[i][6], pb[i][7]);
-      }
-    }
+    if (k < nvec) write_partials(p, k, pg[i], pb[i]);
   }
 }
 
@@ -400,7 +383,7 @@ Plan bwd_plan(size_t n, size_t h, int sm) {
   size_t per_sm = 1;
   if (h % kVec == 0 && h <= kRowMaxH)
     per_sm = h <= (size_t)kVec * row_threads(h) ? 1024 / row_threads(h) : bwd_row_blocks_per_sm<512, 2>();
-  if (h % kVec == 0 && bwd_keeps_terms(h)) per_sm = 1;
+  if (h % kVec == 0 && bwd_rows_pipelined(h)) per_sm = 1;
   const size_t want = (size_t)std::max(sm, 1) * per_sm;
   size_t rpp = (n + std::min(n, want) - 1) / std::min(n, want);
   // Whole multiples of 8 rows per part. Measured on an H100 (132 SMs, 8192 rows, one block per
@@ -443,7 +426,7 @@ void launch_bwd_row(const BwdParams &p, cudaStream_t stream) {
 
 template <class TI>
 void launch_bwd_row_for(const BwdParams &p, cudaStream_t stream) {
-  if (bwd_keeps_terms(p.cols)) {
+  if (bwd_rows_pipelined(p.cols)) {
     launch_bwd_rows_upto_4096(p, stream);
     return;
   }

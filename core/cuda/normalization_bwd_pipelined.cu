@@ -63,13 +63,7 @@ __global__ void __launch_bounds__(512, 1) norm_bwd_row_pipelined(const BwdParams
     float o[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) o[j] = dx_value(prs, py[j], px[j], mean_dy, mean_dyx);
-    if (p.add) {
-      float ad[kVec];
-      unpack8<TI>(static_cast<const uint4 *>(p.add)[row * (size_t)nvec + t], ad);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) o[j] = __fadd_rn(o[j], ad[j]);
-    }
-    store8<TI>(static_cast<TI *>(p.dx) + row * p.cols + (size_t)t * kVec, o, 1.0f);
+    store_dx_vec<TI>(p, (size_t)nvec, row, t, o);
   };
   int buf = 0, slot = 0;
   for (size_t row = r0; row < r1; ++row, buf ^= 1, slot = slot == ST - 1 ? 0 : slot + 1) {
@@ -126,16 +120,7 @@ __global__ void __launch_bounds__(512, 1) norm_bwd_row_pipelined(const BwdParams
     const float sb = sum_partials<W, 2>(&red[last][0][1], lane);
     finish(r1 - 1, p.ln ? sa * inv_h : 0.0f, sb * inv_h);
   }
-  if (mine) {
-    float4 *g4 = reinterpret_cast<float4 *>(p.ws + blockIdx.x * p.cols + (size_t)t * kVec);
-    g4[0] = make_float4(pg[0], pg[1], pg[2], pg[3]);
-    g4[1] = make_float4(pg[4], pg[5], pg[6], pg[7]);
-    if (p.ln) {
-      float4 *b4 = reinterpret_cast<float4 *>(p.ws + (p.parts + blockIdx.x) * p.cols + (size_t)t * kVec);
-      b4[0] = make_float4(pb[0], pb[1], pb[2], pb[3]);
-      b4[1] = make_float4(pb[4], pb[5], pb[6], pb[7]);
-    }
-  }
+  if (mine) write_partials(p, t, pg, pb);
 }
 
 }  // namespace
