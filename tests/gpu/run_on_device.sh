@@ -3,7 +3,7 @@
 # (CUDA vs the CPU oracle), compute-sanitizer memcheck over it, and the GPU benchmarks.
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
 #   tests/gpu/run_on_device.sh [build|prebuilt] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
-#                              [tutorial] [quickstart] [host] [cpu] [gemmlog] [pack]   (default: build test bench)
+#                              [tutorial] [quickstart] [host] [cpu] [gemmlog] [memcheck_all] [pack]   (default: build test bench)
 # prebuilt: use the package staged by tests/gpu/prebuild_for_device.sh on the CPU machine
 # (.prebuilt/transformer_engine, carried: libtransformer_engine.so for sm_90 with static cudart
 # and the _nvte module for Python 3.12) instead of building here (saves the device minutes of
@@ -20,6 +20,9 @@
 # Each step prints its wall time.
 # gemmlog: benchmarks/gpu_gemm.py on one shape (GEMMLOG_SHAPE, default "4096 16384") under
 # cuBLASLt's trace log ($OUT/cublaslt_trace.log).
+# memcheck_all: the whole GPU suite (tests/gpu, "large" cases left out) under compute-sanitizer
+# memcheck, in parallel shards of test files (one process each; MEMCHECK_TIMEOUT per shard,
+# default 540 s); logs $OUT/memcheck_<shard>.log.
 # pack: every file under $OUT into one $OUT/logs.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -84,6 +87,26 @@ if [[ " $steps " == *" sanitize "* ]]; then
   took sanitize
 fi
 
+if [[ " $steps " == *" memcheck_all "* ]]; then
+  declare -A shards=(
+    [cast]="tests/gpu/test_cast_gpu.py"
+    [act_softmax]="tests/gpu/test_activation_gpu.py tests/gpu/test_softmax_gpu.py tests/gpu/test_dispatch_gpu.py tests/gpu/test_fp8_codec_gpu.py"
+    [norm]="tests/gpu/test_normalization_gpu.py"
+    [transpose]="tests/gpu/test_transpose_gpu.py"
+    [gemm_recipe]="tests/gpu/test_gemm_gpu.py tests/gpu/test_recipe_gpu.py"
+    [attention]="tests/gpu/test_fused_attn_gpu.py tests/gpu/test_fused_attn_thd_gpu.py tests/gpu/test_fused_attn_fp8_gpu.py")
+  for name in "${!shards[@]}"; do
+    timeout "${MEMCHECK_TIMEOUT:-540}" compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
+      $PY -m pytest -q ${shards[$name]} -p no:cacheprovider -k "not large" >"$OUT/memcheck_$name.log" 2>&1 &
+  done
+  wait
+  for name in "${!shards[@]}"; do
+    summary=$(grep -E "ERROR SUMMARY|passed|failed|error" "$OUT/memcheck_$name.log" | tail -2 | tr '\n' ' ')
+    echo "memcheck $name: ${summary:-no summary (timed out?)}"
+    grep -q "ERROR SUMMARY: 0 errors" "$OUT/memcheck_$name.log" || rc=1
+  done
+  took memcheck_all
+fi
 if [[ " $steps " == *" bench "* ]]; then
   $PY benchmarks/gpu_bench.py --out "$OUT" ${BENCH_ONLY:+--only $BENCH_ONLY} 2>&1 | tee "$OUT/bench.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
