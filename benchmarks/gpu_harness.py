@@ -39,11 +39,16 @@ def time_pair_ms(ours, theirs, rounds=3, **kw):
     ours, ...) and the median of the per-round medians taken: at a few percent apart, the card's
     clock and power state drifts between two long back-to-back timings, which favours whichever
     runs in the better state; alternating spreads that over both."""
-    a, b = [], []
+    return tuple(time_alternating_ms([ours, theirs], rounds=rounds, **kw))
+
+
+def time_alternating_ms(fns, rounds=3, **kw):
+    """time_pair_ms for any number of functions: [median ms of each]."""
+    samples = [[] for _ in fns]
     for _ in range(rounds):
-        a.append(time_ms(ours, **kw))
-        b.append(time_ms(theirs, **kw))
-    return statistics.median(a), statistics.median(b)
+        for fn, s in zip(fns, samples):
+            s.append(time_ms(fn, **kw))
+    return [statistics.median(s) for s in samples]
 
 
 def host_us(fn, calls=64):

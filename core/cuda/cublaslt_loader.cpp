@@ -63,6 +63,7 @@ Loaded load() {
     ok &= resolve(lib, "cublasLtMatmulPreferenceDestroy", &a.MatmulPreferenceDestroy, &missing);
     ok &= resolve(lib, "cublasLtMatmulPreferenceSetAttribute", &a.MatmulPreferenceSetAttribute, &missing);
     ok &= resolve(lib, "cublasLtMatmulAlgoGetHeuristic", &a.MatmulAlgoGetHeuristic, &missing);
+    ok &= resolve(lib, "cublasLtMatmulAlgoConfigGetAttribute", &a.MatmulAlgoConfigGetAttribute, &missing);
     ok &= resolve(lib, "cublasLtMatmul", &a.Matmul, &missing);
     if (!ok) {
       tried += concat("\n  ", path, ": opened, but lacks ", missing);

@@ -24,6 +24,7 @@ struct CublasLtApi {
   decltype(&cublasLtMatmulPreferenceDestroy) MatmulPreferenceDestroy = nullptr;
   decltype(&cublasLtMatmulPreferenceSetAttribute) MatmulPreferenceSetAttribute = nullptr;
   decltype(&cublasLtMatmulAlgoGetHeuristic) MatmulAlgoGetHeuristic = nullptr;
+  decltype(&cublasLtMatmulAlgoConfigGetAttribute) MatmulAlgoConfigGetAttribute = nullptr;
   decltype(&cublasLtMatmul) Matmul = nullptr;
 
   std::string path;     // the file that was opened

@@ -4,13 +4,17 @@
 // TE's convention is cuBLAS's, so operands map straight onto cuBLASLt (column-major, D =
 // op(A) op(B)). Everything about a call except its pointers (shapes, dtypes, flags,
 // epilogue, alignment classes, workspace size, device) forms a cache key; its entry
-// holds the matmul descriptor, the four layouts and the heuristic's algorithm, so a
-// repeated shape costs only the pointer attributes and the launch.
+// holds the matmul descriptor, the four layouts and the algorithm, so a repeated shape costs
+// only the pointer attributes and the launch. The algorithm is cuBLASLt's heuristic first
+// choice; with NVTE_GEMM_AUTOTUNE=1 the plan's first calls time the heuristic's other
+// candidates and keep the fastest (gemm_tuner.h).
 #include "gemm.h"
 
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -21,12 +25,32 @@
 #include "../common/error.h"
 #include "cuda_check.h"
 #include "cublaslt_loader.h"
+#include "gemm_tuner.h"
 
 namespace nvte::cuda {
 namespace {
 
 constexpr size_t kCublasWorkspace = size_t(32) << 20;  // cuBLASLt's recommendation for Hopper
-constexpr size_t kScratchBytes = 256;                  // the FP8 amax float, padded to keep alignment
+// Scratch at the workspace's start: cuBLASLt's FP8 amax target and aligned copies of the
+// A / B / D scale factors (one 16-byte slot each), padded to keep the rest 256-byte aligned.
+constexpr size_t kScratchBytes = 256;
+constexpr size_t kAmaxSlot = 0, kScaleASlot = 16, kScaleBSlot = 32, kScaleDSlot = 48;
+
+// NVTE_GEMM_AUTOTUNE=1: time the heuristic's candidates (gemm_tuner.h). Off by default: while
+// a shape is being tuned, its calls run different algorithms, whose outputs can differ in the
+// last bits (seen on the H100 at small shapes), so two identical calls (a module and its
+// recomputation, two equal modules) would not agree bit for bit. Off, every call runs
+// cuBLASLt's heuristic first choice, which is what cuBLAS and torch run.
+bool autotune_on() {
+  const char *e = std::getenv("NVTE_GEMM_AUTOTUNE");
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
+
+// NVTE_GEMM_AUTOTUNE_LOG=1 prints each plan's timings and choice to stderr.
+bool autotune_log() {
+  const char *e = std::getenv("NVTE_GEMM_AUTOTUNE_LOG");
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
 
 // ------------------------------------------------------------------------ helpers
 cudaDataType_t cuda_type(NVTEDType t) {
@@ -98,8 +122,9 @@ struct Key {
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr, ld = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  std::mutex mu;  // the descriptor's pointer attributes are set per call under it
+  cublasLtMatmulAlgo_t algo{};          // the heuristic's first choice, then the tuner's
+  std::unique_ptr<GemmTuner> tuner;     // while the candidates are being timed
+  std::mutex mu;  // the descriptor's pointer attributes (and the tuner) are used under it
 };
 
 // The full problem for one call, pointers included.
@@ -116,7 +141,11 @@ struct Problem {
   void *aux_ptr = nullptr;
   cudaDataType_t aux_type = CUDA_R_32F;
   const float *d_scale = nullptr;
+  // The scale pointers cuBLASLt reads: the tensors' own, or scratch copies when not 16-byte
+  // aligned (cuBLASLt 13.1's FP8 matmul returns NOT_SUPPORTED for a 4- or 8-byte aligned one).
+  const float *lt_scale_a = nullptr, *lt_scale_b = nullptr, *lt_scale_d = nullptr;
   float *amax_tmp = nullptr;  // cuBLASLt's AMAX_D target (scratch)
+  bool tune = false;
   void *ws = nullptr;
   size_t ws_bytes = 0;
   int8_t fast_accum = 0;
@@ -152,6 +181,7 @@ struct Problem {
     put(bias_ptr ? align_of(bias_ptr) : 0), put(aux_ptr ? align_of(aux_ptr) : 0);
     put(amax_tmp != nullptr), put(d_scale != nullptr);
     put(a.beta != 0.0f);
+    put(tune);
     return k;
   }
 };
@@ -164,10 +194,10 @@ void set_pointers(const CublasLtApi &lt, cublasLtMatmulDesc_t desc, const Proble
   if (p.bias_ptr) set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias_ptr, sizeof(p.bias_ptr));
   if (p.aux_ptr) set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &p.aux_ptr, sizeof(p.aux_ptr));
   if (p.fp8) {
-    set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.g->a.scale_inv, sizeof(p.g->a.scale_inv));
-    set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p.g->b.scale_inv, sizeof(p.g->b.scale_inv));
+    set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.lt_scale_a, sizeof(p.lt_scale_a));
+    set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p.lt_scale_b, sizeof(p.lt_scale_b));
   }
-  if (p.d_scale) set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &p.d_scale, sizeof(p.d_scale));
+  if (p.lt_scale_d) set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &p.lt_scale_d, sizeof(p.lt_scale_d));
   if (p.amax_tmp) set(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &p.amax_tmp, sizeof(p.amax_tmp));
 }
 
@@ -240,10 +270,11 @@ std::unique_ptr<Plan> make_plan(const CublasLtApi &lt, cublasLtHandle_t h, const
   pset(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
   pset(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
 
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[GemmTuner::kCandidates] = {};
   int found = 0;
   const cublasStatus_t st = lt.MatmulAlgoGetHeuristic(h, plan->desc, plan->la, plan->lb, plan->lc, plan->ld,
-                                                      pref, 1, &result, &found);
+                                                      pref, p.tune ? GemmTuner::kCandidates : 1, results, &found);
+  const cublasLtMatmulHeuristicResult_t &result = results[0];
   if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE ||
       (st == CUBLAS_STATUS_SUCCESS && found == 0))
     NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "cuBLASLt ", lt.version, " has no algorithm for this GEMM (", p.describe(),
@@ -255,6 +286,26 @@ std::unique_ptr<Plan> make_plan(const CublasLtApi &lt, cublasLtHandle_t h, const
                   : "");
   NVTE_CHECK_CUBLAS(st);
   plan->algo = result.algo;
+  if (p.tune) {
+    // Candidates that split k as the first choice does (same split count and reduction
+    // scheme). On the H100 (cuBLASLt 13.1) their outputs were bit-identical to the first
+    // choice's at the benchmark's Linear shapes (M = 8192), not at every small shape.
+    auto config = [&](const cublasLtMatmulAlgo_t &a, cublasLtMatmulAlgoConfigAttributes_t attr) {
+      uint32_t v = 0;
+      size_t written = 0;
+      return lt.MatmulAlgoConfigGetAttribute(&a, attr, &v, sizeof(v), &written) == CUBLAS_STATUS_SUCCESS
+                 ? (int64_t)v : (int64_t)-1;
+    };
+    const int64_t split = config(result.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                  scheme = config(result.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+    std::vector<cublasLtMatmulAlgo_t> cands{result.algo};
+    for (int i = 1; i < found; ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS && split >= 0 &&
+          config(results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) == split &&
+          config(results[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) == scheme)
+        cands.push_back(results[i].algo);
+    if (cands.size() > 1) plan->tuner = std::make_unique<GemmTuner>(std::move(cands));
+  }
   cleanup.p = nullptr;
   return plan;
 }
@@ -323,6 +374,7 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
   p.fp8 = is_fp8(g.a.dtype);
   p.d_fp8 = is_fp8(d.dtype);
   p.fast_accum = g.use_split_accumulator ? 0 : 1;
+  p.tune = autotune_on();
 
   // Epilogue (gemm.h): forward bias / GELU with aux; backward dGELU (+ bias gradient of D's
   // columns) or the bias gradient of op(B) alone.
@@ -404,8 +456,16 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
                          dtype_name(g.a.dtype), " and B ", dtype_name(g.b.dtype));
   }
 
-  // Workspace: [amax scratch][cuBLASLt workspace], 256-byte aligned pieces.
+  // Workspace: [scratch][cuBLASLt workspace], 256-byte aligned pieces. The scratch holds the
+  // amax of an FP8 D and copies of scale factors that are not 16-byte aligned.
   float *amax = p.d_fp8 ? scalar_param(*g.d, kNVTEAmax, "D") : nullptr;
+  if (p.d_fp8) p.d_scale = scalar_param(*g.d, kNVTEScale, "D");
+  if (p.d_fp8) NVTE_CHECK(p.d_scale != nullptr, "D is FP8 (", dtype_name(d.dtype), ") but has no scale");
+  p.lt_scale_a = p.fp8 ? g.a.scale_inv : nullptr;
+  p.lt_scale_b = p.fp8 ? g.b.scale_inv : nullptr;
+  p.lt_scale_d = p.d_scale;
+  auto misaligned = [](const float *f) { return f != nullptr && align_of(f) < 16; };
+  const bool copy_scales = misaligned(p.lt_scale_a) || misaligned(p.lt_scale_b) || misaligned(p.lt_scale_d);
   uintptr_t ws = reinterpret_cast<uintptr_t>(g.workspace);
   size_t ws_bytes = g.workspace ? g.workspace_bytes : 0;
   if (ws_bytes > 0 && ws % 256 != 0) {
@@ -413,18 +473,23 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
     ws_bytes = ws_bytes > pad ? ws_bytes - pad : 0;
     ws += pad;
   }
-  if (amax) {
-    NVTE_CHECK(ws_bytes >= kScratchBytes, "an FP8 D with an amax needs the GEMM workspace (", kScratchBytes,
-               " bytes of scratch at least, nvte_cublas_gemm_workspace_size bytes for full speed); got ",
-               g.workspace_bytes, " bytes");
-    p.amax_tmp = reinterpret_cast<float *>(ws);
+  uintptr_t scratch = 0;
+  if (amax || copy_scales) {
+    NVTE_CHECK(ws_bytes >= kScratchBytes, amax ? "an FP8 D with an amax" : "an FP8 scale factor that is not "
+               "16-byte aligned (cuBLASLt reads it from an aligned copy)", " needs the GEMM workspace (",
+               kScratchBytes, " bytes of scratch at least, nvte_cublas_gemm_workspace_size bytes for full speed); "
+               "got ", g.workspace_bytes, " bytes");
+    scratch = ws;
     ws += kScratchBytes;
     ws_bytes -= kScratchBytes;
   }
+  if (amax) p.amax_tmp = reinterpret_cast<float *>(scratch + kAmaxSlot);
+  float *copies[3] = {nullptr, nullptr, nullptr};  // scratch slots to fill from A / B / D's scale
+  if (misaligned(p.lt_scale_a)) p.lt_scale_a = copies[0] = reinterpret_cast<float *>(scratch + kScaleASlot);
+  if (misaligned(p.lt_scale_b)) p.lt_scale_b = copies[1] = reinterpret_cast<float *>(scratch + kScaleBSlot);
+  if (misaligned(p.lt_scale_d)) p.lt_scale_d = copies[2] = reinterpret_cast<float *>(scratch + kScaleDSlot);
   p.ws = ws_bytes ? reinterpret_cast<void *>(ws) : nullptr;
   p.ws_bytes = ws_bytes;
-  if (p.d_fp8) p.d_scale = scalar_param(*g.d, kNVTEScale, "D");
-  if (p.d_fp8) NVTE_CHECK(p.d_scale != nullptr, "D is FP8 (", dtype_name(d.dtype), ") but has no scale");
 
   if (g.m > 0 && g.n > 0) {
     if (g.k == 0) {
@@ -436,11 +501,39 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
       const CublasLtApi &lt = cublaslt();
       const cublasLtHandle_t h = handle_for(p.device);
       Plan &plan = plan_for(lt, h, p);
+      const float *scale_src[3] = {g.a.scale_inv, g.b.scale_inv, p.d_scale};
+      for (int i = 0; i < 3; ++i)
+        if (copies[i])
+          NVTE_CHECK_CUDA(cudaMemcpyAsync(copies[i], scale_src[i], sizeof(float), cudaMemcpyDeviceToDevice, stream));
       std::lock_guard<std::mutex> lk(plan.mu);
       set_pointers(lt, plan.desc, p);
       const float alpha = g.alpha, beta = g.beta;
-      const cublasStatus_t st = lt.Matmul(h, plan.desc, &alpha, g.a.data, plan.la, g.b.data, plan.lb, &beta, p.c_ptr,
-                                          plan.lc, p.d_ptr, plan.ld, &plan.algo, p.ws, p.ws_bytes, stream);
+      auto matmul = [&](const cublasLtMatmulAlgo_t *algo) {
+        return lt.Matmul(h, plan.desc, &alpha, g.a.data, plan.la, g.b.data, plan.lb, &beta, p.c_ptr, plan.lc, p.d_ptr,
+                         plan.ld, algo, p.ws, p.ws_bytes, stream);
+      };
+      cublasStatus_t st;
+      if (plan.tuner) {
+        GemmTuner &t = *plan.tuner;
+        const GemmTuner::Call call = t.begin(stream);
+        if (call.cand >= 0) {
+          st = matmul(&t.algo(call.cand));
+          t.end(call, stream, st == CUBLAS_STATUS_SUCCESS);
+          if (st != CUBLAS_STATUS_SUCCESS && call.cand != 0) st = matmul(&plan.algo);  // refused: first choice
+        } else {
+          if (t.done()) {
+            plan.algo = t.algo(t.best());
+            if (autotune_log())
+              std::fprintf(stderr, "[nvte gemm autotune] %s: %s -> #%d\n", p.describe().c_str(), t.summary().c_str(),
+                           t.best());
+            t.release();
+            plan.tuner.reset();
+          }
+          st = matmul(&plan.algo);
+        }
+      } else {
+        st = matmul(&plan.algo);
+      }
       if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE)
         NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "cuBLASLt ", lt.version, " rejected this GEMM (", p.describe(), "): ",
                   cublas_status_str(st));

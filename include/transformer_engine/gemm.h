@@ -14,6 +14,11 @@
  * Accumulation is in float32. An FP8 D is quantized with D's scale; D's amax is
  * max-accumulated and its scale_inv written.
  *
+ * CUDA: cuBLASLt with its heuristic's first algorithm, cached per shape. NVTE_GEMM_AUTOTUNE=1
+ * makes each shape's first ~40 calls time up to 8 candidates (CUDA events, no synchronisation)
+ * and keep the fastest; while that runs, equal calls may differ in the last bits.
+ * NVTE_GEMM_AUTOTUNE_LOG=1 prints each choice to stderr.
+ *
  * Epilogues (grad = false): bias [m] is added to every row of D; with pre_gelu_out,
  * pre_gelu_out = result (+ bias) and D = gelu_tanh(pre_gelu_out).
  * Epilogues (grad = true): with pre_gelu_out, D = result * dgelu(pre_gelu_out) and
@@ -58,6 +63,9 @@ NVTE_API void nvte_destroy_matmul_config(NVTEMatmulConfig config);
  *  \param[in] bias          optional (NULL or empty): see epilogues; dtype of D (or bf16/fp32).
  *  \param[in,out] pre_gelu_out optional: GELU input, written when !grad, read when grad.
  *  \param[in,out] workspace  scratch (bytes from nvte_cublas_gemm_workspace_size); may be empty on CPU.
+ *                           On CUDA it is needed (256 bytes at least) for an FP8 D with an amax
+ *                           and for FP8 scale factors that are not 16-byte aligned (cuBLASLt reads
+ *                           an aligned copy made on `stream`).
  *  \param[in] accumulate    D += result instead of D = result (non-FP8 D only).
  *  \param[in] use_split_accumulator  FP8: accumulate in full precision (always true on CPU).
  *  \param[in] math_sm_count SMs to use on the GPU (0 = all); ignored on CPU. */

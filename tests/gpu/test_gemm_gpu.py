@@ -625,3 +625,133 @@ def test_empty_and_k0():
 def test_workspace_size():
     assert WS_BYTES >= 32 << 20
     assert nvte.gemm_workspace_size(nvte.Backend.CPU) == 0
+
+
+# ------------------------------------------------------------ scale alignment, autotune
+def scalar_at(value, offset_floats):
+    """A one-float tensor `offset_floats` elements into its allocation (4 * offset bytes past
+    a 256-byte boundary): how one entry of a per-module scale array is passed."""
+    buf = torch.full((64,), float("nan"), dtype=torch.float32, device=DEV)
+    buf[offset_floats] = value
+    return buf[offset_floats:offset_floats + 1]
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_fp8_scale_inv_not_16_byte_aligned(offset):
+    """cuBLASLt 13.1's FP8 matmul refuses A/B scale pointers that are 4- or 8-byte aligned (seen
+    on the H100); the library hands it aligned copies, so the result is that of aligned ones."""
+    g = gen(40, offset)
+    n, m, k = 64, 96, 128
+    a, b = Operand((m, k), "e4m3", g), Operand((n, k), "e5m2", g)
+    d_ref = nan_pair((n, m), torch.bfloat16)
+    both_gemm(a, b, d_ref, True, False)
+    sa = scalar_at(a.tg.refs[int(nvte.Param.kRowwiseScaleInv)].item(), offset)
+    sb = scalar_at(b.tg.refs[int(nvte.Param.kRowwiseScaleInv)].item(), offset + 4)
+    assert sa.data_ptr() % 16 != 0 and sb.data_ptr() % 16 != 0
+    ta = T(a.tg.refs[int(nvte.Param.kRowwiseData)], dtype=DT.kFloat8E4M3, scale_inv=sa)
+    tb = T(b.tg.refs[int(nvte.Param.kRowwiseData)], dtype=DT.kFloat8E5M2, scale_inv=sb)
+    d = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device=DEV)
+    nvte.gemm(ta.t, tb.t, T(d).t, transa=True, transb=False, workspace=workspace().t)
+    sync()
+    assert_bits_equal(d, d_ref.g)
+    _, S = product_ref(a, b, True, False)
+    check_close(d, d_ref.c, acc_tol(S, k, fp8=True), torch.bfloat16)
+    expect_error(nvte.Status.INVALID_ARGUMENT, r"not 16-byte aligned.*needs the GEMM workspace",
+                 lambda: nvte.gemm(ta.t, tb.t, T(d).t, transa=True, transb=False, workspace=None))
+
+
+def test_fp8_output_scale_not_16_byte_aligned():
+    """The same for D's scale (FP8 output): the stored bytes, amax and scale_inv are those of an
+    aligned scale."""
+    g = gen(41)
+    n, m, k = 80, 64, 64
+    a, b = Operand((m, k), "e4m3", g), Operand((n, k), "e4m3", g)
+    d_ref, x_ref = fp8_out_pair((n, m), "e4m3", 2.0, 0.25)
+    both_gemm(a, b, d_ref, True, False)
+    data = torch.full((n, m), 0xAB, dtype=torch.uint8, device=DEV)
+    scale, amax, scale_inv = scalar_at(2.0, 1), scalar_at(0.25, 6), scalar_at(-1.0, 11)
+    d = T(data, dtype=DT.kFloat8E4M3, scale=scale, amax=amax, scale_inv=scale_inv)
+    nvte.gemm(a.tg.t, b.tg.t, d.t, transa=True, transb=False, workspace=workspace().t)
+    sync()
+    assert_bits_equal(data, d_ref.g.view(torch.uint8))
+    assert_bits_equal(amax, x_ref["amax"].g)
+    assert_bits_equal(scale_inv, x_ref["scale_inv"].g)
+
+
+def run_repeatedly(calls, fn):
+    """fn() `calls` times, syncing every 8 calls so that the tuner's events complete."""
+    for i in range(calls):
+        fn()
+        if i % 8 == 7:
+            sync()
+    sync()
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "e4m3"])
+def test_autotune_decides_and_keeps_the_result(kind, monkeypatch, capfd):
+    """NVTE_GEMM_AUTOTUNE=1: a plan's first calls time cuBLASLt's candidates and the fastest is
+    kept, logged with NVTE_GEMM_AUTOTUNE_LOG=1. At this shape (the benchmark's Linear M=8192
+    N=4096 K=4096, 8 candidates on the H100) every call's output is bit-identical to the
+    heuristic's first choice (the default, checked against the CPU above)."""
+    g = torch.Generator(device=DEV)
+    g.manual_seed(42)
+    n, m, k = 8192, 4096, 4096
+    if kind == "e4m3":
+        a8 = (torch.randn(m, k, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn).view(torch.uint8)
+        b8 = (torch.randn(n, k, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn).view(torch.uint8)
+        si = torch.tensor([0.5], device=DEV)
+        ta, tb = T(a8, dtype=DT.kFloat8E4M3, scale_inv=si), T(b8, dtype=DT.kFloat8E4M3, scale_inv=si)
+    else:
+        ta = T(torch.randn(m, k, device=DEV, generator=g, dtype=torch.bfloat16))
+        tb = T(torch.randn(n, k, device=DEV, generator=g, dtype=torch.bfloat16))
+    ws = workspace()
+    ref = torch.empty(n, m, dtype=torch.bfloat16, device=DEV)
+    monkeypatch.delenv("NVTE_GEMM_AUTOTUNE", raising=False)  # the default: the heuristic's choice
+    nvte.gemm(ta.t, tb.t, T(ref).t, transa=True, transb=False, workspace=ws.t)
+    sync()
+    monkeypatch.setenv("NVTE_GEMM_AUTOTUNE", "1")
+    monkeypatch.setenv("NVTE_GEMM_AUTOTUNE_LOG", "1")
+    outs = [torch.full((n, m), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(8)]
+    it = iter(range(1 << 30))
+
+    def call():
+        i = next(it)
+        nvte.gemm(ta.t, tb.t, T(outs[i % 8]).t, transa=True, transb=False, workspace=ws.t)
+        if i % 8 == 7:  # every output of the batch (different candidates) is the reference
+            sync()
+            for o in outs:
+                assert_bits_equal(o, ref)
+
+    run_repeatedly(8 * 8, call)  # 8 candidates x 5 samples, plus the calls after the choice
+    log = capfd.readouterr().err
+    assert "[nvte gemm autotune]" in log and f"m={m} n={n} k={k}" in log, log
+    assert_bits_equal(outs[-1], ref)
+
+
+def test_autotune_under_graph_capture(monkeypatch):
+    """NVTE_GEMM_AUTOTUNE=1, a plan first used inside a CUDA graph capture: the capture neither
+    times nor fails, and replays give the eager result (the later eager calls tune)."""
+    monkeypatch.setenv("NVTE_GEMM_AUTOTUNE", "1")
+    g = gen(43)
+    n, m, k = 2048, 1536, 1024
+    a = Operand((m, k), "bfloat16", g)
+    b = Operand((n, k), "bfloat16", g)
+    ws = workspace()
+    d = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph, stream=side):
+            nvte.gemm(a.tg.t, b.tg.t, T(d).t, transa=True, transb=False, workspace=ws.t,
+                      stream=side.cuda_stream)
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    sync()
+    eager = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device=DEV)
+    run_repeatedly(48, lambda: nvte.gemm(a.tg.t, b.tg.t, T(eager).t, transa=True, transb=False, workspace=ws.t))
+    assert_bits_equal(d, eager)
+    d.fill_(float("nan"))
+    graph.replay()
+    sync()
+    assert_bits_equal(d, eager)
