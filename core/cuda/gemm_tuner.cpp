@@ -66,8 +66,15 @@ GemmTuner::Call GemmTuner::begin(cudaStream_t stream) {
   poll();
   if (done_) return c;
   bool all_measured = true, all_queued = true;
-  int pick = -1;
-  for (size_t i = 0; i < cand_.size(); ++i) {
+  int pick = -1, queued = 0;
+  for (size_t i = 0; i < cand_.size(); ++i) queued += submitted_[i];
+  // Each round visits the candidates starting one further along: a call pattern with a
+  // period of the candidate count (a sync every 8 calls, 8 candidates) would otherwise time
+  // one candidate always right after the GPU idled (on the H100, in such a run, the candidate
+  // always timed first measured slowest at 5 of 9 shapes).
+  const size_t k = cand_.size(), first = (size_t)(queued / (int)k) % k;
+  for (size_t j = 0; j < k; ++j) {
+    const size_t i = (first + j) % k;
     if (!live_[i]) continue;
     all_measured &= ms_[i].size() >= (size_t)kSamples;
     if (submitted_[i] < kSamples) {
