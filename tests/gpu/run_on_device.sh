@@ -3,7 +3,7 @@
 # (CUDA vs the CPU oracle), compute-sanitizer memcheck over it, and the GPU benchmarks.
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
 #   tests/gpu/run_on_device.sh [build|prebuilt] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
-#                              [tutorial] [quickstart] [host] [cpu] [gemmlog] [memcheck_all] [pack]   (default: build test bench)
+#                              [tutorial] [quickstart] [host] [cpu] [gemmlog] [memcheck_all] [candidates] [pack]   (default: build test bench)
 # prebuilt: use the package staged by tests/gpu/prebuild_for_device.sh on the CPU machine
 # (.prebuilt/transformer_engine, carried: libtransformer_engine.so for sm_90 with static cudart
 # and the _nvte module for Python 3.12) instead of building here (saves the device minutes of
@@ -23,6 +23,8 @@
 # memcheck_all: the whole GPU suite (tests/gpu, "large" cases left out) under compute-sanitizer
 # memcheck, in parallel shards of test files (one process each; MEMCHECK_TIMEOUT per shard,
 # default 540 s); logs $OUT/memcheck_<shard>.log.
+# candidates: benchmarks/cublaslt_candidates.cu on the benchmark's GEMM shapes (FP8 and BF16):
+# cuBLASLt's heuristic candidates, their speed and whether their outputs agree ($OUT/candidates.txt).
 # pack: every file under $OUT into one $OUT/logs.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -118,6 +120,16 @@ if [[ " $steps " == *" gemmlog "* ]]; then
   CUBLASLT_LOG_LEVEL=2 CUBLASLT_LOG_FILE="$OUT/cublaslt_trace.log" \
     $PY benchmarks/gpu_gemm.py ${GEMMLOG_SHAPE:-4096 16384} 2>&1 | tail -12
   took gemmlog
+fi
+if [[ " $steps " == *" candidates "* ]]; then
+  nvcc -std=c++17 -O2 -arch=sm_90 benchmarks/cublaslt_candidates.cu -lcublasLt -o /tmp/nvte_candidates || rc=1
+  for kind in fp8 bf16; do
+    for nk in "12288 4096" "4096 4096" "16384 4096" "4096 16384" "8192 8192"; do
+      /tmp/nvte_candidates $kind 8192 $nk 8 >>"$OUT/candidates.txt" 2>&1 || rc=1
+    done
+  done
+  grep -E "^(fp8|bf16) M|ms |differ|fail" "$OUT/candidates.txt" | grep -v " 0 of "
+  took candidates
 fi
 if [[ " $steps " == *" pytorch "* ]]; then
   NVTE_TEST_DEVICE=cuda $PY -m pytest -q ${PYTORCH_TESTS:-tests/pytorch} -p no:cacheprovider -rfs --tb=short 2>&1 \
