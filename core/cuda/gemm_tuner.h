@@ -7,7 +7,8 @@
 // at every shape: NVTE_GEMM_AUTOTUNE is opt-in, see gemm.cpp). A plan with a tuner runs its
 // first calls round-robin over the candidates, each between two CUDA
 // events; it reads an event pair only once both have completed (cudaEventQuery, never a
-// wait) and, when every candidate has kSamples times, keeps the one with the lowest median.
+// wait) and, when every candidate has kSamples times, keeps the one with the lowest median
+// (the first choice unless another is kMargin faster).
 // No synchronisation, no extra launches (the timed calls are the caller's), and no timing
 // on a stream that is being captured into a CUDA graph. Not thread-safe: the plan's mutex
 // guards it.
@@ -25,6 +26,7 @@ class GemmTuner {
  public:
   static constexpr int kSamples = 5;     // timed calls per candidate
   static constexpr int kCandidates = 8;  // heuristic results asked for
+  static constexpr float kMargin = 0.01f;  // a candidate must be this much faster than the first
 
   // candidates[0] is the heuristic's first choice, used until the tuner decides.
   explicit GemmTuner(std::vector<cublasLtMatmulAlgo_t> candidates);
