@@ -1,16 +1,11 @@
-// gemm_tuner.cpp - see gemm_tuner.h.
+// gemm_tuner.cpp - see gemm_tuner.h (the CUDA side: events and capture checks; the choice
+// itself is TunerSchedule's).
 #include "gemm_tuner.h"
-
-#include <algorithm>
-#include <cstdio>
 
 namespace nvte::cuda {
 
 GemmTuner::GemmTuner(std::vector<cublasLtMatmulAlgo_t> candidates)
-    : cand_(std::move(candidates)),
-      ms_(cand_.size()),
-      submitted_(cand_.size(), 0),
-      live_(cand_.size(), true) {
+    : cand_(std::move(candidates)), sched_((int)cand_.size(), kSamples, kMargin) {
   if (cand_.size() < 2) done_ = true;
 }
 
@@ -22,32 +17,15 @@ void GemmTuner::poll() {
     if (q == cudaErrorNotReady) break;  // not an error (and not recorded as the last one)
     float t = 0.0f;
     if (q != cudaSuccess || cudaEventElapsedTime(&t, p.start, p.stop) != cudaSuccess) {
-      cudaGetLastError();
+      cudaGetLastError();  // our own failure: not left for the caller to find
       abandon();
       return;
     }
-    ms_[p.cand].push_back(t);
+    sched_.sample(p.cand, t);
     spare_.push_back(p.start);
     spare_.push_back(p.stop);
   }
   pending_.erase(pending_.begin(), pending_.begin() + n);
-}
-
-void GemmTuner::decide() {
-  std::vector<float> med(cand_.size(), -1.0f);
-  for (size_t i = 0; i < cand_.size(); ++i) {
-    if (!live_[i] || ms_[i].size() < (size_t)kSamples) continue;
-    std::vector<float> s = ms_[i];
-    std::nth_element(s.begin(), s.begin() + s.size() / 2, s.end());
-    med[i] = s[s.size() / 2];
-  }
-  best_ = 0;
-  for (size_t i = 1; i < cand_.size(); ++i)
-    if (med[i] >= 0.0f && (med[best_] < 0.0f || med[i] < med[best_])) best_ = (int)i;
-  // Another candidate replaces the heuristic's first choice only when clearly faster: a
-  // difference within kMargin is not worth trusting from five single-call times.
-  if (best_ != 0 && med[0] >= 0.0f && med[best_] > med[0] * (1.0f - kMargin)) best_ = 0;
-  done_ = true;
 }
 
 void GemmTuner::abandon() {
@@ -68,28 +46,13 @@ GemmTuner::Call GemmTuner::begin(cudaStream_t stream) {
   if (cs != cudaStreamCaptureStatusNone) return c;
   poll();
   if (done_) return c;
-  bool all_measured = true, all_queued = true;
-  int pick = -1, queued = 0;
-  for (size_t i = 0; i < cand_.size(); ++i) queued += submitted_[i];
-  // Each round visits the candidates starting one further along: a call pattern with a
-  // period of the candidate count (a sync every 8 calls, 8 candidates) would otherwise time
-  // one candidate always right after the GPU idled (on the H100, in such a run, the candidate
-  // always timed first measured slowest at 5 of 9 shapes).
-  const size_t k = cand_.size(), first = (size_t)(queued / (int)k) % k;
-  for (size_t j = 0; j < k; ++j) {
-    const size_t i = (first + j) % k;
-    if (!live_[i]) continue;
-    all_measured &= ms_[i].size() >= (size_t)kSamples;
-    if (submitted_[i] < kSamples) {
-      all_queued = false;
-      if (pick < 0 || submitted_[i] < submitted_[pick]) pick = (int)i;
-    }
-  }
-  if (all_measured) {
-    decide();
+  if (sched_.measured()) {
+    best_ = sched_.decide();
+    done_ = true;
     return c;
   }
-  if (all_queued) return c;  // waiting for events
+  const int pick = sched_.next();
+  if (pick < 0) return c;  // every timed call is queued: waiting for their events
 
   cudaEvent_t ev[2];
   for (cudaEvent_t &e : ev) {
@@ -120,35 +83,19 @@ void GemmTuner::end(const Call &call, cudaStream_t stream, bool ran) {
   if (ran) {
     if (cudaEventRecord(call.stop, stream) == cudaSuccess) {
       pending_.push_back({call.cand, call.start, call.stop});
-      ++submitted_[call.cand];
+      sched_.queued(call.cand);
     } else {
-      cudaGetLastError();  // our own failure: not left for the caller to find
+      cudaGetLastError();
+      spare_.push_back(call.start);
+      spare_.push_back(call.stop);
       abandon();
     }
     return;
   }
   spare_.push_back(call.start);
   spare_.push_back(call.stop);
-  live_[call.cand] = false;
+  sched_.refused(call.cand);
   if (call.cand == 0) abandon();  // the fallback itself is refused: the caller reports it
-}
-
-std::string GemmTuner::summary() const {
-  std::string s;
-  for (size_t i = 0; i < cand_.size(); ++i) {
-    char buf[64];
-    if (!live_[i]) {
-      std::snprintf(buf, sizeof(buf), "%s#%zu refused", i ? ", " : "", i);
-    } else if (ms_[i].size() >= (size_t)kSamples) {
-      std::vector<float> v = ms_[i];
-      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-      std::snprintf(buf, sizeof(buf), "%s#%zu %.4f ms", i ? ", " : "", i, v[v.size() / 2]);
-    } else {
-      std::snprintf(buf, sizeof(buf), "%s#%zu unmeasured", i ? ", " : "", i);
-    }
-    s += buf;
-  }
-  return s;
 }
 
 void GemmTuner::release() {

@@ -1,17 +1,16 @@
 // gemm_tuner.h - picking among cuBLASLt's candidate algorithms for one GEMM plan by timing
-// the caller's own calls.
+// the caller's own calls (NVTE_GEMM_AUTOTUNE=1; opt-in, see gemm.cpp).
 //
 // cuBLASLt's heuristic ranks its algorithms with a model; its first choice is what cuBLAS
 // and torch run. On the H100 another of its top candidates was 3-10% faster for several
 // Linear shapes (benchmarks/RESULTS.md, 2026-11-25), with bit-identical output there (not
-// at every shape: NVTE_GEMM_AUTOTUNE is opt-in, see gemm.cpp). A plan with a tuner runs its
-// first calls round-robin over the candidates, each between two CUDA
-// events; it reads an event pair only once both have completed (cudaEventQuery, never a
-// wait) and, when every candidate has kSamples times, keeps the one with the lowest median
-// (the first choice unless another is kMargin faster).
-// No synchronisation, no extra launches (the timed calls are the caller's), and no timing
-// on a stream that is being captured into a CUDA graph. Not thread-safe: the plan's mutex
-// guards it.
+// at every shape). A plan with a tuner runs its first calls over the candidates, each between
+// two CUDA events; it reads an event pair only once both have completed (cudaEventQuery,
+// never a wait) and, when every candidate has kSamples times, keeps the choice of
+// TunerSchedule::decide (the lowest median; the first choice unless another is kMargin
+// faster). No synchronisation, no extra launches (the timed calls are the caller's), and no
+// timing on a stream that is being captured into a CUDA graph. Not thread-safe: the plan's
+// mutex guards it.
 #pragma once
 
 #include <cublasLt.h>
@@ -20,12 +19,14 @@
 #include <string>
 #include <vector>
 
+#include "gemm_tuner_schedule.h"
+
 namespace nvte::cuda {
 
 class GemmTuner {
  public:
-  static constexpr int kSamples = 5;     // timed calls per candidate
-  static constexpr int kCandidates = 8;  // heuristic results asked for
+  static constexpr int kSamples = 5;       // timed calls per candidate
+  static constexpr int kCandidates = 8;    // heuristic results asked for
   static constexpr float kMargin = 0.01f;  // a candidate must be this much faster than the first
 
   // candidates[0] is the heuristic's first choice, used until the tuner decides.
@@ -47,8 +48,7 @@ class GemmTuner {
   const cublasLtMatmulAlgo_t &algo(int i) const { return cand_[i]; }
   bool done() const { return done_; }
   int best() const { return best_; }
-  // "#i: median ms" for every candidate, for NVTE_GEMM_AUTOTUNE_LOG.
-  std::string summary() const;
+  std::string summary() const { return sched_.summary(); }
   // Destroys the CUDA events (call once done, while the runtime is alive; the destructor
   // does not touch CUDA, so a tuner still pending at process exit is simply left).
   void release();
@@ -59,15 +59,12 @@ class GemmTuner {
     cudaEvent_t start, stop;
   };
   void poll();
-  void decide();
   void abandon();  // a CUDA event call failed: keep the heuristic's choice
 
   std::vector<cublasLtMatmulAlgo_t> cand_;
-  std::vector<std::vector<float>> ms_;   // finished samples per candidate
-  std::vector<int> submitted_;           // timed calls queued per candidate
-  std::vector<bool> live_;               // false: cuBLASLt refused it
-  std::vector<Pending> pending_;         // queued, oldest first
-  std::vector<cudaEvent_t> spare_;       // recycled events
+  TunerSchedule sched_;
+  std::vector<Pending> pending_;    // queued, oldest first
+  std::vector<cudaEvent_t> spare_;  // recycled events
   bool done_ = false;
   int best_ = 0;
 };
