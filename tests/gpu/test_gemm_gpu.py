@@ -730,13 +730,19 @@ def test_autotune_decides_and_keeps_the_result(kind, monkeypatch, capfd):
 
 def test_autotune_under_graph_capture(monkeypatch):
     """NVTE_GEMM_AUTOTUNE=1, a plan first used inside a CUDA graph capture: the capture neither
-    times nor fails, and replays give the eager result (the later eager calls tune)."""
-    monkeypatch.setenv("NVTE_GEMM_AUTOTUNE", "1")
+    times nor fails and records the heuristic's first choice, so replays (before and after the
+    later eager calls have tuned) give the default path's bits; the tuned eager calls agree with
+    the CPU backend (their algorithm may round differently at this size)."""
     g = gen(43)
     n, m, k = 2048, 1536, 1024
     a = Operand((m, k), "bfloat16", g)
     b = Operand((n, k), "bfloat16", g)
     ws = workspace()
+    ref = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device=DEV)
+    nvte.gemm(a.tg.t, b.tg.t, T(ref).t, transa=True, transb=False, workspace=ws.t)  # default: first choice
+    cpu = torch.full((n, m), float("nan"), dtype=torch.bfloat16)
+    nvte.gemm(a.tc.t, b.tc.t, T(cpu).t, transa=True, transb=False)
+    monkeypatch.setenv("NVTE_GEMM_AUTOTUNE", "1")
     d = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device=DEV)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -748,10 +754,12 @@ def test_autotune_under_graph_capture(monkeypatch):
     torch.cuda.current_stream().wait_stream(side)
     graph.replay()
     sync()
+    assert_bits_equal(d, ref)
     eager = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device=DEV)
     run_repeatedly(48, lambda: nvte.gemm(a.tg.t, b.tg.t, T(eager).t, transa=True, transb=False, workspace=ws.t))
-    assert_bits_equal(d, eager)
+    _, S = product_ref(a, b, True, False)
+    check_close(eager, cpu, acc_tol(S, k), torch.bfloat16)
     d.fill_(float("nan"))
     graph.replay()
     sync()
-    assert_bits_equal(d, eager)
+    assert_bits_equal(d, ref)
