@@ -7,7 +7,8 @@
 // holds the matmul descriptor, the four layouts and the algorithm, so a repeated shape costs
 // only the pointer attributes and the launch. The algorithm is cuBLASLt's heuristic first
 // choice; with NVTE_GEMM_AUTOTUNE=1 the plan's first calls time the heuristic's other
-// candidates and keep the fastest (gemm_tuner.h).
+// candidates and keep the fastest (gemm_tuner.h); with NVTE_GEMM_AUTOTUNE_CACHE a plan takes a
+// choice recorded in that file (gemm_tune_cache.h) from its first call.
 #include "gemm.h"
 
 #include <cuda_runtime_api.h>
@@ -25,6 +26,7 @@
 #include "../common/error.h"
 #include "cuda_check.h"
 #include "cublaslt_loader.h"
+#include "gemm_autotune.h"
 #include "gemm_tuner.h"
 
 namespace nvte::cuda {
@@ -35,22 +37,6 @@ constexpr size_t kCublasWorkspace = size_t(32) << 20;  // cuBLASLt's recommendat
 // A / B / D scale factors (one 16-byte slot each), padded to keep the rest 256-byte aligned.
 constexpr size_t kScratchBytes = 256;
 constexpr size_t kAmaxSlot = 0, kScaleASlot = 16, kScaleBSlot = 32, kScaleDSlot = 48;
-
-// NVTE_GEMM_AUTOTUNE=1: time the heuristic's candidates (gemm_tuner.h). Off by default: while
-// a shape is being tuned, its calls run different algorithms, whose outputs can differ in the
-// last bits (seen on the H100 at small shapes), so two identical calls (a module and its
-// recomputation, two equal modules) would not agree bit for bit. Off, every call runs
-// cuBLASLt's heuristic first choice, which is what cuBLAS and torch run.
-bool autotune_on() {
-  const char *e = std::getenv("NVTE_GEMM_AUTOTUNE");
-  return e != nullptr && std::strcmp(e, "1") == 0;
-}
-
-// NVTE_GEMM_AUTOTUNE_LOG=1 prints each plan's timings and choice to stderr.
-bool autotune_log() {
-  const char *e = std::getenv("NVTE_GEMM_AUTOTUNE_LOG");
-  return e != nullptr && std::strcmp(e, "1") == 0;
-}
 
 // ------------------------------------------------------------------------ helpers
 cudaDataType_t cuda_type(NVTEDType t) {
@@ -122,8 +108,10 @@ struct Key {
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr, ld = nullptr;
-  cublasLtMatmulAlgo_t algo{};          // the heuristic's first choice, then the tuner's
+  cublasLtMatmulAlgo_t algo{};          // the heuristic's first choice, the cache's, then the tuner's
   std::unique_ptr<GemmTuner> tuner;     // while the candidates are being timed
+  std::vector<int> tuner_index;         // the tuner's candidates' positions in the heuristic's list
+  std::string cache_key;                // with NVTE_GEMM_AUTOTUNE_CACHE: the plan's key in the file
   std::mutex mu;  // the descriptor's pointer attributes (and the tuner) are used under it
 };
 
@@ -145,7 +133,8 @@ struct Problem {
   // aligned (cuBLASLt 13.1's FP8 matmul returns NOT_SUPPORTED for a 4- or 8-byte aligned one).
   const float *lt_scale_a = nullptr, *lt_scale_b = nullptr, *lt_scale_d = nullptr;
   float *amax_tmp = nullptr;  // cuBLASLt's AMAX_D target (scratch)
-  bool tune = false;
+  bool tune = false;   // NVTE_GEMM_AUTOTUNE=1
+  bool cache = false;  // NVTE_GEMM_AUTOTUNE_CACHE set
   void *ws = nullptr;
   size_t ws_bytes = 0;
   int8_t fast_accum = 0;
@@ -172,6 +161,7 @@ struct Problem {
     int i = 0;
     auto put = [&](int64_t x) { k.v[i++] = x; };
     put(device);
+    put((tune ? 1 : 0) | (cache ? 2 : 0));  // (the cache file's key leaves out these two)
     put((int64_t)a.m), put((int64_t)a.n), put((int64_t)a.k);
     put(ta), put(tb), put(tc), put(td), put(opa), put(opb);
     put((int64_t)a.a.cols), put((int64_t)a.b.cols);
@@ -181,7 +171,6 @@ struct Problem {
     put(bias_ptr ? align_of(bias_ptr) : 0), put(aux_ptr ? align_of(aux_ptr) : 0);
     put(amax_tmp != nullptr), put(d_scale != nullptr);
     put(a.beta != 0.0f);
-    put(tune);
     return k;
   }
 };
@@ -273,7 +262,8 @@ std::unique_ptr<Plan> make_plan(const CublasLtApi &lt, cublasLtHandle_t h, const
   cublasLtMatmulHeuristicResult_t results[GemmTuner::kCandidates] = {};
   int found = 0;
   const cublasStatus_t st = lt.MatmulAlgoGetHeuristic(h, plan->desc, plan->la, plan->lb, plan->lc, plan->ld,
-                                                      pref, p.tune ? GemmTuner::kCandidates : 1, results, &found);
+                                                      pref, p.tune || p.cache ? GemmTuner::kCandidates : 1, results,
+                                                      &found);
   const cublasLtMatmulHeuristicResult_t &result = results[0];
   if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE ||
       (st == CUBLAS_STATUS_SUCCESS && found == 0))
@@ -286,25 +276,30 @@ std::unique_ptr<Plan> make_plan(const CublasLtApi &lt, cublasLtHandle_t h, const
                   : "");
   NVTE_CHECK_CUBLAS(st);
   plan->algo = result.algo;
+  const char *cache_path = p.cache ? tune_cache_path() : nullptr;
+  if (cache_path) {
+    const Key k = p.key();
+    plan->cache_key = tune_cache_key(lt, p.device, k.v.data() + 2, (int)k.v.size() - 2);
+    const TuneRecord *r = cached_choice(cache_path, plan->cache_key);
+    if (r && r->index < found && results[r->index].state == CUBLAS_STATUS_SUCCESS &&
+        algo_config_ids(lt, results[r->index].algo) == r->config) {
+      plan->algo = results[r->index].algo;
+      if (autotune_log())
+        std::fprintf(stderr, "[nvte gemm autotune] %s: from NVTE_GEMM_AUTOTUNE_CACHE -> #%d\n", p.describe().c_str(),
+                     r->index);
+      cleanup.p = nullptr;
+      return plan;  // no tuning: the recorded choice from the first call
+    }
+  }
   if (p.tune) {
-    // Candidates that split k as the first choice does (same split count and reduction
-    // scheme). On the H100 (cuBLASLt 13.1) their outputs were bit-identical to the first
-    // choice's at the benchmark's Linear shapes (M = 8192), not at every small shape.
-    auto config = [&](const cublasLtMatmulAlgo_t &a, cublasLtMatmulAlgoConfigAttributes_t attr) {
-      uint32_t v = 0;
-      size_t written = 0;
-      return lt.MatmulAlgoConfigGetAttribute(&a, attr, &v, sizeof(v), &written) == CUBLAS_STATUS_SUCCESS
-                 ? (int64_t)v : (int64_t)-1;
-    };
-    const int64_t split = config(result.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-                  scheme = config(result.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
-    std::vector<cublasLtMatmulAlgo_t> cands{result.algo};
-    for (int i = 1; i < found; ++i)
-      if (results[i].state == CUBLAS_STATUS_SUCCESS && split >= 0 &&
-          config(results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) == split &&
-          config(results[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) == scheme)
-        cands.push_back(results[i].algo);
-    if (cands.size() > 1) plan->tuner = std::make_unique<GemmTuner>(std::move(cands));
+    // Candidates that split k as the first choice does. On the H100 (cuBLASLt 13.1) their
+    // outputs were bit-identical to the first choice's at the benchmark's Linear shapes
+    // (M = 8192), not at every small shape.
+    Candidates c = tuning_candidates(lt, results, found);
+    if (c.algos.size() > 1) {
+      plan->tuner = std::make_unique<GemmTuner>(std::move(c.algos));
+      plan->tuner_index = std::move(c.index);
+    }
   }
   cleanup.p = nullptr;
   return plan;
@@ -375,6 +370,7 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
   p.d_fp8 = is_fp8(d.dtype);
   p.fast_accum = g.use_split_accumulator ? 0 : 1;
   p.tune = autotune_on();
+  p.cache = tune_cache_path() != nullptr;
 
   // Epilogue (gemm.h): forward bias / GELU with aux; backward dGELU (+ bias gradient of D's
   // columns) or the bias gradient of op(B) alone.
@@ -523,9 +519,13 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
         } else {
           if (t.done()) {
             plan.algo = t.algo(t.best());
+            const int chosen = plan.tuner_index[t.best()];  // position in the heuristic's list
             if (autotune_log())
-              std::fprintf(stderr, "[nvte gemm autotune] %s: %s -> #%d\n", p.describe().c_str(), t.summary().c_str(),
-                           t.best());
+              std::fprintf(stderr, "[nvte gemm autotune] %s: %s -> #%d (the heuristic's #%d)\n",
+                           p.describe().c_str(), t.summary().c_str(), t.best(), chosen);
+            if (t.measured() && !plan.cache_key.empty())
+              if (const char *path = tune_cache_path())
+                remember_choice(path, TuneRecord{plan.cache_key, chosen, algo_config_ids(lt, plan.algo)});
             t.release();
             plan.tuner.reset();
           }

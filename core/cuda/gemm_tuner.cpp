@@ -48,7 +48,7 @@ GemmTuner::Call GemmTuner::begin(cudaStream_t stream) {
   if (done_) return c;
   if (sched_.measured()) {
     best_ = sched_.decide();
-    done_ = true;
+    done_ = measured_ = true;
     return c;
   }
   const int pick = sched_.next();

@@ -47,6 +47,7 @@ class GemmTuner {
 
   const cublasLtMatmulAlgo_t &algo(int i) const { return cand_[i]; }
   bool done() const { return done_; }
+  bool measured() const { return measured_; }  // done from timings (not given up on an event error)
   int best() const { return best_; }
   std::string summary() const { return sched_.summary(); }
   // Destroys the CUDA events (call once done, while the runtime is alive; the destructor
@@ -65,7 +66,7 @@ class GemmTuner {
   TunerSchedule sched_;
   std::vector<Pending> pending_;    // queued, oldest first
   std::vector<cudaEvent_t> spare_;  // recycled events
-  bool done_ = false;
+  bool done_ = false, measured_ = false;
   int best_ = 0;
 };
 

@@ -17,7 +17,9 @@
  * CUDA: cuBLASLt with its heuristic's first algorithm, cached per shape. NVTE_GEMM_AUTOTUNE=1
  * makes each shape's first ~40 calls time up to 8 candidates (CUDA events, no synchronisation)
  * and keep the fastest; while that runs, equal calls may differ in the last bits.
- * NVTE_GEMM_AUTOTUNE_LOG=1 prints each choice to stderr.
+ * NVTE_GEMM_AUTOTUNE_LOG=1 prints each choice to stderr. NVTE_GEMM_AUTOTUNE_CACHE=<file>
+ * appends the choices to the file; a process started with the file (tuning off) runs them from
+ * each shape's first call.
  *
  * Epilogues (grad = false): bias [m] is added to every row of D; with pre_gelu_out,
  * pre_gelu_out = result (+ bias) and D = gelu_tanh(pre_gelu_out).

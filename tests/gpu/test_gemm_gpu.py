@@ -763,3 +763,47 @@ def test_autotune_under_graph_capture(monkeypatch):
     graph.replay()
     sync()
     assert_bits_equal(d, ref)
+
+
+_CACHE_CHILD = r"""
+import os, sys, torch
+sys.path.insert(0, os.path.join({root!r}, "tests", "gpu"))
+from gpu_util import DT, T
+from transformer_engine import _nvte as nvte
+g = torch.Generator(device="cuda"); g.manual_seed(44)
+a = torch.randn(4096, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+b = torch.randn(8192, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+d = torch.empty(8192, 4096, dtype=torch.bfloat16, device="cuda")
+ws = T(torch.empty(nvte.gemm_workspace_size(nvte.Backend.CUDA), dtype=torch.uint8, device="cuda"))
+nvte.gemm(T(a).t, T(b).t, T(d).t, transa=True, transb=False, workspace=ws.t)
+torch.cuda.synchronize()
+"""
+
+
+def test_autotune_cache_file(tmp_path, monkeypatch, capfd):
+    """NVTE_GEMM_AUTOTUNE_CACHE: a tuning process appends its choice to the file; a later process
+    with the file (and tuning off) runs that choice from its first call."""
+    import subprocess
+    import sys
+    cache = tmp_path / "gemm_tune.txt"
+    monkeypatch.setenv("NVTE_GEMM_AUTOTUNE", "1")
+    monkeypatch.setenv("NVTE_GEMM_AUTOTUNE_CACHE", str(cache))
+    monkeypatch.setenv("NVTE_GEMM_AUTOTUNE_LOG", "1")
+    g = torch.Generator(device=DEV)
+    g.manual_seed(44)
+    a = torch.randn(4096, 4096, device=DEV, generator=g, dtype=torch.bfloat16)
+    b = torch.randn(8192, 4096, device=DEV, generator=g, dtype=torch.bfloat16)
+    d = torch.empty(8192, 4096, dtype=torch.bfloat16, device=DEV)
+    ws = workspace()
+    run_repeatedly(64, lambda: nvte.gemm(T(a).t, T(b).t, T(d).t, transa=True, transb=False, workspace=ws.t))
+    assert "[nvte gemm autotune]" in capfd.readouterr().err
+    lines = cache.read_text().splitlines()
+    assert len(lines) == 1 and " -> " in lines[0], lines
+    chosen = int(lines[0].split(" -> ")[1].split()[0])
+    monkeypatch.delenv("NVTE_GEMM_AUTOTUNE")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.run([sys.executable, "-c", _CACHE_CHILD.format(root=root)], capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 0, child.stderr
+    assert f"from NVTE_GEMM_AUTOTUNE_CACHE -> #{chosen}" in child.stderr, child.stderr
+    assert cache.read_text().splitlines() == lines  # reading does not write

@@ -1,0 +1,50 @@
+// gemm_autotune.h - what gemm.cpp's plans need for NVTE_GEMM_AUTOTUNE (gemm_tuner.h) and
+// NVTE_GEMM_AUTOTUNE_CACHE (gemm_tune_cache.h): the switches, the candidate list, the
+// config ids of an algorithm and the cache file's key and records.
+#pragma once
+
+#include <cublasLt.h>
+
+#include <string>
+#include <vector>
+
+#include "cublaslt_loader.h"
+#include "gemm_tune_cache.h"
+
+namespace nvte::cuda {
+
+// NVTE_GEMM_AUTOTUNE=1: time the heuristic's candidates (gemm_tuner.h). Off by default: while
+// a shape is being tuned, its calls run different algorithms, whose outputs can differ in the
+// last bits (seen on the H100 at small shapes), so two identical calls (a module and its
+// recomputation, two equal modules) would not agree bit for bit. Off, every call runs
+// cuBLASLt's heuristic first choice (what cuBLAS and torch run) or the cache file's choice.
+bool autotune_on();
+// NVTE_GEMM_AUTOTUNE_LOG=1: each plan's timings and choice (or cached choice) on stderr.
+bool autotune_log();
+// NVTE_GEMM_AUTOTUNE_CACHE=<file>, or nullptr: plans built while it is set take the file's
+// choice for their key from their first call; the tuner appends its choices to it.
+const char *tune_cache_path();
+
+// Tile, stages, split-k, reduction scheme, swizzle, custom option and cluster ids (-1 where
+// cuBLASLt does not answer).
+std::vector<int64_t> algo_config_ids(const CublasLtApi &lt, const cublasLtMatmulAlgo_t &algo);
+
+// The heuristic's results that split k as the first does (same split count and reduction
+// scheme), the first included, with their positions in `results`.
+struct Candidates {
+  std::vector<cublasLtMatmulAlgo_t> algos;
+  std::vector<int> index;
+};
+Candidates tuning_candidates(const CublasLtApi &lt, const cublasLtMatmulHeuristicResult_t *results, int found);
+
+// The cache file's key of a plan: cuBLASLt version, device (compute capability and name) and
+// the plan's fields (shapes, types, epilogue, alignments, workspace; not the device index).
+std::string tune_cache_key(const CublasLtApi &lt, int device, const int64_t *fields, int n);
+
+// The record of `key` in the file (read once per process and file), or nullptr.
+const TuneRecord *cached_choice(const std::string &path, const std::string &key);
+// Appends a choice to the file (a failure to write is reported on stderr once, not raised:
+// the GEMM itself has run).
+void remember_choice(const std::string &path, const TuneRecord &record);
+
+}  // namespace nvte::cuda
