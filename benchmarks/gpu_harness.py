@@ -34,16 +34,11 @@ def time_ms(fn, iters=30, warmup=10, inner=8):
     return statistics.median(times)
 
 
-def time_pair_ms(ours, theirs, rounds=3, **kw):
-    """(ours, theirs) median milliseconds, timed alternately `rounds` times each (ours, theirs,
-    ours, ...) and the median of the per-round medians taken: at a few percent apart, the card's
-    clock and power state drifts between two long back-to-back timings, which favours whichever
-    runs in the better state; alternating spreads that over both."""
-    return tuple(time_alternating_ms([ours, theirs], rounds=rounds, **kw))
-
-
 def time_alternating_ms(fns, rounds=3, **kw):
-    """time_pair_ms for any number of functions: [median ms of each]."""
+    """[median ms of each fn], the fns timed alternately `rounds` times each (a, b, ..., a, b,
+    ...) and the median of the per-round medians taken: at a few percent apart, the card's clock
+    and power state drifts between long back-to-back timings, which favours whichever runs in
+    the better state; alternating spreads that over all of them."""
     samples = [[] for _ in fns]
     for _ in range(rounds):
         for fn, s in zip(fns, samples):
