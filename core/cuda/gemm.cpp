@@ -15,7 +15,6 @@
 
 #include <array>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -110,7 +109,6 @@ struct Plan {
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr, ld = nullptr;
   cublasLtMatmulAlgo_t algo{};          // the heuristic's first choice, the cache's, then the tuner's
   std::unique_ptr<GemmTuner> tuner;     // while the candidates are being timed
-  std::vector<int> tuner_index;         // the tuner's candidates' positions in the heuristic's list
   std::string cache_key;                // with NVTE_GEMM_AUTOTUNE_CACHE: the plan's key in the file
   std::mutex mu;  // the descriptor's pointer attributes (and the tuner) are used under it
 };
@@ -296,10 +294,7 @@ std::unique_ptr<Plan> make_plan(const CublasLtApi &lt, cublasLtHandle_t h, const
     // outputs were bit-identical to the first choice's at the benchmark's Linear shapes
     // (M = 8192), not at every small shape.
     Candidates c = tuning_candidates(lt, results, found);
-    if (c.algos.size() > 1) {
-      plan->tuner = std::make_unique<GemmTuner>(std::move(c.algos));
-      plan->tuner_index = std::move(c.index);
-    }
+    if (c.algos.size() > 1) plan->tuner = std::make_unique<GemmTuner>(std::move(c.algos), std::move(c.index));
   }
   cleanup.p = nullptr;
   return plan;
@@ -322,6 +317,22 @@ Plan &plan_for(const CublasLtApi &lt, cublasLtHandle_t h, const Problem &p) {
     for (auto l : {made->la, made->lb, made->lc, made->ld}) lt.MatrixLayoutDestroy(l);
   }
   return *ins.first->second;
+}
+
+// The tuner has decided: its choice becomes the plan's algorithm (logged, and appended to the
+// cache file when it came from timings), and the tuner goes. Under plan.mu.
+void adopt_tuned_choice(const CublasLtApi &lt, Plan &plan, const Problem &p) {
+  GemmTuner &t = *plan.tuner;
+  plan.algo = t.algo(t.best());
+  const int chosen = t.heuristic_index(t.best());
+  if (autotune_log())
+    std::fprintf(stderr, "[nvte gemm autotune] %s: %s -> #%d (the heuristic's #%d)\n", p.describe().c_str(),
+                 t.summary().c_str(), t.best(), chosen);
+  if (t.measured() && !plan.cache_key.empty())
+    if (const char *path = tune_cache_path())
+      remember_choice(path, TuneRecord{plan.cache_key, chosen, algo_config_ids(lt, plan.algo)});
+  t.release();
+  plan.tuner.reset();
 }
 
 // k = 0: the product is zero. Only the cases with an exact answer that needs no cuBLASLt run:
@@ -517,18 +528,7 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
           t.end(call, stream, st == CUBLAS_STATUS_SUCCESS);
           if (st != CUBLAS_STATUS_SUCCESS && call.cand != 0) st = matmul(&plan.algo);  // refused: first choice
         } else {
-          if (t.done()) {
-            plan.algo = t.algo(t.best());
-            const int chosen = plan.tuner_index[t.best()];  // position in the heuristic's list
-            if (autotune_log())
-              std::fprintf(stderr, "[nvte gemm autotune] %s: %s -> #%d (the heuristic's #%d)\n",
-                           p.describe().c_str(), t.summary().c_str(), t.best(), chosen);
-            if (t.measured() && !plan.cache_key.empty())
-              if (const char *path = tune_cache_path())
-                remember_choice(path, TuneRecord{plan.cache_key, chosen, algo_config_ids(lt, plan.algo)});
-            t.release();
-            plan.tuner.reset();
-          }
+          if (t.done()) adopt_tuned_choice(lt, plan, p);
           st = matmul(&plan.algo);
         }
       } else {

@@ -4,8 +4,8 @@
 
 namespace nvte::cuda {
 
-GemmTuner::GemmTuner(std::vector<cublasLtMatmulAlgo_t> candidates)
-    : cand_(std::move(candidates)), sched_((int)cand_.size(), kSamples, kMargin) {
+GemmTuner::GemmTuner(std::vector<cublasLtMatmulAlgo_t> candidates, std::vector<int> index)
+    : cand_(std::move(candidates)), index_(std::move(index)), sched_((int)cand_.size(), kSamples, kMargin) {
   if (cand_.size() < 2) done_ = true;
 }
 

@@ -29,8 +29,9 @@ class GemmTuner {
   static constexpr int kCandidates = 8;    // heuristic results asked for
   static constexpr float kMargin = 0.01f;  // a candidate must be this much faster than the first
 
-  // candidates[0] is the heuristic's first choice, used until the tuner decides.
-  explicit GemmTuner(std::vector<cublasLtMatmulAlgo_t> candidates);
+  // candidates[0] is the heuristic's first choice, used until the tuner decides; index[i] is
+  // candidate i's position in the heuristic's list (for the cache file and the log).
+  GemmTuner(std::vector<cublasLtMatmulAlgo_t> candidates, std::vector<int> index);
   GemmTuner(const GemmTuner &) = delete;
   GemmTuner &operator=(const GemmTuner &) = delete;
 
@@ -46,6 +47,7 @@ class GemmTuner {
   void end(const Call &call, cudaStream_t stream, bool ran);
 
   const cublasLtMatmulAlgo_t &algo(int i) const { return cand_[i]; }
+  int heuristic_index(int i) const { return index_[i]; }
   bool done() const { return done_; }
   bool measured() const { return measured_; }  // done from timings (not given up on an event error)
   int best() const { return best_; }
@@ -63,6 +65,7 @@ class GemmTuner {
   void abandon();  // a CUDA event call failed: keep the heuristic's choice
 
   std::vector<cublasLtMatmulAlgo_t> cand_;
+  std::vector<int> index_;
   TunerSchedule sched_;
   std::vector<Pending> pending_;    // queued, oldest first
   std::vector<cudaEvent_t> spare_;  // recycled events
