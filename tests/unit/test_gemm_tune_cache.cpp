@@ -1,5 +1,6 @@
 // The NVTE_GEMM_AUTOTUNE_CACHE file format (core/cuda/gemm_tune_cache.h), without a GPU.
 // Run by ctest.
+#include "check.h"
 #include "../../core/cuda/gemm_tune_cache.h"
 
 #include <unistd.h>
@@ -9,15 +10,6 @@
 #include <string>
 
 using namespace nvte::cuda;
-
-static int failures = 0;
-#define EXPECT(cond)                                                              \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      std::fprintf(stderr, "%s:%d: %s failed\n", __FILE__, __LINE__, #cond);     \
-      ++failures;                                                                 \
-    }                                                                             \
-  } while (0)
 
 static void round_trip() {
   TuneRecord r{"cublaslt=130100 sm=90 NVIDIA_H100 k=4096,8192,4096", 5, {23, 36, 1, 0, 0, 4, 0}};
@@ -64,10 +56,5 @@ int main() {
   round_trip();
   malformed_lines();
   file_append_and_read();
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  std::puts("test_gemm_tune_cache: all checks passed");
-  return 0;
+  return check_report("test_gemm_tune_cache");
 }

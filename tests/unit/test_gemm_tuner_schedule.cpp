@@ -1,5 +1,6 @@
 // TunerSchedule (core/cuda/gemm_tuner_schedule.h): the order of GemmTuner's timed calls and
 // its choice, without a GPU. Run by ctest.
+#include "check.h"
 #include "../../core/cuda/gemm_tuner_schedule.h"
 
 #include <cstdio>
@@ -7,18 +8,6 @@
 #include <vector>
 
 using nvte::cuda::TunerSchedule;
-
-static int failures = 0;
-#define EXPECT_EQ(a, b)                                                                         \
-  do {                                                                                          \
-    const auto va_ = (a);                                                                       \
-    const auto vb_ = (b);                                                                       \
-    if (!(va_ == vb_)) {                                                                        \
-      std::fprintf(stderr, "%s:%d: %s == %s failed (%g vs %g)\n", __FILE__, __LINE__, #a, #b,  \
-                   (double)va_, (double)vb_);                                                   \
-      ++failures;                                                                               \
-    }                                                                                           \
-  } while (0)
 
 // Queues every timed call the schedule hands out; returns the order.
 static std::vector<int> drain(TunerSchedule &s) {
@@ -100,10 +89,5 @@ int main() {
   first_choice_kept_within_margin();
   refused_candidates_are_skipped();
   single_candidate();
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  std::puts("test_gemm_tuner_schedule: all checks passed");
-  return 0;
+  return check_report("test_gemm_tuner_schedule");
 }
