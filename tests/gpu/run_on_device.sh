@@ -95,7 +95,7 @@ if [[ " $steps " == *" memcheck_all "* ]]; then
     [act_softmax]="tests/gpu/test_activation_gpu.py tests/gpu/test_softmax_gpu.py tests/gpu/test_dispatch_gpu.py tests/gpu/test_fp8_codec_gpu.py"
     [norm]="tests/gpu/test_normalization_gpu.py"
     [transpose]="tests/gpu/test_transpose_gpu.py"
-    [gemm_recipe]="tests/gpu/test_gemm_gpu.py tests/gpu/test_recipe_gpu.py"
+    [gemm_recipe]="tests/gpu/test_gemm_gpu.py tests/gpu/test_gemm_fp8_gpu.py tests/gpu/test_gemm_epilogue_gpu.py tests/gpu/test_gemm_autotune_gpu.py tests/gpu/test_recipe_gpu.py"
     [attention]="tests/gpu/test_fused_attn_gpu.py tests/gpu/test_fused_attn_thd_gpu.py tests/gpu/test_fused_attn_fp8_gpu.py")
   for name in "${!shards[@]}"; do
     timeout "${MEMCHECK_TIMEOUT:-540}" compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
