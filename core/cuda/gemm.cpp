@@ -6,8 +6,9 @@
 // epilogue, alignment classes, workspace size, device) forms a cache key; its entry
 // holds the matmul descriptor, the four layouts and the algorithm, so a repeated shape costs
 // only the pointer attributes and the launch. The algorithm is cuBLASLt's heuristic first
-// choice; with NVTE_GEMM_AUTOTUNE=1 the plan's first calls time the heuristic's other
-// candidates and keep the fastest (gemm_tuner.h); with NVTE_GEMM_AUTOTUNE_CACHE a plan takes a
+// choice; for large shapes (NVTE_GEMM_AUTOTUNE, gemm_autotune.h) the plan's first calls time
+// the heuristic's other candidates, check each against the first choice bit for bit, and keep
+// the fastest of those that agree (gemm_tuner.h); with NVTE_GEMM_AUTOTUNE_CACHE a plan takes a
 // choice recorded in that file (gemm_tune_cache.h) from its first call.
 #include "gemm.h"
 
@@ -32,10 +33,11 @@ namespace nvte::cuda {
 namespace {
 
 constexpr size_t kCublasWorkspace = size_t(32) << 20;  // cuBLASLt's recommendation for Hopper
-// Scratch at the workspace's start: cuBLASLt's FP8 amax target and aligned copies of the
-// A / B / D scale factors (one 16-byte slot each), padded to keep the rest 256-byte aligned.
+// Scratch at the workspace's start: cuBLASLt's FP8 amax target, aligned copies of the
+// A / B / D scale factors (one 16-byte slot each) and the two output hashes of an autotune
+// check, padded to keep the rest 256-byte aligned.
 constexpr size_t kScratchBytes = 256;
-constexpr size_t kAmaxSlot = 0, kScaleASlot = 16, kScaleBSlot = 32, kScaleDSlot = 48;
+constexpr size_t kAmaxSlot = 0, kScaleASlot = 16, kScaleBSlot = 32, kScaleDSlot = 48, kHashSlot = 64;
 
 // ------------------------------------------------------------------------ helpers
 cudaDataType_t cuda_type(NVTEDType t) {
@@ -131,7 +133,13 @@ struct Problem {
   // aligned (cuBLASLt 13.1's FP8 matmul returns NOT_SUPPORTED for a 4- or 8-byte aligned one).
   const float *lt_scale_a = nullptr, *lt_scale_b = nullptr, *lt_scale_d = nullptr;
   float *amax_tmp = nullptr;  // cuBLASLt's AMAX_D target (scratch)
-  bool tune = false;   // NVTE_GEMM_AUTOTUNE=1
+  bool tune = false;   // the plan times candidates (gemm_autotune.h: large, re-runnable calls)
+  unsigned long long *hash_sums = nullptr;  // (scratch) a check's two output hashes
+  // What a call writes, for the autotune check: D, a GELU aux output, a bias gradient.
+  struct Span {
+    const void *p;
+    size_t bytes;
+  } outputs[3] = {};
   bool cache = false;  // NVTE_GEMM_AUTOTUNE_CACHE set
   void *ws = nullptr;
   size_t ws_bytes = 0;
@@ -335,6 +343,39 @@ void adopt_tuned_choice(const CublasLtApi &lt, Plan &plan, const Problem &p) {
   plan.tuner.reset();
 }
 
+// A tuning call (gemm_tuner.h): candidate call.cand >= 1 runs kRepeats times between two
+// events, its outputs are hashed, the first choice (plan.algo while tuning) runs kRepeats times
+// over the same inputs between two more events, the outputs are hashed again, and the
+// candidate is flagged when the hashes differ. Returns the first choice's status: its outputs
+// are the call's result. Under plan.mu.
+template <class Matmul>
+cublasStatus_t tuning_call(GemmTuner &t, const GemmTuner::Call &call, const Problem &p, const Matmul &matmul,
+                           cudaStream_t stream) {
+  auto hash_all = [&](unsigned long long *sum) {
+    bool ok = true;
+    for (int i = 0; i < 3; ++i)
+      if (p.outputs[i].p) ok = ok && launch_output_hash(p.outputs[i].p, p.outputs[i].bytes, 1 + i, sum, stream);
+    return ok;
+  };
+  bool ok = t.record(call, GemmTuner::kCandStart, stream);
+  cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+  for (int r = 0; r < GemmTuner::kRepeats && st == CUBLAS_STATUS_SUCCESS; ++r) st = matmul(&t.algo(call.cand));
+  if (st != CUBLAS_STATUS_SUCCESS) {  // cuBLASLt refused the candidate
+    t.refused(call);
+    return matmul(nullptr);
+  }
+  ok = ok && t.record(call, GemmTuner::kCandStop, stream) &&
+       cudaMemsetAsync(p.hash_sums, 0, 2 * sizeof(unsigned long long), stream) == cudaSuccess &&
+       hash_all(p.hash_sums) && t.record(call, GemmTuner::kFirstStart, stream);
+  for (int r = 0; r < GemmTuner::kRepeats && st == CUBLAS_STATUS_SUCCESS; ++r) st = matmul(nullptr);
+  ok = ok && st == CUBLAS_STATUS_SUCCESS && t.record(call, GemmTuner::kFirstStop, stream) &&
+       hash_all(p.hash_sums + 1) && launch_hash_compare(p.hash_sums, t.check_flag(call.cand), stream) &&
+       t.record(call, GemmTuner::kChecked, stream);
+  if (!ok) cudaGetLastError();  // a failed check launch: the tuner gives up, the GEMM stands
+  t.finish(call, ok);
+  return st;
+}
+
 // k = 0: the product is zero. Only the cases with an exact answer that needs no cuBLASLt run:
 // D = 0 (beta 0) or D unchanged (beta 1 with C = D), bias gradient of op(B) = 0.
 void gemm_k0(const GemmArgs &g, const Problem &p, cudaStream_t stream) {
@@ -380,7 +421,6 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
   p.fp8 = is_fp8(g.a.dtype);
   p.d_fp8 = is_fp8(d.dtype);
   p.fast_accum = g.use_split_accumulator ? 0 : 1;
-  p.tune = autotune_on();
   p.cache = tune_cache_path() != nullptr;
 
   // Epilogue (gemm.h): forward bias / GELU with aux; backward dGELU (+ bias gradient of D's
@@ -480,8 +520,14 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
     ws_bytes = ws_bytes > pad ? ws_bytes - pad : 0;
     ws += pad;
   }
+  // Autotuning (gemm_autotune.h): a large call that can run twice over its inputs, with the
+  // scratch for the check's hashes.
+  const TuneMode mode = autotune_mode();
+  const bool rerunnable = g.beta == 0.0f && !p.d_fp8;
+  p.tune = rerunnable && ws_bytes >= kScratchBytes &&
+           (mode == TuneMode::all || (mode == TuneMode::large && (double)g.m * g.n * g.k >= kTuneMinVolume));
   uintptr_t scratch = 0;
-  if (amax || copy_scales) {
+  if (amax || copy_scales || ws_bytes >= kScratchBytes) {  // (always carved: one cuBLASLt workspace size)
     NVTE_CHECK(ws_bytes >= kScratchBytes, amax ? "an FP8 D with an amax" : "an FP8 scale factor that is not "
                "16-byte aligned (cuBLASLt reads it from an aligned copy)", " needs the GEMM workspace (",
                kScratchBytes, " bytes of scratch at least, nvte_cublas_gemm_workspace_size bytes for full speed); "
@@ -491,6 +537,15 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
     ws_bytes -= kScratchBytes;
   }
   if (amax) p.amax_tmp = reinterpret_cast<float *>(scratch + kAmaxSlot);
+  if (p.tune) {
+    p.hash_sums = reinterpret_cast<unsigned long long *>(scratch + kHashSlot);
+    p.outputs[0] = {d.data_ptr, g.m * g.n * dtype_size(d.dtype)};
+    if (p.aux_ptr && g.gelu) p.outputs[1] = {p.aux_ptr, g.m * g.n * dtype_size(rowwise(*g.aux, "pre_gelu_out").dtype)};
+    if (p.bias_ptr && g.dbias) {
+      const NVTEBasicTensor &b = rowwise(*g.dbias, "the bias gradient");
+      p.outputs[2] = {b.data_ptr, numel(b.shape) * dtype_size(b.dtype)};
+    }
+  }
   float *copies[3] = {nullptr, nullptr, nullptr};  // scratch slots to fill from A / B / D's scale
   if (misaligned(p.lt_scale_a)) p.lt_scale_a = copies[0] = reinterpret_cast<float *>(scratch + kScaleASlot);
   if (misaligned(p.lt_scale_b)) p.lt_scale_b = copies[1] = reinterpret_cast<float *>(scratch + kScaleBSlot);
@@ -515,24 +570,20 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
       std::lock_guard<std::mutex> lk(plan.mu);
       set_pointers(lt, plan.desc, p);
       const float alpha = g.alpha, beta = g.beta;
-      auto matmul = [&](const cublasLtMatmulAlgo_t *algo) {
+      auto matmul = [&](const cublasLtMatmulAlgo_t *algo) {  // null: the plan's algorithm
+        if (algo == nullptr) algo = &plan.algo;
         return lt.Matmul(h, plan.desc, &alpha, g.a.data, plan.la, g.b.data, plan.lb, &beta, p.c_ptr, plan.lc, p.d_ptr,
                          plan.ld, algo, p.ws, p.ws_bytes, stream);
       };
       cublasStatus_t st;
-      if (plan.tuner) {
-        GemmTuner &t = *plan.tuner;
-        const GemmTuner::Call call = t.begin(stream);
-        if (call.cand >= 0) {
-          st = matmul(&t.algo(call.cand));
-          t.end(call, stream, st == CUBLAS_STATUS_SUCCESS);
-          if (st != CUBLAS_STATUS_SUCCESS && call.cand != 0) st = matmul(&plan.algo);  // refused: first choice
-        } else {
-          if (t.done()) adopt_tuned_choice(lt, plan, p);
-          st = matmul(&plan.algo);
-        }
+      GemmTuner *t = plan.tuner.get();
+      GemmTuner::Call call;
+      if (t) call = t->begin(stream);
+      if (call.cand > 0) {
+        st = tuning_call(*t, call, p, matmul, stream);
       } else {
-        st = matmul(&plan.algo);
+        if (t && t->done()) adopt_tuned_choice(lt, plan, p);
+        st = matmul(nullptr);
       }
       if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE)
         NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "cuBLASLt ", lt.version, " rejected this GEMM (", p.describe(), "): ",

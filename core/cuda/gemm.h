@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "../common/tensor.h"
 
@@ -55,5 +56,14 @@ void launch_bias_gelu(void *d, NVTEDType td, const void *bias, NVTEDType tb, voi
                       size_t n, bool gelu, cudaStream_t stream);
 // Non-FP8 D with an amax buffer: *amax = max(*amax, max |d|) over numel elements.
 void launch_amax_update(const void *d, NVTEDType dtype, size_t numel, float *amax, cudaStream_t stream);
+
+
+// ------------------------------------------------- autotune checks (gemm_check.cu)
+// *sum += a position-dependent hash of the bytes of data (order-free: any grid). False when
+// the launch failed (the error is consumed: the caller gives up tuning, not the GEMM).
+bool launch_output_hash(const void *data, size_t bytes, uint64_t salt, unsigned long long *sum,
+                        cudaStream_t stream);
+// *flag = 1 when sums[0] != sums[1] (flag: device pointer, may be mapped host memory).
+bool launch_hash_compare(const unsigned long long *sums, int *flag, cudaStream_t stream);
 
 }  // namespace nvte::cuda

@@ -11,9 +11,11 @@
 
 namespace nvte::cuda {
 
-bool autotune_on() {
+TuneMode autotune_mode() {
   const char *e = std::getenv("NVTE_GEMM_AUTOTUNE");
-  return e != nullptr && std::strcmp(e, "1") == 0;
+  if (e != nullptr && std::strcmp(e, "0") == 0) return TuneMode::off;
+  if (e != nullptr && std::strcmp(e, "1") == 0) return TuneMode::all;
+  return TuneMode::large;
 }
 
 bool autotune_log() {

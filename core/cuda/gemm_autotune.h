@@ -13,12 +13,18 @@
 
 namespace nvte::cuda {
 
-// NVTE_GEMM_AUTOTUNE=1: time the heuristic's candidates (gemm_tuner.h). Off by default: while
-// a shape is being tuned, its calls run different algorithms, whose outputs can differ in the
-// last bits (seen on the H100 at small shapes), so two identical calls (a module and its
-// recomputation, two equal modules) would not agree bit for bit. Off, every call runs
-// cuBLASLt's heuristic first choice (what cuBLAS and torch run) or the cache file's choice.
-bool autotune_on();
+// NVTE_GEMM_AUTOTUNE: which plans time the heuristic's candidates (gemm_tuner.h).
+//   unset (or any other value): plans with m * n * k >= kTuneMinVolume (default);
+//   1: every plan; 0: none (every call runs cuBLASLt's first choice, what cuBLAS and torch run,
+//   or the cache file's choice).
+// Only plans whose calls can run twice over the same inputs are tuned (beta = 0: D is not
+// read; D not FP8: cuBLASLt's amax and scale outputs stay the first choice's), since every
+// tuning call of a candidate is checked bit for bit against the first choice.
+enum class TuneMode { off, large, all };
+TuneMode autotune_mode();
+// 2^34, e.g. 4096 x 4096 x 1024: about 25 us of FP8 work on an H100. Below it a few percent
+// of a GEMM is a few microseconds, less than the host time of a call.
+constexpr double kTuneMinVolume = 17179869184.0;
 // NVTE_GEMM_AUTOTUNE_LOG=1: each plan's timings and choice (or cached choice) on stderr.
 bool autotune_log();
 // NVTE_GEMM_AUTOTUNE_CACHE=<file>, or nullptr: plans built while it is set take the file's

@@ -1,6 +1,13 @@
 // gemm_tuner_schedule.h - GemmTuner's bookkeeping without CUDA: which candidate the next
 // timed call runs, the finished samples, and the choice. Kept free of CUDA so that CI (no GPU)
 // tests it (tests/unit/test_gemm_tuner_schedule.cpp).
+//
+// Candidate 0 is the heuristic's first choice, the reference: it is never scheduled on its own.
+// Each timed call of candidate c >= 1 also times the first choice over the same inputs right
+// after it, and its sample is the ratio of the two times. A paired ratio cancels what drifts
+// between calls (clocks under the power limit, what else the GPU ran before), which made
+// single-call times of different candidates disagree with their steady-state speed by several
+// percent on the H100.
 #pragma once
 
 #include <algorithm>
@@ -12,86 +19,98 @@ namespace nvte::cuda {
 
 class TunerSchedule {
  public:
-  // candidates: how many (0 = the heuristic's first choice); samples: timed calls each;
-  // margin: how much faster (relative) another candidate must be to replace the first.
+  // candidates: how many, the first choice (0) included; samples: timed calls of each other
+  // candidate; margin: how much faster (relative) a candidate must be to replace the first.
   TunerSchedule(int candidates, int samples, float margin)
-      : k_(candidates), samples_(samples), margin_(margin), ms_(candidates), queued_(candidates, 0),
-        live_(candidates, true) {}
+      : k_(candidates), samples_(samples), margin_(margin), ratios_(candidates), queued_(candidates, 0),
+        state_(candidates, State::live) {}
 
-  // The candidate the next timed call runs, or -1 when every live candidate has all its timed
-  // calls queued. Among those with the fewest queued calls, each round starts one candidate
-  // further along: a call pattern with a period of k (a sync every k calls) would otherwise
-  // time one candidate always right after the GPU idled (on the H100, in such a run, the
-  // candidate always timed first measured slowest at 5 of 9 shapes).
+  // The candidate (>= 1) the next timed call runs, or -1 when every live candidate has all its
+  // timed calls queued. Among those with the fewest queued calls, each round starts one
+  // candidate further along, so that no candidate always follows the same one.
   int next() const {
+    const int n = k_ - 1;
+    if (n <= 0) return -1;
     int total = 0;
     for (int q : queued_) total += q;
-    const int first = k_ > 0 ? (total / k_) % k_ : 0;
+    const int first = (total / n) % n;
     int pick = -1;
-    for (int j = 0; j < k_; ++j) {
-      const int i = (first + j) % k_;
-      if (live_[i] && queued_[i] < samples_ && (pick < 0 || queued_[i] < queued_[pick])) pick = i;
+    for (int j = 0; j < n; ++j) {
+      const int i = 1 + (first + j) % n;
+      if (live(i) && queued_[i] < samples_ && (pick < 0 || queued_[i] < queued_[pick])) pick = i;
     }
     return pick;
   }
   void queued(int c) { ++queued_[c]; }
-  void refused(int c) { live_[c] = false; }  // never timed again nor chosen
-  void sample(int c, float ms) { ms_[c].push_back(ms); }
-  bool live(int c) const { return live_[c]; }
+  // Never timed again nor chosen: cuBLASLt refused the candidate, or its output differed from
+  // the first choice's on a checked call.
+  void refused(int c) { state_[c] = State::refused; }
+  void differs(int c) { state_[c] = State::differs; }
+  bool live(int c) const { return state_[c] == State::live; }
+  // One timed call of candidate c >= 1: its time and the first choice's in the same call.
+  void sample(int c, float ms, float first_ms) {
+    ratios_[c].push_back(first_ms > 0.0f ? ms / first_ms : 1e30f);
+    first_ms_.push_back(first_ms);
+  }
 
   // Every live candidate has its samples.
   bool measured() const {
-    for (int i = 0; i < k_; ++i)
-      if (live_[i] && (int)ms_[i].size() < samples_) return false;
+    for (int i = 1; i < k_; ++i)
+      if (live(i) && (int)ratios_[i].size() < samples_) return false;
     return true;
   }
 
-  // The lowest median among the measured live candidates; the first choice (0) unless that
-  // median is more than `margin` below the first's (a smaller difference is not worth
-  // trusting from a few single-call times).
+  // The candidate with the lowest median ratio, if that is more than `margin` below 1 (a
+  // smaller difference is not worth trusting from a few calls); else the first choice.
   int decide() const {
-    int best = -1;
-    for (int i = 0; i < k_; ++i) {
-      const float m = median(i);
-      if (m >= 0.0f && (best < 0 || m < median(best))) best = i;
+    int best = 0;
+    for (int i = 1; i < k_; ++i) {
+      const float r = ratio(i);
+      if (r >= 0.0f && r < 1.0f - margin_ && (best == 0 || r < ratio(best))) best = i;
     }
-    if (best < 0) return 0;
-    const float first = median(0);
-    if (best != 0 && first >= 0.0f && median(best) > first * (1.0f - margin_)) return 0;
     return best;
   }
 
-  // Median ms of candidate i, or -1 when it is refused or not fully measured.
-  float median(int i) const {
-    if (!live_[i] || (int)ms_[i].size() < samples_) return -1.0f;
-    std::vector<float> s = ms_[i];
-    std::nth_element(s.begin(), s.begin() + s.size() / 2, s.end());
-    return s[s.size() / 2];
+  // Median time of candidate i over the first choice's (1 for the first choice), or -1 when
+  // it is refused, differs or is not fully measured.
+  float ratio(int i) const {
+    if (i == 0) return 1.0f;
+    if (!live(i) || (int)ratios_[i].size() < samples_) return -1.0f;
+    return median(ratios_[i]);
   }
 
-  // "#0 0.1234 ms, #1 refused, ..." for NVTE_GEMM_AUTOTUNE_LOG.
+  // "#0 0.1234 ms, #1 x1.003, #2 refused, #3 differs, ..." for NVTE_GEMM_AUTOTUNE_LOG (#0: the
+  // median of the first choice's paired times).
   std::string summary() const {
-    std::string out;
-    for (int i = 0; i < k_; ++i) {
-      char buf[64];
-      const float m = median(i);
-      if (!live_[i])
-        std::snprintf(buf, sizeof(buf), "%s#%d refused", i ? ", " : "", i);
-      else if (m >= 0.0f)
-        std::snprintf(buf, sizeof(buf), "%s#%d %.4f ms", i ? ", " : "", i, m);
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "#0 %.4f ms", first_ms_.empty() ? 0.0f : median(first_ms_));
+    std::string out = buf;
+    for (int i = 1; i < k_; ++i) {
+      const float r = ratio(i);
+      if (!live(i))
+        std::snprintf(buf, sizeof(buf), ", #%d %s", i, state_[i] == State::refused ? "refused" : "differs");
+      else if (r >= 0.0f)
+        std::snprintf(buf, sizeof(buf), ", #%d x%.3f", i, r);
       else
-        std::snprintf(buf, sizeof(buf), "%s#%d unmeasured", i ? ", " : "", i);
+        std::snprintf(buf, sizeof(buf), ", #%d unmeasured", i);
       out += buf;
     }
     return out;
   }
 
  private:
+  static float median(std::vector<float> s) {
+    std::nth_element(s.begin(), s.begin() + s.size() / 2, s.end());
+    return s[s.size() / 2];
+  }
+
   int k_, samples_;
   float margin_;
-  std::vector<std::vector<float>> ms_;  // finished samples per candidate
-  std::vector<int> queued_;             // timed calls launched per candidate
-  std::vector<bool> live_;              // false: cuBLASLt refused it
+  std::vector<std::vector<float>> ratios_;  // finished samples per candidate (index 0 unused)
+  std::vector<float> first_ms_;             // the first choice's paired times, all calls
+  std::vector<int> queued_;                 // timed calls launched per candidate
+  enum class State : unsigned char { live, refused, differs };
+  std::vector<State> state_;
 };
 
 }  // namespace nvte::cuda

@@ -24,7 +24,9 @@
 # memcheck, in parallel shards of test files (one process each; MEMCHECK_TIMEOUT per shard,
 # default 540 s); logs $OUT/memcheck_<shard>.log.
 # candidates: benchmarks/cublaslt_candidates.cu on the benchmark's GEMM shapes (FP8 and BF16):
-# cuBLASLt's heuristic candidates, their speed and whether their outputs agree ($OUT/candidates.txt).
+# cuBLASLt's heuristic candidates, their speed and whether their outputs agree ($OUT/candidates.txt);
+# CANDIDATES_KINDS (default "fp8 bf16"), CANDIDATES_NK ("N K" pairs separated by ";", default the
+# benchmark's five) and CANDIDATES_TOP (results asked of the heuristic, default 8) narrow or widen it.
 # pack: every file under $OUT into one $OUT/logs.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -123,9 +125,10 @@ if [[ " $steps " == *" gemmlog "* ]]; then
 fi
 if [[ " $steps " == *" candidates "* ]]; then
   nvcc -std=c++17 -O2 -arch=sm_90 benchmarks/cublaslt_candidates.cu -lcublasLt -o /tmp/nvte_candidates || rc=1
-  for kind in fp8 bf16; do
-    for nk in "12288 4096" "4096 4096" "16384 4096" "4096 16384" "8192 8192"; do
-      /tmp/nvte_candidates $kind 8192 $nk 8 >>"$OUT/candidates.txt" 2>&1 || rc=1
+  IFS=';' read -ra nks <<<"${CANDIDATES_NK:-12288 4096;4096 4096;16384 4096;4096 16384;8192 8192}"
+  for kind in ${CANDIDATES_KINDS:-fp8 bf16}; do
+    for nk in "${nks[@]}"; do
+      /tmp/nvte_candidates $kind 8192 $nk ${CANDIDATES_TOP:-8} >>"$OUT/candidates.txt" 2>&1 || rc=1
     done
   done
   grep -E "^(fp8|bf16) M|ms |differ|fail" "$OUT/candidates.txt" | grep -v " 0 of "

@@ -20,8 +20,8 @@ static std::vector<int> drain(TunerSchedule &s) {
 }
 
 static void rounds_rotate() {
-  TunerSchedule s(3, 3, 0.01f);
-  const std::vector<int> want = {0, 1, 2, 1, 2, 0, 2, 0, 1};
+  TunerSchedule s(4, 3, 0.01f);  // candidates 1..3 are timed; 0 is the reference
+  const std::vector<int> want = {1, 2, 3, 2, 3, 1, 3, 1, 2};
   const std::vector<int> got = drain(s);
   EXPECT_EQ(got.size(), want.size());
   for (size_t i = 0; i < want.size() && i < got.size(); ++i) EXPECT_EQ(got[i], want[i]);
@@ -29,65 +29,99 @@ static void rounds_rotate() {
   EXPECT_EQ(s.measured(), false);
 }
 
-static void lowest_median_wins() {
+static void lowest_median_ratio_wins() {
   TunerSchedule s(3, 3, 0.01f);
   drain(s);
-  const float t[3][3] = {{1.00f, 1.02f, 5.0f}, {0.90f, 0.91f, 0.10f}, {0.95f, 0.96f, 0.97f}};
-  for (int c = 0; c < 3; ++c)
-    for (int r = 0; r < 3; ++r) {
-      EXPECT_EQ(s.measured(), false);
-      s.sample(c, t[c][r]);
-    }
+  // (candidate ms, first choice ms) per call: candidate 1 is 10% faster in every pair although
+  // the clock drifts; candidate 2 is 3% faster with one outlier pair.
+  const float t1[3][2] = {{0.90f, 1.00f}, {0.99f, 1.10f}, {0.81f, 0.90f}};
+  const float t2[3][2] = {{0.97f, 1.00f}, {5.00f, 1.00f}, {0.97f, 1.00f}};
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(s.measured(), false);
+    s.sample(1, t1[r][0], t1[r][1]);
+    s.sample(2, t2[r][0], t2[r][1]);
+  }
   EXPECT_EQ(s.measured(), true);
-  EXPECT_EQ(s.median(0), 1.02f);  // an outlier does not move a median
-  EXPECT_EQ(s.median(1), 0.90f);
+  EXPECT_EQ(s.ratio(0), 1.0f);
+  EXPECT_EQ(s.ratio(1) > 0.899f && s.ratio(1) < 0.901f, true);
+  EXPECT_EQ(s.ratio(2) > 0.969f && s.ratio(2) < 0.971f, true);  // an outlier does not move a median
   EXPECT_EQ(s.decide(), 1);
+  EXPECT_EQ(s.summary().find("#0 1.0000 ms") != std::string::npos, true);  // median first-choice time
+  EXPECT_EQ(s.summary().find("#1 x0.900") != std::string::npos, true);
 }
 
 static void first_choice_kept_within_margin() {
   TunerSchedule s(2, 1, 0.01f);
   drain(s);
-  s.sample(0, 1.000f);
-  s.sample(1, 0.995f);  // 0.5% faster: noise
+  s.sample(1, 0.995f, 1.0f);  // 0.5% faster: noise
   EXPECT_EQ(s.decide(), 0);
   TunerSchedule t(2, 1, 0.01f);
   drain(t);
-  t.sample(0, 1.000f);
-  t.sample(1, 0.980f);  // 2% faster
+  t.sample(1, 0.980f, 1.0f);  // 2% faster
   EXPECT_EQ(t.decide(), 1);
+  TunerSchedule u(2, 1, 0.01f);
+  drain(u);
+  u.sample(1, 1.2f, 1.0f);  // slower
+  EXPECT_EQ(u.decide(), 0);
 }
 
 static void refused_candidates_are_skipped() {
-  TunerSchedule s(3, 2, 0.01f);
-  EXPECT_EQ(s.next(), 0);
-  s.queued(0);
+  TunerSchedule s(4, 2, 0.01f);
   EXPECT_EQ(s.next(), 1);
-  s.refused(1);  // cuBLASLt refused it: the next call tries another
+  s.queued(1);
   EXPECT_EQ(s.next(), 2);
+  s.refused(2);  // cuBLASLt refused it: the next call tries another
+  EXPECT_EQ(s.next(), 3);
   const std::vector<int> rest = drain(s);
-  for (int c : rest) EXPECT_EQ(c == 1, false);
-  EXPECT_EQ(rest.size(), (size_t)3);  // 2 x candidate 2 and 1 more of candidate 0
-  s.sample(0, 2.0f), s.sample(0, 2.0f), s.sample(2, 1.0f);
+  for (int c : rest) EXPECT_EQ(c == 2, false);
+  EXPECT_EQ(rest.size(), (size_t)3);  // 2 x candidate 3 and 1 more of candidate 1
+  s.sample(1, 2.0f, 1.0f), s.sample(1, 2.0f, 1.0f), s.sample(3, 0.5f, 1.0f);
   EXPECT_EQ(s.measured(), false);
-  s.sample(2, 1.0f);
+  s.sample(3, 0.5f, 1.0f);
   EXPECT_EQ(s.measured(), true);
-  EXPECT_EQ(s.decide(), 2);
-  EXPECT_EQ(s.median(1), -1.0f);
-  EXPECT_EQ(s.summary().find("#1 refused") != std::string::npos, true);
+  EXPECT_EQ(s.decide(), 3);
+  EXPECT_EQ(s.ratio(2), -1.0f);
+  EXPECT_EQ(s.summary().find("#2 refused") != std::string::npos, true);
 }
 
 static void single_candidate() {
-  TunerSchedule s(1, 2, 0.01f);
-  EXPECT_EQ(drain(s).size(), (size_t)2);
-  s.sample(0, 1.0f), s.sample(0, 1.5f);
+  TunerSchedule s(1, 2, 0.01f);  // only the first choice: nothing to time
+  EXPECT_EQ(s.next(), -1);
+  EXPECT_EQ(s.measured(), true);
   EXPECT_EQ(s.decide(), 0);
+}
+
+// A candidate whose output differed from the first choice's on a checked call is dropped even
+// when it is the fastest and all its samples are in (samples that arrive after are ignored).
+static void differing_candidate_is_never_chosen() {
+  TunerSchedule s(3, 2, 0.01f);
+  drain(s);
+  for (int r = 0; r < 2; ++r) s.sample(1, 0.5f, 1.0f), s.sample(2, 0.9f, 1.0f);
+  EXPECT_EQ(s.measured(), true);
+  EXPECT_EQ(s.decide(), 1);
+  s.differs(1);
+  EXPECT_EQ(s.live(1), false);
+  EXPECT_EQ(s.ratio(1), -1.0f);
+  EXPECT_EQ(s.decide(), 2);
+  s.sample(1, 0.1f, 1.0f);
+  EXPECT_EQ(s.decide(), 2);
+  EXPECT_EQ(s.summary().find("#1 differs") != std::string::npos, true);
+  TunerSchedule t(2, 2, 0.01f);  // dropped before its samples: measured without them
+  drain(t);
+  t.sample(1, 0.5f, 1.0f);
+  EXPECT_EQ(t.measured(), false);
+  t.differs(1);
+  EXPECT_EQ(t.measured(), true);
+  EXPECT_EQ(t.decide(), 0);
+  EXPECT_EQ(t.next(), -1);
 }
 
 int main() {
   rounds_rotate();
-  lowest_median_wins();
+  lowest_median_ratio_wins();
   first_choice_kept_within_margin();
   refused_candidates_are_skipped();
   single_candidate();
+  differing_candidate_is_never_chosen();
   return check_report("test_gemm_tuner_schedule");
 }
