@@ -300,7 +300,7 @@ std::unique_ptr<Plan> make_plan(const CublasLtApi &lt, cublasLtHandle_t h, const
   if (p.tune) {
     // Candidates that split k as the first choice does. On the H100 (cuBLASLt 13.1) their
     // outputs were bit-identical to the first choice's at the benchmark's Linear shapes
-    // (M = 8192), not at every small shape.
+    // (M = 8192), not at every small shape: the tuner checks each one (gemm_tuner.h).
     Candidates c = tuning_candidates(lt, results, found);
     if (c.algos.size() > 1) plan->tuner = std::make_unique<GemmTuner>(std::move(c.algos), std::move(c.index));
   }
