@@ -17,6 +17,17 @@ struct BwdParams {
   bool zc, ln;
 };
 
+// Row `row`'s mean (0 for RMSNorm, which stores none) and 1 / sigma; both 0 past the block's
+// last row r1 (the row kernels load them one row ahead).
+__device__ __forceinline__ void row_stats(const BwdParams &p, size_t row, size_t r1, float &m, float &rs) {
+  m = 0.0f;
+  rs = 0.0f;
+  if (row < r1) {
+    m = p.mu ? p.mu[row] : 0.0f;
+    rs = p.rsigma[row];
+  }
+}
+
 // dx of one element with the CPU's operation order: rs * ((dy - mean_dy) - xhat * mean_dyx).
 __device__ __forceinline__ float dx_value(float rs, float dy, float xh, float mean_dy, float mean_dyx) {
   return __fmul_rn(rs, __fsub_rn(__fsub_rn(dy, mean_dy), __fmul_rn(xh, mean_dyx)));

@@ -202,11 +202,8 @@ __global__ void __launch_bounds__(TPR, bwd_row_blocks_per_sm<TPR, NV>()) norm_bw
 #pragma unroll
   for (int st = 0; st + 1 < ST; ++st) fetch(r0 + st, st);
   // mu and rsigma: one row ahead in registers.
-  float m = 0.0f, rs = 0.0f;
-  if (r0 < r1) {
-    m = p.mu ? p.mu[r0] : 0.0f;
-    rs = p.rsigma[r0];
-  }
+  float m, rs;
+  row_stats(p, r0, r1, m, rs);
   int buf = 0, slot = 0;
   for (size_t row = r0; row < r1; ++row, buf ^= 1, slot = slot == ST - 1 ? 0 : slot + 1) {
     uint4 xr[NV], dr[NV];  // ST == 0
@@ -222,11 +219,8 @@ __global__ void __launch_bounds__(TPR, bwd_row_blocks_per_sm<TPR, NV>()) norm_bw
         }
       }
     }
-    float mn = 0.0f, rsn = 0.0f;
-    if (row + 1 < r1) {
-      mn = p.mu ? p.mu[row + 1] : 0.0f;
-      rsn = p.rsigma[row + 1];
-    }
+    float mn, rsn;
+    row_stats(p, row + 1, r1, mn, rsn);
     if constexpr (ST > 0) cp_async_wait<ST - 1>();
     // xhat, dz and dy = dz * g of vector i, with the CPU's operation order; computed in both
     // passes from the stored row (the same operations give the same bits).

@@ -47,11 +47,8 @@ __global__ void __launch_bounds__(512, 1) norm_bwd_row_pipelined(const BwdParams
   };
 #pragma unroll
   for (int st = 0; st + 1 < ST; ++st) fetch(r0 + st, st);
-  float m = 0.0f, rs = 0.0f;
-  if (r0 < r1) {
-    m = p.mu ? p.mu[r0] : 0.0f;
-    rs = p.rsigma[r0];
-  }
+  float m, rs;
+  row_stats(p, r0, r1, m, rs);
   if (t < 2 * W) (&red[1][0][0])[t] = 0.0f;
   __syncthreads();
   float px[kVec], py[kVec], prs = 0.0f;  // xhat, dy and rsigma of the previous row (pass 2 pending)
@@ -68,11 +65,8 @@ __global__ void __launch_bounds__(512, 1) norm_bwd_row_pipelined(const BwdParams
   int buf = 0, slot = 0;
   for (size_t row = r0; row < r1; ++row, buf ^= 1, slot = slot == ST - 1 ? 0 : slot + 1) {
     fetch(row + ST - 1, slot == 0 ? ST - 1 : slot - 1);  // the slot row - 1 was read from
-    float mn = 0.0f, rsn = 0.0f;
-    if (row + 1 < r1) {
-      mn = p.mu ? p.mu[row + 1] : 0.0f;
-      rsn = p.rsigma[row + 1];
-    }
+    float mn, rsn;
+    row_stats(p, row + 1, r1, mn, rsn);
     cp_async_wait<ST - 1>();
     float xh[kVec], dy[kVec], a = 0.0f, b = 0.0f;
     {

@@ -11,14 +11,19 @@ from gemm_gpu_util import (AMAX_RTOL, HP, LAYOUTS, OUT_RTOL, Operand, U, ab_shap
 
 
 # ------------------------------------------------------------------------- epilogues
+def operands(layout, dtype, n, m, k, seed):
+    """(transa, transb, A, B, generator) of an n x m x k GEMM in `layout` ("TN", ...)."""
+    transa, transb = layout[0] == "T", layout[1] == "T"
+    g = gen(seed)
+    sa, sb = ab_shapes(n, m, k, transa, transb)
+    return transa, transb, Operand(sa, dtype, g), Operand(sb, dtype, g), g
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bias(dtype, layout):
-    transa, transb = layout[0] == "T", layout[1] == "T"
     n, m, k = 40, 72, 56
-    g = gen(31)
-    sa, sb = ab_shapes(n, m, k, transa, transb)
-    a, b = Operand(sa, dtype, g), Operand(sb, dtype, g)
+    transa, transb, a, b, g = operands(layout, dtype, n, m, k, 31)
     bias = rand_pair((m,), HP[dtype], g)
     d = nan_pair((n, m), HP[dtype])
     both_gemm(a, b, d, transa, transb, bias=bias)
@@ -30,11 +35,8 @@ def test_bias(dtype, layout):
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("layout", ["TN", "NN"])
 def test_gelu_aux(dtype, with_bias, layout):
-    transa, transb = layout[0] == "T", layout[1] == "T"
     n, m, k = 48, 64, 40
-    g = gen(32)
-    sa, sb = ab_shapes(n, m, k, transa, transb)
-    a, b = Operand(sa, dtype, g), Operand(sb, dtype, g)
+    transa, transb, a, b, g = operands(layout, dtype, n, m, k, 32)
     bias = rand_pair((m,), HP[dtype], g) if with_bias else None
     pre = nan_pair((n, m), HP[dtype])
     d = nan_pair((n, m), HP[dtype])
@@ -50,11 +52,8 @@ def test_gelu_aux(dtype, with_bias, layout):
 @pytest.mark.parametrize("with_dbias", [False, True])
 @pytest.mark.parametrize("layout", ["NN", "TN"])
 def test_dgelu(dtype, with_dbias, layout):
-    transa, transb = layout[0] == "T", layout[1] == "T"
     n, m, k = 48, 64, 40
-    g = gen(33)
-    sa, sb = ab_shapes(n, m, k, transa, transb)
-    a, b = Operand(sa, dtype, g), Operand(sb, dtype, g)
+    transa, transb, a, b, g = operands(layout, dtype, n, m, k, 33)
     pre = rand_pair((n, m), HP[dtype], g, -3.0, 3.0)  # the GELU input, read
     dbias = nan_pair((m,), HP[dtype]) if with_dbias else None
     d = nan_pair((n, m), HP[dtype])
@@ -77,11 +76,8 @@ def test_bgradb(dtype, layout):
     """grad with bias and no pre_gelu_out: bias receives the row sums of op(B) ([n]). cuBLASLt's
     BGRADB epilogue exists only for a transposed B (the wgrad layout NT); other layouts fail
     clearly instead of computing something else."""
-    transa, transb = layout[0] == "T", layout[1] == "T"
     n, m, k = 48, 64, 40
-    g = gen(34)
-    sa, sb = ab_shapes(n, m, k, transa, transb)
-    a, b = Operand(sa, dtype, g), Operand(sb, dtype, g)
+    transa, transb, a, b, g = operands(layout, dtype, n, m, k, 34)
     dbias = nan_pair((n,), HP[dtype])
     d = nan_pair((n, m), HP[dtype])
     if not transb:
