@@ -7,6 +7,9 @@ deterministic grammar, so the example needs no download.
 
 The same initial model is trained twice on the same batches: once in high precision (FP32 on the
 CPU, BF16 on a GPU) and once with FP8 GEMMs under te.fp8_autocast with a DelayedScaling recipe.
+On a GPU the weights are float32 by default (--params bf16: bfloat16 weights) and the model runs
+under torch.autocast(bfloat16), as mixed-precision training keeps them: the optimizer's small late
+updates are not rounded away, which bfloat16 weights would do.
 It prints a progress line per run, a table of step time / tokens per second / loss, and writes a
 PNG of both loss curves when matplotlib is installed.
 
@@ -176,6 +179,11 @@ def save_plot(curves: dict, path: str) -> None:
 
 
 # -------------------------------------------------------------------------------------- training
+def compute_dtype(device: torch.device, param_dtype: torch.dtype) -> torch.dtype:
+    """bfloat16 on a GPU (float32 weights run under torch.autocast), float32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else param_dtype
+
+
 def train(args, data: CharData, device: torch.device, dtype: torch.dtype, use_fp8: bool, name: str):
     torch.manual_seed(args.seed)
     model = TinyGPT(data.vocab, args.seq, args.hidden, args.heads, args.layers, args.ffn, not args.untied_head,
@@ -187,13 +195,15 @@ def train(args, data: CharData, device: torch.device, dtype: torch.dtype, use_fp
     gen = torch.Generator().manual_seed(args.seed + 1)  # same batches for every run
     losses, times = [], []
     prog = Progress(args.steps, name)
+    mixed = dtype != compute_dtype(device, dtype)
     for _ in range(args.steps):
         x, y = data.batch_at(gen)
         x, y = x.to(device), y.to(device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with te.fp8_autocast(enabled=use_fp8, fp8_recipe=recipe):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed), \
+                te.fp8_autocast(enabled=use_fp8, fp8_recipe=recipe):
             logits = model(x)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -214,21 +224,23 @@ def train(args, data: CharData, device: torch.device, dtype: torch.dtype, use_fp
     with torch.no_grad():
         for _ in range(args.eval_batches):
             x, y = data.batch_at(vgen, "val")
-            with te.fp8_autocast(enabled=use_fp8, fp8_recipe=recipe):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed), \
+                    te.fp8_autocast(enabled=use_fp8, fp8_recipe=recipe):
                 logits = model(x.to(device))
             vl.append(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.to(device).reshape(-1)).item())
-    sample = generate(model, data, device, use_fp8, recipe, args.seq) if args.sample else ""
+    sample = generate(model, data, device, use_fp8, recipe, args.seq, mixed) if args.sample else ""
     return losses, times, sum(vl) / len(vl), sample
 
 
 @torch.no_grad()
-def generate(model, data, device, use_fp8, recipe, seq, n=60):
+def generate(model, data, device, use_fp8, recipe, seq, mixed, n=60):
     """Greedy continuation of the first `seq` held-out characters; the window always holds `seq`
     real characters (the length the model was trained on)."""
     ids = data.val[:seq].tolist()
     for _ in range(n):
         x = torch.tensor([ids[-seq:]], device=device)
-        with te.fp8_autocast(enabled=use_fp8, fp8_recipe=recipe):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed), \
+                te.fp8_autocast(enabled=use_fp8, fp8_recipe=recipe):
             logits = model(x)
         ids.append(int(logits[0, -1].float()[:len(data.itos)].argmax()))
     return data.decode(ids[seq - 20:seq]) + " | " + data.decode(ids[seq:])
@@ -256,6 +268,8 @@ def main(argv=None):
     p.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "quickstart_loss.png"),
                    help="PNG path for the loss curves (default examples/out/quickstart_loss.png)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    p.add_argument("--params", choices=("fp32", "bf16"), default="fp32",
+                   help="GPU weights: fp32 under torch.autocast(bfloat16) (default) or bf16 (the CPU runs fp32)")
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -272,8 +286,8 @@ def main(argv=None):
         sys.exit("--device cuda requested but no GPU is available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    hp_name = "BF16" if dtype == torch.bfloat16 else "FP32"
+    dtype = torch.bfloat16 if device.type == "cuda" and args.params == "bf16" else torch.float32
+    hp_name = "BF16" if compute_dtype(device, dtype) == torch.bfloat16 else "FP32"
 
     text = make_corpus(args.corpus_chars, args.seed)
     data = CharData(text, args.seq, args.batch)
@@ -281,8 +295,8 @@ def main(argv=None):
     print(f"corpus: {len(text)} characters, {len(data.itos)} symbols (vocab padded to {data.vocab}); "
           f"e.g. {text[:70]!r}")
     print(f"model: {args.layers} x te.TransformerLayer(hidden={args.hidden}, ffn={args.ffn}, heads={args.heads}), "
-          f"{'untied' if args.untied_head else 'tied'} head; {args.steps} steps of {args.batch} x {args.seq} tokens "
-          f"on {device}")
+          f"{'untied' if args.untied_head else 'tied'} head, {str(dtype).replace('torch.', '')} weights; "
+          f"{args.steps} steps of {args.batch} x {args.seq} tokens on {device}")
 
     results = {}
     for name, fp8 in ((hp_name, False), ("FP8 (DelayedScaling)", True)):

@@ -13,10 +13,11 @@
 # tutorial-layer benchmark (torchao from carried wheels in .whl/ when present).
 # profile: Nsight Compute over one call of each memory-bound kernel (clocks left alone).
 # quickstart: the main job on the GPU (examples/quickstart.py, 300 steps, its GPU sizes; one run
-# per seed in QUICKSTART_SEEDS, default 0). host: benchmarks/host_overhead.py --device cuda (host
-# time per module call). SANITIZE_TESTS / PYTORCH_TESTS: the test paths for
-# sanitize / pytorch; GPU_TESTS: the test paths for test (default tests/gpu); GPU_TEST_ARGS:
-# extra pytest arguments for test (e.g. -s); SANITIZE_ARGS: extra pytest arguments for sanitize.
+# per seed in QUICKSTART_SEEDS, default 0; QUICKSTART_ARGS adds options, QUICKSTART_TAG names the
+# logs). host: benchmarks/host_overhead.py --device cuda (host time per module call).
+# SANITIZE_TESTS / PYTORCH_TESTS: the test paths for sanitize / pytorch; GPU_TESTS: the test
+# paths for test (default tests/gpu); GPU_TEST_ARGS: extra pytest arguments for test (e.g. -s);
+# SANITIZE_ARGS: extra pytest arguments for sanitize.
 # Each step prints its wall time.
 # gemmlog: benchmarks/gpu_gemm.py on one shape (GEMMLOG_SHAPE, default "4096 16384") under
 # cuBLASLt's trace log ($OUT/cublaslt_trace.log).
@@ -158,11 +159,14 @@ if [[ " $steps " == *" tutorial "* ]]; then
 fi
 
 if [[ " $steps " == *" quickstart "* ]]; then
+  # QUICKSTART_ARGS: extra options (other sizes); QUICKSTART_TAG names their logs
   for seed in ${QUICKSTART_SEEDS:-0}; do
-    $PY examples/quickstart.py --device cuda --steps 300 --no-sample --seed "$seed" \
-      --plot "$OUT/quickstart_loss_seed$seed.png" >"$OUT/quickstart_seed$seed.log" 2>&1 || rc=1
-    echo "quickstart seed $seed:"; tail -5 "$OUT/quickstart_seed$seed.log"
+    log=quickstart${QUICKSTART_TAG:-}_seed$seed
+    $PY examples/quickstart.py --device cuda --steps 300 --no-sample --seed "$seed" ${QUICKSTART_ARGS:-} \
+      --plot "$OUT/$log.png" >"$OUT/$log.log" 2>&1 || rc=1
+    echo "quickstart${QUICKSTART_TAG:+ $QUICKSTART_TAG} seed $seed:"; tail -5 "$OUT/$log.log"
   done
+  took quickstart
 fi
 
 if [[ " $steps " == *" host "* ]]; then

@@ -290,6 +290,18 @@ def check_same_device(inp: torch.Tensor, params, name: str) -> None:
             raise ValueError(f"{name}: input is on {device} but the module's parameters are on {p.device}")
 
 
+def autocast_params(device: torch.device, *params):
+    """params as this forward computes with them: under torch.autocast on their device (TE's
+    semantics: the module runs in autocast's dtype), high-precision parameters of another dtype
+    are cast to it by a differentiable copy, so their gradients still arrive in the parameter's
+    own dtype; FP8 parameters (quantized_model_init) are GEMM operands as they are."""
+    dev = device.type
+    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
+        return params
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(p if p is None or p.dtype == dt or isinstance(p, Float8Tensor) else p.to(dt) for p in params)
+
+
 def as_2d(inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Contiguous [tokens, features] view/copy of inp in the compute dtype."""
     x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
@@ -299,4 +311,4 @@ def as_2d(inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 __all__ = ["TransformerEngineBaseModule", "default_device", "resolve_device", "resolve_dtype",
-           "default_init_method", "check_input", "check_same_device", "as_2d", "_ops"]
+           "default_init_method", "check_input", "check_same_device", "autocast_params", "as_2d", "_ops"]

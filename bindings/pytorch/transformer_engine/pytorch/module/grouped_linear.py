@@ -13,7 +13,8 @@ import torch
 
 from .. import custom_ops as ops
 from ._linear_fn import LinearCfg, high_precision
-from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
+from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_same_device,
+                   default_init_method)
 from .linear import check_unsupported
 
 __all__ = ["GroupedLinear"]
@@ -185,6 +186,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
         check_same_device(inp, weights + biases, "GroupedLinear")
+        cast = autocast_params(weights[0].device, *weights, *biases)
+        weights, biases = list(cast[:self.num_gemms]), list(cast[self.num_gemms:])
         scaling = self._fp8_mode(weights[0].device)
         x2 = as_2d(inp, weights[0].dtype)
         grad = torch.is_grad_enabled()

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .. import custom_ops
-from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device
+from .base import TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_same_device
 
 __all__ = ["LayerNorm", "RMSNorm", "layernorm_fn", "rmsnorm_fn", "norm_fn"]
 
@@ -100,6 +100,7 @@ class LayerNorm(_NormBase):
         check_input(inp, self.hidden_size, "LayerNorm")
         weight, bias = self.weight, self.bias  # read once: nn.Module's parameter lookup is slow
         check_same_device(inp, (weight, bias), "LayerNorm")
+        weight, bias = autocast_params(weight.device, weight, bias)
         z = layernorm_fn(as_2d(inp, weight.dtype), weight, bias, self.eps, self.zero_centered_gamma)
         return z.view(inp.shape)
 
@@ -116,6 +117,7 @@ class RMSNorm(_NormBase):
         check_input(inp, self.hidden_size, "RMSNorm")
         weight = self.weight  # read once: nn.Module's parameter lookup is slow
         check_same_device(inp, (weight,), "RMSNorm")
+        weight, = autocast_params(weight.device, weight)
         z = rmsnorm_fn(as_2d(inp, weight.dtype), weight, self.eps, self.zero_centered_gamma)
         return z.view(inp.shape)
 

@@ -5,7 +5,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
+from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_same_device,
+                   default_init_method)
 from .layernorm import check_normalization, norm_fn, norm_writes_fp8
 from .linear import check_unsupported
 
@@ -76,6 +77,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         weight, bias = self._weight_and_bias()
         ln_w, ln_b = self.layer_norm_weight, self.layer_norm_bias  # read once: nn.Module's lookup is slow
         check_same_device(inp, (ln_w, ln_b, weight, bias), "LayerNormLinear")
+        ln_w, ln_b, weight, bias = autocast_params(weight.device, ln_w, ln_b, weight, bias)
         x2 = as_2d(inp, weight.dtype)
         scaling = self._fp8_mode(weight.device)
         if norm_writes_fp8(scaling, self.return_layernorm_output):
@@ -103,6 +105,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         weight, bias = self._weight_and_bias()
         ln_w, ln_b = self.layer_norm_weight, self.layer_norm_bias
         check_same_device(inp, (ln_w, ln_b, weight, bias), "LayerNormLinear")
+        ln_w, ln_b, weight, bias = autocast_params(weight.device, ln_w, ln_b, weight, bias)
         x2 = as_2d(inp, weight.dtype)
         scaling = self._fp8_mode(weight.device)
         bias = None if self.return_bias else bias

@@ -10,7 +10,8 @@ from typing import Callable, Optional
 import torch
 
 from .. import _ops, custom_ops
-from .base import TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method
+from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_same_device,
+                   default_init_method)
 from .layernorm import check_normalization, norm_fn, norm_writes_fp8
 from .linear import check_unsupported
 
@@ -119,6 +120,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         params = ln_w, ln_b, w1, b1, w2, b2 = (self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
                                                self.fc1_bias, self.fc2_weight, self.fc2_bias)
         check_same_device(inp, params, "LayerNormMLP")
+        ln_w, ln_b, w1, b1, w2, b2 = autocast_params(w1.device, *params)
         x2 = as_2d(inp, w1.dtype)
         scaling = self._fp8_mode(w1.device)
         ln, norm = x2, None

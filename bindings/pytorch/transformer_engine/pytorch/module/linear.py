@@ -5,7 +5,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .base import (TransformerEngineBaseModule, as_2d, check_input, check_same_device, default_init_method)
+from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_same_device,
+                   default_init_method)
 
 __all__ = ["Linear"]
 
@@ -76,6 +77,7 @@ class Linear(TransformerEngineBaseModule):
         check_input(inp, self.in_features, "Linear")
         weight, bias = self._weight_and_bias()
         check_same_device(inp, (weight, bias), "Linear")
+        weight, bias = autocast_params(weight.device, weight, bias)
         scaling = self._fp8_mode(weight.device)
         x2 = as_2d(inp, weight.dtype)
         out = self._linear(x2, weight, None if self.return_bias else bias, scaling, is_first_microbatch)
@@ -91,6 +93,7 @@ class Linear(TransformerEngineBaseModule):
         check_input(inp, self.in_features, "Linear")
         weight, bias = self._weight_and_bias()
         check_same_device(inp, (weight, bias), "Linear")
+        weight, bias = autocast_params(weight.device, weight, bias)
         scaling = self._fp8_mode(weight.device)
         x2 = as_2d(inp, weight.dtype)
         return self._linear(x2, weight, None if self.return_bias else bias, scaling, is_first_microbatch,
@@ -101,6 +104,7 @@ class Linear(TransformerEngineBaseModule):
         input gradient goes back as a hand-off). Delayed scaling only."""
         weight, bias = self._weight_and_bias()
         check_same_device(h, (weight, bias), "Linear")
+        weight, bias = autocast_params(weight.device, weight, bias)
         scaling = self._fp8_mode(weight.device)
         rows = 1
         for n in lead:
