@@ -73,7 +73,9 @@ def test_grouped_linear_fp8_delayed_matches_emulation(rng):
         s_b = meta.scale["bwd"]  # updated at the start of this backward
         ws = [fp8_emulate(getattr(m, f"weight{i}"), s_f[3 + i].item(), "e4m3") for i in range(3)]
         xs = [fp8_emulate(xi, s_f[i].item(), "e4m3") for i, xi in enumerate(torch.split(x.detach(), splits))]
-        gs = [fp8_emulate(gi, s_b[i].item(), "e5m2") for i, gi in enumerate(torch.split(dy, splits))]
+        # the first backward casts each gradient with its own scale (seeding the empty histories)
+        gs = [cs_q(gi, "e5m2") if step == 0 else fp8_emulate(gi, s_b[i].item(), "e5m2")
+              for i, gi in enumerate(torch.split(dy, splits))]
         bs = [cpu64(getattr(m, f"bias{i}")) for i in range(3)]
         yr, dxr, dwr, _ = _ref(xs, ws, bs, gs)
         assert rel_err(y, yr) < fp8_gemm_tol(1e-5) and rel_err(x.grad, dxr) < fp8_gemm_tol(1e-5), step
@@ -231,7 +233,7 @@ def test_grouped_linear_fp8_params(rng, kind):
         gq = [cs_q(gi, "e5m2") for gi in torch.split(dy, splits)]
     else:
         xq = [fp8_emulate(xi, s_x[i].item(), "e4m3") for i, xi in enumerate(xs)]
-        gq = [fp8_emulate(gi, m.fp8_meta.scale["bwd"][i].item(), "e5m2") for i, gi in enumerate(torch.split(dy, splits))]
+        gq = [cs_q(gi, "e5m2") for gi in torch.split(dy, splits)]  # first backward: seeded, current-scaled
     yr, dxr, dwr, _ = _ref(xq, ws, [None, None], gq)
     assert rel_err(y, yr) < fp8_gemm_tol(1e-6) and rel_err(x.grad, dxr) < fp8_gemm_tol(1e-6)
     for i in range(2):

@@ -5,6 +5,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
 from _util import DEVICE, cpu64, dev, fp8_emulate, fp8_gemm_tol, gemm_dim, rel_err, seeded
+from test_current_scaling import cs_scale
 
 
 def _ref_linear(x, w, b):
@@ -47,7 +48,8 @@ def test_linear_bf16_params(rng):
 
 def test_linear_fp8_matches_emulation(rng):
     """FP8 forward = float64 GEMM of the FP8-rounded operands with the scales the recipe holds;
-    backward (HYBRID: gradient in E5M2) likewise for dgrad and wgrad."""
+    backward (HYBRID: gradient in E5M2) likewise for dgrad and wgrad, the first backward's
+    gradient with its own (current) scale, which seeds the empty amax history."""
     g = seeded(rng)
     m = te.Linear(32, 48, device=DEVICE)
     with torch.no_grad():
@@ -64,7 +66,12 @@ def test_linear_fp8_matches_emulation(rng):
         with te.fp8_autocast(fp8_recipe=r):
             y = m(dev(x))
         y.backward(dev(dy))
-        s_g = meta.scale["bwd"][0].item()  # updated at the start of this backward
+        if step == 0:  # the first backward casts the gradient with current scaling; its amax seeds the history
+            s_g = cs_scale(dy, "e5m2")
+            assert meta.amax_history["bwd"][0, 0].item() == float(dy.float().abs().max())
+            assert meta.scale["bwd"][0].item() == 1.0  # the (empty-history) recipe step left the scale alone
+        else:
+            s_g = meta.scale["bwd"][0].item()  # updated at the start of this backward
         xq, wq = fp8_emulate(x, s_x, "e4m3"), fp8_emulate(m.weight, s_w, "e4m3")
         gq = fp8_emulate(dy, s_g, "e5m2")
         assert rel_err(y, xq @ wq.t() + cpu64(m.bias)) < fp8_gemm_tol(1e-5), step
@@ -150,3 +157,27 @@ def test_linear_no_grad_fp8_skips_update(rng):
     h = m.fp8_meta.amax_history["fwd"]
     assert float(h[0, 0]) > 0 and float(h[1:].abs().sum()) == 0  # recorded, not rolled
     assert torch.equal(m.fp8_meta.scale["fwd"].cpu(), torch.ones(3))
+
+
+def test_linear_fp8_first_backward_keeps_small_gradients(rng):
+    """Gradients far below E5M2's smallest subnormal (2^-16) at the first FP8 step: cast with TE's
+    initial scale 1 they would all flush to zero (dgrad and wgrad 0); the first backward's
+    current-scaled cast keeps them FP8-accurate, and the next step's delayed scale comes from the
+    seeded amax."""
+    g = seeded(rng)
+    m = te.Linear(32, 48, bias=False, device=DEVICE)
+    r = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=4)
+    tokens = gemm_dim(20)
+    amaxes = []
+    for step in range(2):
+        m.zero_grad(set_to_none=True)
+        x = torch.randn(tokens, 32, generator=g).requires_grad_()
+        dy = torch.randn(tokens, 48, generator=g) * 1e-7
+        amaxes.append(dy.abs().max())
+        with te.fp8_autocast(fp8_recipe=r):
+            y = m(dev(x))
+        y.backward(dev(dy))
+        assert rel_err(x.grad, cpu64(dy) @ cpu64(m.weight)) < 0.1, step
+        assert rel_err(m.weight.grad, cpu64(dy).t() @ cpu64(x)) < 0.1, step
+    # the second backward's delayed scale: E5M2 max over the first step's (seeded) amax
+    assert m.fp8_meta.scale["bwd"][0].item() == (torch.tensor(57344.0) / amaxes[0]).item()

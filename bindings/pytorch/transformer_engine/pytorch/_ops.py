@@ -218,18 +218,30 @@ def quantize_dbias(grad: torch.Tensor, scale: torch.Tensor, amax: Optional[torch
 
 def quantize_current_scaling(x: torch.Tensor, fp8_dtype, rowwise: bool = True, columnwise: bool = False,
                              force_pow2_scales: bool = False, amax_epsilon: float = 0.0,
-                             dbias: bool = False):
+                             dbias: bool = False, amax_history: Optional[torch.Tensor] = None,
+                             slot: Optional[int] = None):
     """Current scaling (Float8CurrentScaling): FP8 cast of x with a scale derived from x's own amax.
 
     Three library calls on one output handle: nvte_compute_amax (amax = max|x|),
     nvte_compute_scale_from_amax (scale = fp8_max / max(amax, eps), optionally a power of 2),
     then the cast (which writes scale_inv). With dbias, the cast also returns the column sums.
-    Returns the FP8Tensor (and the bias gradient when dbias)."""
+    amax_history / slot: the amax is written to amax_history[0, slot] instead of a scratch
+    buffer (a delayed-scaling history seeded by a current-scaled cast). Returns the FP8Tensor
+    (and the bias gradient when dbias)."""
     _check(x, "input", HIGH_PRECISION)
     rows, cols = _as2d_shape(x)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    out, nt = _fp8_output(rows, cols, fp8_dtype, scale.data_ptr(), amax.data_ptr(), rowwise, columnwise, x.device)
+    amax = None  # the scratch amax stays referenced until the casts below have been issued
+    if amax_history is None:
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        amax_ptr = amax.data_ptr()
+    else:
+        _check(amax_history, "amax_history", (torch.float32,), x.device)
+        if slot is None or amax_history.dim() != 2 or not 0 <= slot < amax_history.shape[1]:
+            raise ValueError(f"amax slot {slot} needs an amax history [len, > {slot}], "
+                             f"got shape {tuple(amax_history.shape)}")
+        amax_ptr = _slot_ptr(amax_history, slot)
+    out, nt = _fp8_output(rows, cols, fp8_dtype, scale.data_ptr(), amax_ptr, rowwise, columnwise, x.device)
     src = _tensor(x, (rows, cols))
     stream = _stream(x)
     _nvte.compute_amax(src, nt, stream)

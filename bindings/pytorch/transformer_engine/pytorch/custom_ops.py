@@ -87,11 +87,14 @@ def quantize(x: Tensor, scale: Optional[Tensor], amax_history: Optional[Tensor],
 
     Delayed scaling (scale given): uses scale[index] and max-accumulates |x| into
     amax_history[0, index]. Current scaling (scale None): the scale comes from x's own amax
-    (force_pow2_scales / amax_epsilon apply). with_dbias also returns the column sums of x."""
+    (force_pow2_scales / amax_epsilon apply), which is written to amax_history[0, index] when a
+    history is given (seeding a delayed-scaling history). with_dbias also returns the column sums
+    of x."""
     fdt = _dtype(fp8_dtype)
     if scale is None:
         res = _ops.quantize_current_scaling(x, fdt, rowwise, columnwise, force_pow2_scales, amax_epsilon,
-                                            dbias=with_dbias)
+                                            dbias=with_dbias, amax_history=amax_history,
+                                            slot=index if amax_history is not None else None)
     elif with_dbias:
         res = _ops.quantize_dbias(x, scale, amax_history, fdt, rowwise, columnwise, slot=index)
     else:

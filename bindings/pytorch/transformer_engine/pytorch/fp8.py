@@ -85,6 +85,9 @@ class FP8Meta:
         self.scale = {}
         self.recipe: Optional[Recipe] = None
         self.initialized = False
+        # bit i: backward slot i's amax history has been seeded by a current-scaled first gradient
+        # cast (see LinearCfg.seed_bwd); a fresh history clears the bits
+        self.bwd_seeded = 0
 
     def allocate(self, device: torch.device, history_len: Optional[int] = None) -> None:
         """Fresh buffers: zero histories, unit scales."""
@@ -92,6 +95,7 @@ class FP8Meta:
         for key, n in self.num.items():
             self.amax_history[key] = torch.zeros((n_len, n), dtype=torch.float32, device=device)
             self.scale[key] = torch.ones(n, dtype=torch.float32, device=device)
+        self.bwd_seeded = 0
 
     def _needs_realloc(self, n_len: int, device: torch.device) -> bool:
         h = self.amax_history.get("fwd")
@@ -180,6 +184,7 @@ class FP8Meta:
             self.amax_history[key] = h.to(device=device, dtype=torch.float32).contiguous().clone()
             self.scale[key] = s.to(device=device, dtype=torch.float32).contiguous().clone()
         self.initialized = True
+        self.bwd_seeded = (1 << self.num["bwd"]) - 1  # a saved history carries on as it is
 
 
 class FP8GlobalState:

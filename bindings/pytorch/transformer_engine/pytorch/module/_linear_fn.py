@@ -53,6 +53,12 @@ class LinearCfg:
     fwd_slot: int = 0             # delayed: forward meta slot of the input (the weight uses fwd_slot + 1)
     bwd_slot: int = 0             # delayed: backward meta slot of the output gradient
     update_bwd: bool = True       # delayed: run the backward recipe step before casting gradients
+    # delayed: the module's first backward for bwd_slot, whose amax history is still empty: the
+    # output gradient is cast with current scaling and its amax seeds the history. (With TE's
+    # initial scale 1 the first E5M2 gradient casts flush small gradients to zero, the layers
+    # below see almost none, and the amaxes they record set far too large scales for the next
+    # steps: on an H200 the quickstart's loss spiked at steps 3-5 with gradients saturating.)
+    seed_bwd: bool = False
     amax_compute_algo: str = "max"
     margin: float = 0.0
     inp_pow2: bool = False        # current scaling options of the input / gradient casts
@@ -157,7 +163,7 @@ class _LinearFn(torch.autograd.Function):
                 elif need_dw:
                     gt = ops.transpose(gd)
             else:
-                gd, gt, g_si, gb = ops.quantize(g, ctx.bwd_scale if delayed else None,
+                gd, gt, g_si, gb = ops.quantize(g, ctx.bwd_scale if delayed and not cfg.seed_bwd else None,
                                                 ctx.bwd_hist if delayed else None, cfg.bwd_slot, cfg.bwd_dtype,
                                                 need_dx, need_dw or not need_dx, need_db, cfg.grad_pow2,
                                                 cfg.grad_eps)

@@ -143,12 +143,12 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _linear_cfg(self, scaling: str, fwd_slot: int = 0, bwd_slot: int = 0, update_bwd: bool = True,
                     gelu: bool = False, need_dgrad: bool = True, need_wgrad: bool = True,
-                    norm: tuple = (), handoff: tuple = ()) -> LinearCfg:
+                    norm: tuple = (), handoff: tuple = (), seed_bwd: bool = False) -> LinearCfg:
         """The constant configuration of one linear layer's autograd function for this forward;
         norm: () or (kind, eps, zero_centered_gamma) of a fused norm; handoff: () or (fp8_input,
         fp8_output). Kept per distinct configuration and recipe settings (building the frozen
         dataclass every forward costs microseconds)."""
-        key = (scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm, handoff,
+        key = (scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm, handoff, seed_bwd,
                self._recipe_settings(scaling))
         if torch.compiler.is_compiling():  # no cache updates inside a traced graph
             return self._new_linear_cfg(*key)
@@ -171,7 +171,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     @staticmethod
     def _new_linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm, handoff,
-                        settings) -> LinearCfg:
+                        seed_bwd, settings) -> LinearCfg:
         flags = dict(gelu=gelu, need_dgrad=need_dgrad, need_wgrad=need_wgrad)
         if norm:
             flags.update(norm=norm[0], norm_eps=float(norm[1]), norm_zero_centered=bool(norm[2]))
@@ -186,7 +186,21 @@ class TransformerEngineBaseModule(torch.nn.Module):
             fwd, bwd, algo, margin = settings
             extra = dict(amax_compute_algo=algo, margin=margin)
         return LinearCfg(scaling=scaling, fwd_dtype=fwd, bwd_dtype=bwd, fwd_slot=fwd_slot, bwd_slot=bwd_slot,
-                         update_bwd=update_bwd, **flags, **extra)
+                         update_bwd=update_bwd, seed_bwd=seed_bwd, **flags, **extra)
+
+    def _take_bwd_seed(self, scaling: str, bwd_slot: int, grad: bool) -> bool:
+        """Whether this forward's backward casts the gradient of bwd_slot with current scaling and
+        seeds its empty amax history (LinearCfg.seed_bwd): the first delayed-scaling forward that
+        will have a backward. (A bit mask attribute: torch.compile guards on its value and replays
+        the update, so a compiled first step seeds too.)"""
+        if scaling != "delayed" or not grad:
+            return False
+        meta = self.fp8_meta
+        bit = 1 << bwd_slot
+        if meta.bwd_seeded & bit:
+            return False
+        meta.bwd_seeded = meta.bwd_seeded | bit
+        return True
 
     def _meta_tensors(self, scaling: str):
         """(fwd scale, fwd amax history, bwd scale, bwd amax history), or Nones without delayed state."""
@@ -259,8 +273,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
             kind, norm_w, norm_b, eps, zc = norm
             norm_cfg = (kind, eps, zc)
         handoff = (fp8_input, fp8_output) if (fp8_input or fp8_output) else ()
+        seed = not fp8_output and self._take_bwd_seed(scaling, bwd_slot, need_dgrad or need_wgrad)
         cfg = self._linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm_cfg,
-                               handoff)
+                               handoff, seed)
         qweight = self._quantized_weight(weight, cfg, fwd_slot + 1, is_first_microbatch)
         return linear_fn(x2, weight, bias, cfg, qweight, self._meta_tensors(scaling), norm_w, norm_b, rows)
 

@@ -90,7 +90,10 @@ class _GroupedLinearFn(torch.autograd.Function):
             if delayed:
                 ops.delayed_scaling_update(ctx.bwd_hist, ctx.bwd_scale, cfg.amax_compute_algo, cfg.bwd_dtype,
                                            cfg.margin)
-            gq = [ops.quantize(gs[i], ctx.bwd_scale if delayed else None, ctx.bwd_hist if delayed else None, i,
+            # seed_bwd: the module's first backward casts each GEMM's gradient with current scaling and
+            # seeds its history (a GEMM with no rows in that step keeps TE's initial scale)
+            gq = [ops.quantize(gs[i], ctx.bwd_scale if delayed and not cfg.seed_bwd else None,
+                               ctx.bwd_hist if delayed else None, i,
                                cfg.bwd_dtype, True, True, need_db, cfg.grad_pow2, cfg.grad_eps) for i in live]
             none = [ops.missing(g.device) for _ in live]
             dxs = ops.grouped_gemm(none, list(w_t), list(w_si), cfg.fwd_dtype, [q[0] for q in gq], none,
@@ -192,7 +195,9 @@ class GroupedLinear(TransformerEngineBaseModule):
         x2 = as_2d(inp, weights[0].dtype)
         grad = torch.is_grad_enabled()
         need_wgrad = grad and any(p.requires_grad for p in weights + biases)
-        cfg = self._linear_cfg(scaling, need_dgrad=grad and x2.requires_grad, need_wgrad=need_wgrad)
+        need_dgrad = grad and x2.requires_grad
+        cfg = self._linear_cfg(scaling, need_dgrad=need_dgrad, need_wgrad=need_wgrad,
+                               seed_bwd=self._take_bwd_seed(scaling, 0, need_dgrad or need_wgrad))
         qweights = [self._quantized_weight(w, cfg, self.num_gemms + i, is_first_microbatch)
                     for i, w in enumerate(weights)]
         fwd_biases = [] if self.return_bias else biases
