@@ -33,6 +33,9 @@ def test_make_graphed_callables_fp8_matches_eager():
     for k, (h, s) in src_state.items():
         eager.fp8_meta.amax_history[k].copy_(h)
         eager.fp8_meta.scale[k].copy_(s)
+    # the warm-up's first backward seeded the gradient histories (LinearCfg.seed_bwd): the twin's too
+    assert src.fp8_meta.bwd_seeded != 0
+    eager.fp8_meta.bwd_seeded = src.fp8_meta.bwd_seeded
     g = torch.Generator(device="cuda").manual_seed(1)
     for step in range(3):
         x = torch.randn(32, 64, device="cuda", generator=g)
