@@ -190,9 +190,11 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _take_bwd_seed(self, scaling: str, bwd_slot: int, grad: bool) -> bool:
         """Whether this forward's backward casts the gradient of bwd_slot with current scaling and
-        seeds its empty amax history (LinearCfg.seed_bwd): the first delayed-scaling forward that
-        will have a backward. (A bit mask attribute: torch.compile guards on its value and replays
-        the update, so a compiled first step seeds too.)"""
+        seeds its empty amax history (LinearCfg.seed_bwd): true for the first delayed-scaling
+        forward run with gradients enabled (should its backward never run, the history stays
+        empty and the next backward casts with the initial scale, as TE does). A bit mask
+        attribute: torch.compile guards on its value and replays the update, so a compiled first
+        step seeds too."""
         if scaling != "delayed" or not grad:
             return False
         meta = self.fp8_meta
