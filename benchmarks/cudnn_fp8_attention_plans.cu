@@ -3,12 +3,14 @@
 // under heuristic modes A (and, with "all", B and FALLBACK), and how fast each runs (CUDA events,
 // median of 15 x 4 back-to-back executions). Written to see whether a plan other than the
 // heuristic's first would make the FP8 causal rows of benchmarks/gpu_attention.py faster.
+// With "bf16" as the second argument: the same for the BF16 graphs (sdpa, sdpa_backward) that
+// the library's BF16 path builds, to see whether a plan beats the heuristic's first there.
 // Built on the CPU machine (the cuDNN frontend headers from the CI venv; cuDNN opened at run time):
 //   sp=.venv/lib/python3.11/site-packages; nvcc -std=c++17 -O1 -arch=sm_90 \
 //     -DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING=1 -I$sp/include -I$sp/nvidia/cudnn/include \
 //     -I$sp/nvidia/cu13/include benchmarks/cudnn_fp8_attention_plans.cu -o /tmp/fp8_plans -ldl
 // Run on the GPU machine with torch's cuDNN first on LD_LIBRARY_PATH:
-//   /tmp/fp8_plans SEQ [e4m3|e5m2 (dO and gradients)] [bhsd|bshd] [all]
+//   /tmp/fp8_plans SEQ [e4m3|e5m2 (dO and gradients)|bf16 (all BF16)] [bhsd|bshd] [all]
 #include <cudnn_frontend.h>
 #include <cuda_runtime.h>
 #include <cstdio>
@@ -26,6 +28,12 @@ __global__ void fill(unsigned char *p, size_t n, unsigned seed) {
     p[i] = (unsigned char)(0x28 + (x % 24)) | ((x >> 8) & 0x80);  // |v| in about [0.03, 0.9]
   }
 }
+__global__ void fill_bf16(unsigned short *p, size_t n, unsigned seed) {  // |v| in about [0.03, 0.9]
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    unsigned x = (unsigned)(i * 2654435761u) ^ seed; x ^= x >> 13; x *= 0x5bd1e995; x ^= x >> 15;
+    p[i] = (unsigned short)(0x3d00 + (x % 0x260)) | (unsigned short)((x >> 16) & 0x8000);
+  }
+}
 __global__ void fill_f(float *p, size_t n, float v) { for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = v; }
 int main(int argc, char **argv) {
   const int64_t b = 4, h = 32, s = argc > 1 ? atoi(argv[1]) : 2048, d = 128;
@@ -34,21 +42,27 @@ int main(int argc, char **argv) {
   cudnnHandle_t hd; if (fe::detail::create_handle(&hd) != CUDNN_STATUS_SUCCESS) { printf("create_handle failed\n"); return 1; }
   printf("cudnn %ld\n", (long)fe::detail::get_backend_version());
   size_t n = b * h * s * d;
+  const bool bf16 = argc > 2 && std::string(argv[2]) == "bf16";
   unsigned char *q, *k, *v, *o, *dO, *dq, *dk, *dv; float *stats, *scal; void *ws;
-  for (auto pp : {&q, &k, &v, &o, &dO, &dq, &dk, &dv}) CK(cudaMalloc(pp, n));
-  CK(cudaMalloc(&stats, b * h * s * 4)); CK(cudaMalloc(&scal, 64 * 4)); CK(cudaMalloc(&ws, size_t(1) << 30));
-  int seed = 1; for (auto p : {q, k, v, o, dO}) fill<<<1024, 256>>>(p, n, seed++);
+  for (auto pp : {&q, &k, &v, &o, &dO, &dq, &dk, &dv}) CK(cudaMalloc(pp, bf16 ? 2 * n : n));
+  CK(cudaMalloc(&stats, b * h * s * 4)); CK(cudaMalloc(&scal, 64 * 4)); CK(cudaMalloc(&ws, size_t(1) << 31));
+  int seed = 1;
+  for (auto p : {q, k, v, o, dO}) {
+    if (bf16) fill_bf16<<<1024, 256>>>((unsigned short *)p, n, seed++);
+    else fill<<<1024, 256>>>(p, n, seed++);
+  }
   fill_f<<<1, 64>>>(scal, 64, 1.0f); fill_f<<<1024, 256>>>(stats, b * h * s, 5.0f);
   CK(cudaDeviceSynchronize());
   const bool e5 = argc > 2 && std::string(argv[2]) == "e5m2", bshd = argc > 3 && std::string(argv[3]) == "bshd";
   const fe::DataType_t gt = e5 ? fe::DataType_t::FP8_E5M2 : fe::DataType_t::FP8_E4M3;
   std::vector<int64_t> dim = {b, h, s, d}, str = bshd ? std::vector<int64_t>{s * h * d, d, h * d, 1} : std::vector<int64_t>{h * s * d, s * d, d, 1};
-  printf("dO/grads %s, layout %s\n", e5 ? "e5m2" : "e4m3", bshd ? "bshd" : "bhsd");
+  printf("dO/grads %s, layout %s\n", bf16 ? "bf16" : e5 ? "e5m2" : "e4m3", bshd ? "bshd" : "bhsd");
+  const fe::DataType_t io = bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::FP8_E4M3;
   for (int causal = 0; causal < 2; ++causal)
     for (int bwd = 0; bwd < 2; ++bwd)
       for (auto mode : {fe::HeurMode_t::A, fe::HeurMode_t::B, fe::HeurMode_t::FALLBACK}) {
         fe::graph::Graph g;
-        g.set_io_data_type(fe::DataType_t::FP8_E4M3).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(fe::DataType_t::FLOAT);
+        g.set_io_data_type(io).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(fe::DataType_t::FLOAT);
         int64_t uid = 1;
         std::unordered_map<int64_t, void *> pack;
         auto T = [&](const char *nm, void *ptr, std::vector<int64_t> dm, std::vector<int64_t> st, fe::DataType_t dt) {
@@ -59,16 +73,28 @@ int main(int argc, char **argv) {
         auto out = [&](std::shared_ptr<fe::graph::Tensor_attributes> t, void *ptr, std::vector<int64_t> dm, std::vector<int64_t> st, fe::DataType_t dt) {
           pack[uid] = ptr; t->set_output(true).set_uid(uid++).set_dim(dm).set_stride(st).set_data_type(dt);
         };
-        auto Q = T("Q", q, dim, str, fe::DataType_t::FP8_E4M3), K = T("K", k, dim, str, fe::DataType_t::FP8_E4M3), V = T("V", v, dim, str, fe::DataType_t::FP8_E4M3);
+        auto Q = T("Q", q, dim, str, io), K = T("K", k, dim, str, io), V = T("V", v, dim, str, io);
         std::vector<int64_t> sd = {b, h, s, 1}, ss = {h * s, s, 1, 1}, one = {1, 1, 1, 1};
-        if (!bwd) {
+        if (bf16 && !bwd) {
+          fe::graph::SDPA_attributes a; a.set_name("f").set_generate_stats(true).set_attn_scale(0.088f);
+          if (causal) a.set_causal_mask(true);
+          auto [O, st] = g.sdpa(Q, K, V, a);
+          out(O, o, dim, str, io); out(st, stats, sd, ss, fe::DataType_t::FLOAT);
+        } else if (bf16) {
+          auto O = T("O", o, dim, str, io), dOt = T("dO", dO, dim, str, io);
+          auto St = T("stats", stats, sd, ss, fe::DataType_t::FLOAT);
+          fe::graph::SDPA_backward_attributes a; a.set_name("b").set_attn_scale(0.088f);
+          if (causal) a.set_causal_mask(true);
+          auto [dQ, dK, dV] = g.sdpa_backward(Q, K, V, O, dOt, St, a);
+          out(dQ, dq, dim, str, io); out(dK, dk, dim, str, io); out(dV, dv, dim, str, io);
+        } else if (!bwd) {
           fe::graph::SDPA_fp8_attributes a; a.set_name("f").set_generate_stats(true).set_attn_scale(0.088f);
           if (causal) a.set_causal_mask(true);
           auto [O, st, amax_s, amax_o] = g.sdpa_fp8(Q, K, V, S("dq", 0), S("dk", 1), S("dv", 2), S("ds", 3), S("ss", 4), S("so", 5), a);
           out(O, o, dim, str, fe::DataType_t::FP8_E4M3); out(st, stats, sd, ss, fe::DataType_t::FLOAT);
           out(amax_s, scal + 32, one, one, fe::DataType_t::FLOAT); out(amax_o, scal + 33, one, one, fe::DataType_t::FLOAT);
         } else {
-          auto O = T("O", o, dim, str, fe::DataType_t::FP8_E4M3), dOt = T("dO", dO, dim, str, gt);
+          auto O = T("O", o, dim, str, io), dOt = T("dO", dO, dim, str, gt);
           auto St = T("stats", stats, sd, ss, fe::DataType_t::FLOAT);
           fe::graph::SDPA_fp8_backward_attributes a; a.set_name("b").set_attn_scale(0.088f);
           if (causal) a.set_causal_mask(true);
@@ -90,7 +116,7 @@ int main(int argc, char **argv) {
           auto bs = g.build_plan_at_index(hd, i);
           if (bs.is_bad()) { printf("  plan %ld: build failed: %s\n", (long)i, bs.get_message().c_str()); continue; }
           int64_t wsz = 0; g.get_workspace_size_plan_at_index(i, wsz);
-          if (wsz > (int64_t(1) << 30)) { printf("  plan %ld: ws %ld too big\n", (long)i, (long)wsz); continue; }
+          if (wsz > (int64_t(1) << 31)) { printf("  plan %ld: ws %ld too big\n", (long)i, (long)wsz); continue; }
           for (int w = 0; w < 3; ++w) g.execute_plan_at_index(hd, pack, ws, i);
           cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
           std::vector<float> t;
