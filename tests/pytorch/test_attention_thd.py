@@ -8,8 +8,9 @@ offsets) runs them on bfloat16 inputs (cuDNN takes bfloat16/float16 only) and ea
 to flash-attention's rule, as in test_fused_attention.py: its largest error against the float64
 reference is at most 2x that of a naive bfloat16 torch implementation on the device; the head
 size 6 of the cross-length case becomes 8 there (cuDNN's multiple of 8).
-test_thd_cuda_unsupported_is_a_clear_error covers what the GPU still refuses (FP8 THD, THD with
-a bias); the bshd-with-cu_seqlens checks run on either device."""
+THD calls the GPU refuses (FP8 THD, THD with a bias) run as zero-padded bshd: checked against the
+CPU's native THD (test_thd_as_padded_bshd_matches_native) and, on the GPU, against the test's own
+padding; the bshd-with-cu_seqlens checks run on either device."""
 import math
 
 import pytest
@@ -201,21 +202,103 @@ def test_thd_needs_the_fused_path(monkeypatch):
         dpa(q, k, v, cu_seqlens_q=cu)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="the CUDA backend's remaining THD rejections (NVTE_TEST_DEVICE=cuda only)")
-def test_thd_cuda_unsupported_is_a_clear_error():
-    """THD runs on the GPU in bfloat16/float16 without bias; FP8 THD and THD with a bias are
-    NOT_SUPPORTED there and surface as clear errors naming THD (no fallback)."""
+def _thd_twice(monkeypatch, make_dpa, inputs, dy, fp8=False, **call):
+    """(output, (dQ, dK, dV)) of one THD call run natively by the backend and of the same call
+    forced through its padded bshd form (dpa_fused.THD_AS_PADDED = "always"), fresh modules each."""
     from transformer_engine.common import recipe
-    q, k, v = (dev(draw(6, 2, 8, 0, torch.bfloat16)) for _ in range(3))
-    cu = dev(cu_of([2, 4]))
-    dpa = DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding_causal")
-    with pytest.raises(NotImplementedError, match="THD"), \
-            te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)):
-        dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
-    with pytest.raises(NotImplementedError, match="THD.*bias"):
-        dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, core_attention_bias_type="post_scale_bias",
-            core_attention_bias=dev(torch.zeros(1, 2, 4, 4, dtype=torch.bfloat16)))
-    dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)  # while bfloat16 THD itself runs
+    res = []
+    for mode in ("auto", "always"):
+        monkeypatch.setattr(dpa_fused, "THD_AS_PADDED", mode)
+        q, k, v = (dev(t.detach()).requires_grad_(True) for t in inputs)
+        ctx = te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)) if fp8 else None
+        if ctx is not None:
+            with ctx:
+                out = make_dpa()(q, k, v, **call)
+        else:
+            out = make_dpa()(q, k, v, **call)
+        out.backward(dev(dy))
+        res.append((out.detach(), [t.grad for t in (q, k, v)]))
+    return res
+
+
+@pytest.mark.skipif(ON_CUDA, reason="compares with the CPU backend's native THD (the GPU rejects these THD calls)")
+@pytest.mark.parametrize("case", ["plain", "gaps_cross_gqa", "post_scale_bias", "alibi", "fp8"])
+def test_thd_as_padded_bshd_matches_native(monkeypatch, case):
+    """The padded-bshd route of THD calls equals the backend's own THD on the CPU (which runs every
+    THD call): same output and gradients, gap tokens zero, for gaps between sequences, cross
+    lengths and GQA, attention bias, ALiBi and FP8 attention."""
+    lens_q, lens_kv, h, g, d = [3, 5, 1], [3, 5, 1], 2, 2, 8
+    pad_q = pad_kv = None
+    kw = {}
+    if case == "gaps_cross_gqa":
+        lens_kv, h, g = [4, 2, 6], 4, 2
+        pad_q, tq = padded_cu(lens_q, [1, 0, 2])
+        pad_kv, tkv = padded_cu(lens_kv, [0, 3, 1])
+        kw = dict(cu_seqlens_q_padded=dev(pad_q), cu_seqlens_kv_padded=dev(pad_kv))
+    else:
+        tq, tkv = sum(lens_q), sum(lens_kv)
+    mq, mkv = max(lens_q), max(lens_kv)
+    if case == "post_scale_bias":
+        bias = torch.randn(1, h, mq, mkv, generator=torch.Generator().manual_seed(7))
+        kw.update(core_attention_bias_type="post_scale_bias", core_attention_bias=dev(bias))
+    elif case == "alibi":
+        kw.update(core_attention_bias_type="alibi")
+    inputs = (draw(tq, h, d, 1), draw(tkv, g, d, 2), draw(tkv, g, d, 3))
+    dy = torch.randn(tq, h * d, generator=torch.Generator().manual_seed(4))
+    (o_native, g_native), (o_padded, g_padded) = _thd_twice(
+        monkeypatch, lambda: DotProductAttention(h, d, num_gqa_groups=g, qkv_format="thd",
+                                                 attn_mask_type="padding_causal"),
+        inputs, dy, fp8=case == "fp8", cu_seqlens_q=dev(cu_of(lens_q)), cu_seqlens_kv=dev(cu_of(lens_kv)), **kw)
+    assert float(o_native.abs().max()) > 0.0
+    torch.testing.assert_close(o_padded, o_native, rtol=1e-6, atol=1e-6)
+    for name, a, b in zip(("dq", "dk", "dv"), g_padded, g_native):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    if pad_q is not None:  # gap tokens: zero output and gradients
+        valid = torch.zeros(tq, dtype=torch.bool)
+        for off, n in zip(pad_q[:-1].tolist(), lens_q):
+            valid[off:off + n] = True
+        assert not o_padded[~valid].any() and not g_padded[0][~valid].any()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the GPU backend's THD rejections (NVTE_TEST_DEVICE=cuda only)")
+def test_thd_cuda_rejections_run_as_padded_bshd():
+    """On the GPU, FP8 THD and THD with a bias are NOT_SUPPORTED by cuDNN's ragged path and run as
+    zero-padded bshd: equal to the test's own padding of the same call (bshd, padding mask from
+    cu_seqlens; FP8 padded to 128 rows, as cuDNN's FP8 backward needs), output and gradients."""
+    from transformer_engine.common import recipe
+    lens = [2, 4, 3]
+    cu = cu_of(lens)
+    t, mx, h, d = sum(lens), max(lens), 2, 128  # cuDNN's FP8 backward takes head size 128
+    bias = dev(torch.randn(1, h, mx, mx, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16))
+    for kind in ("fp8", "post_scale_bias"):
+        inputs = [draw(t, h, d, i, torch.bfloat16) for i in range(3)]
+        dy = torch.randn(t, h * d, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+        kw = dict(core_attention_bias_type="post_scale_bias", core_attention_bias=bias) if kind != "fp8" else {}
+        outs = []
+        s_pad = 128 if kind == "fp8" else mx
+        for fmt in ("thd", "bshd"):
+            x = [dev(a.detach()).requires_grad_(True) for a in inputs]
+            if fmt == "bshd":
+                x_in = []
+                for a in x:
+                    pieces = [torch.nn.functional.pad(a[int(cu[i]):int(cu[i + 1])], (0, 0, 0, 0, 0, s_pad - lens[i]))
+                              for i in range(len(lens))]
+                    x_in.append(torch.stack(pieces))
+            else:
+                x_in = x
+            dpa = DotProductAttention(h, d, qkv_format=fmt, attn_mask_type="padding_causal")
+            rec = recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)
+            with te.fp8_autocast(enabled=kind == "fp8", fp8_recipe=rec):
+                o = dpa(*x_in, cu_seqlens_q=dev(cu), cu_seqlens_kv=dev(cu), **kw)
+            if fmt == "bshd":
+                o = torch.cat([o[i, :lens[i]] for i in range(len(lens))])
+            o.backward(dev(dy))
+            outs.append((o.detach(), [a.grad for a in x]))
+        (o_thd, g_thd), (o_ref, g_ref) = outs
+        assert float(o_ref.float().abs().max()) > 0.0
+        torch.testing.assert_close(o_thd, o_ref, rtol=0, atol=0, msg=lambda m: f"{kind} output: {m}")
+        for name, a, b in zip(("dq", "dk", "dv"), g_thd, g_ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{kind} {name}: {m}")
 
 
 def test_mha_thd_matches_per_sequence_bshd():

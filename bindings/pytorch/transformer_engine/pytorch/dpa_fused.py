@@ -9,7 +9,8 @@ Sequences follow TE's DotProductAttention.forward:
     are gaps between them (default: no gaps); max_seqlen_q / max_seqlen_kv default to the
     longest sequence. The mask type always includes padding ("causal" means "padding_causal",
     per sequence). Only the fused path runs THD; gap tokens of the output and of the gradients
-    are zero.
+    are zero. A THD call the backend rejects (on the GPU: FP8, attention bias / ALiBi) runs as
+    zero-padded BSHD with the padding mask (_thd_as_padded_bshd).
   * "bshd" / "sbhd" with a padding mask type: cu_seqlens_q / cu_seqlens_kv, when given, describe
     the (right-padded) sequence lengths and take precedence over attention_mask; the padded
     offsets and max_seqlen arguments do not apply (the s dimension is the padded length).
@@ -109,6 +110,52 @@ def sequences(fmt: str, mask_type: str, q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, 
     return Seq(cq, ckv, pq, pkv, mq, mkv)
 
 
+# THD calls the backend rejects (the GPU's cuDNN path: FP8 THD, THD with attention bias / ALiBi)
+# run as zero-padded BSHD with the padding mask (fused path); "always": every THD call does (tests).
+THD_AS_PADDED = "auto"
+
+
+def _thd_rows(cu: torch.Tensor, cu_pad: Optional[torch.Tensor], max_s: int, name: str):
+    """(THD token rows, their flat positions in a [b * max_s] padded batch) of every valid token."""
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    if lens.numel() and int(lens.max()) > max_s:
+        raise ValueError(f"DotProductAttention: a sequence of cu_seqlens_{name} is longer than max_seqlen_{name} "
+                         f"({int(lens.max())} > {max_s})")
+    starts = (cu if cu_pad is None else cu_pad)[:-1].to(torch.int64)
+    pos = torch.arange(max_s, device=cu.device)
+    valid = pos[None, :] < lens[:, None]
+    return (starts[:, None] + pos[None, :])[valid], torch.nonzero(valid.reshape(-1)).squeeze(1)
+
+
+def _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_slopes, seq: Seq, fp8, why):
+    """run_fused of a THD call through its zero-padded [b, max_s, h, d] form (BSHD, padding mask from
+    cu_seqlens): the tokens are scattered in and the output rows gathered back (differentiable
+    index copies, so the gradients take the same way); gap tokens of the output stay zero. FP8:
+    the padded lengths are multiples of 128 (cuDNN's FP8 backward needs them; the padding mask
+    hides the extra rows)."""
+    b = seq.cu_q.numel() - 1
+    if fp8 is not None:
+        seq = seq._replace(max_sq=-(-seq.max_sq // 128) * 128, max_skv=-(-seq.max_skv // 128) * 128)
+    rows_q, flat_q = _thd_rows(seq.cu_q, seq.cu_q_pad, seq.max_sq, "q")
+    rows_kv, flat_kv = _thd_rows(seq.cu_kv, seq.cu_kv_pad, seq.max_skv, "kv")
+
+    def pad(t, rows, flat, s):
+        return t.new_zeros((b * s,) + t.shape[1:]).index_copy(0, flat, t.index_select(0, rows)).view(b, s, *t.shape[1:])
+
+    qp = pad(q, rows_q, flat_q, seq.max_sq)
+    kp, vp = (pad(t, rows_kv, flat_kv, seq.max_skv) for t in (k, v))
+    bshd = Seq(seq.cu_q, seq.cu_kv, None, None, seq.max_sq, seq.max_skv)
+    head = (f"DotProductAttention: qkv_format 'thd' runs only on the fused attention path, which cannot run "
+            f"this call{f' ({why})' if why else ''}, nor its padded bshd form")
+    try:
+        o = run_fused(dpa, qp, kp, vp, "bshd", mask_type, window, None, bias_type, bias, alibi_slopes, bshd, fp8,
+                      force_fused=True)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"{head}: {e}") from None
+    o = o.reshape(b * seq.max_sq, -1)
+    return o.new_zeros(q.shape[0], o.shape[1]).index_copy(0, rows_q, o.index_select(0, flat_q))
+
+
 def padding_masks(seq: Seq):
     """(q_mask [b, 1, 1, sq], kv_mask [b, 1, 1, skv]), True = padded, for the unfused path."""
     def one(cu, s):
@@ -181,12 +228,13 @@ def _zero_rng_state(device: torch.device) -> torch.Tensor:
 
 
 def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes,
-              seq: Optional[Seq], fp8: Optional[DelayedScaling], handoff=None):
+              seq: Optional[Seq], fp8: Optional[DelayedScaling], handoff=None, force_fused: bool = False):
     """The fused attention output, or None when the unfused path should run; raises when neither
     path can run the call. handoff (fp8_mha): ((src_a, src_b), spec) of
     fused_attention_fp8.FusedAttnFP8MHAFunc, q, k, v being uint8 views of the FP8 bytes (for the
-    shapes); the output is then O's FP8 hand-off."""
-    needs_fused = bias_type != "no_bias" or fmt == "thd" or fp8 is not None
+    shapes); the output is then O's FP8 hand-off. force_fused: as if only the fused path could run
+    the call (the padded form of a THD call)."""
+    needs_fused = force_fused or bias_type != "no_bias" or fmt == "thd" or fp8 is not None
     if needs_fused and bias_type in ("pre_scale_bias", "post_scale_bias") and bias is None:
         raise ValueError(f"core_attention_bias_type {bias_type!r} needs core_attention_bias")
     why = ""
@@ -231,6 +279,9 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
                                                     _fa.MASK_INT[mask_type], dropout, is_training, sq, sk,
                                                     wl, wr, fp8=fp8 is not None)
             why = "" if ok else reason
+            if fmt == "thd" and handoff is None and (not ok or THD_AS_PADDED == "always"):
+                return _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_slopes, seq,
+                                           fp8, why)
     if why:
         if fp8 is not None:
             flag = "fp8_mha" if handoff is not None else "fp8_dpa"
@@ -242,7 +293,7 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
         if needs_fused or not _fa.unfused_allowed():
             raise NotImplementedError(f"DotProductAttention: the fused attention path cannot run this call "
                                       f"({why}) and the unfused path "
-                                      f"{'is disabled (NVTE_UNFUSED_ATTN=0)' if not needs_fused else 'has no attention bias / ALiBi'}")
+                                      f"{'is disabled (NVTE_UNFUSED_ATTN=0)' if not needs_fused else 'runs no THD' if force_fused else 'has no attention bias / ALiBi'}")
         return None
     rng = _fa.new_rng_state(q.device) if dropout > 0.0 else _zero_rng_state(q.device)
     br = "causal" not in mask_type

@@ -106,10 +106,11 @@ def call_fwd(c: AttnCfg, qkv, H, bias, s_h, o_h, aux, cu, rng_state: Tensor, is_
                          _stream(qkv[0]))
 
 
-def call_bwd(c: AttnCfg, qkv, H, o_h, do_h, s_h, dp_h, aux, grads, dbias, cu) -> None:
+def call_bwd(c: AttnCfg, qkv, H, o_h, do_h, s_h, dp_h, aux, grads, dbias, cu, bias=None) -> None:
     """nvte_fused_attn_bwd (positional). grads: handles of dq, dk, dv; dbias: tensor or None; s_h / dp_h:
-    FP8 metadata or None; cu as in call_fwd."""
-    ws = attn_workspace(True, c, qkv, H, dbias, True)
+    FP8 metadata or None; cu as in call_fwd; bias: the forward's bias (copy), which describes the bias
+    shape to the workspace query when no bias gradient is asked for (a bias without gradient)."""
+    ws = attn_workspace(True, c, qkv, H, dbias if dbias is not None else bias, True)
     # the binding's order: Q, K, V, O, dO, S, dP, aux, dQ, dK, dV, dBias, dSoftmaxOffset, cu_seqlens (4),
     # max_seqlen (q, kv), the _tail scalars, deterministic, cuda_graph, workspace, stream
     _nvte.fused_attn_bwd(*H, o_h, do_h, s_h, dp_h, aux, *grads, _handle(dbias), None, *[_handle(t) for t in cu],
@@ -169,7 +170,8 @@ def fused_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, stats
     aux = [_handle(stats), _handle(rng_copy)] + ([_handle(bias_copy)] if has_bias else [])
     do = do.contiguous()  # a local: the handle only borrows its memory
     call_bwd(c, qkv, [_handle(x) for x in qkv], _handle(o), _handle(do), None, None, aux,
-             [_handle(x) for x in (dq, dk, dv)], dbias if dbias.numel() else None, (cu_q, cu_kv, cu_q_pad, cu_kv_pad))
+             [_handle(x) for x in (dq, dk, dv)], dbias if dbias.numel() else None, (cu_q, cu_kv, cu_q_pad, cu_kv_pad),
+             bias_copy if has_bias else None)
     return dq, dk, dv, dbias
 
 
