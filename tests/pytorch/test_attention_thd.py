@@ -262,18 +262,19 @@ def test_thd_as_padded_bshd_matches_native(monkeypatch, case):
 
 @pytest.mark.skipif(not ON_CUDA, reason="the GPU backend's THD rejections (NVTE_TEST_DEVICE=cuda only)")
 def test_thd_cuda_rejections_run_as_padded_bshd():
-    """On the GPU, FP8 THD and THD with a bias are NOT_SUPPORTED by cuDNN's ragged path and run as
-    zero-padded bshd: equal to the test's own padding of the same call (bshd, padding mask from
+    """On the GPU, FP8 THD and THD with a bias or ALiBi are NOT_SUPPORTED by cuDNN's ragged path and
+    run as zero-padded bshd: equal to the test's own padding of the same call (bshd, padding mask from
     cu_seqlens; FP8 padded to 128 rows, as cuDNN's FP8 backward needs), output and gradients."""
     from transformer_engine.common import recipe
     lens = [2, 4, 3]
     cu = cu_of(lens)
     t, mx, h, d = sum(lens), max(lens), 2, 128  # cuDNN's FP8 backward takes head size 128
     bias = dev(torch.randn(1, h, mx, mx, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16))
-    for kind in ("fp8", "post_scale_bias"):
+    for kind in ("fp8", "post_scale_bias", "alibi"):
         inputs = [draw(t, h, d, i, torch.bfloat16) for i in range(3)]
         dy = torch.randn(t, h * d, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
-        kw = dict(core_attention_bias_type="post_scale_bias", core_attention_bias=bias) if kind != "fp8" else {}
+        kw = {"fp8": {}, "alibi": dict(core_attention_bias_type="alibi"),
+              "post_scale_bias": dict(core_attention_bias_type="post_scale_bias", core_attention_bias=bias)}[kind]
         outs = []
         s_pad = 128 if kind == "fp8" else mx
         for fmt in ("thd", "bshd"):
