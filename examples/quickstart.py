@@ -179,11 +179,6 @@ def save_plot(curves: dict, path: str) -> None:
 
 
 # -------------------------------------------------------------------------------------- training
-def compute_dtype(device: torch.device, param_dtype: torch.dtype) -> torch.dtype:
-    """bfloat16 on a GPU (float32 weights run under torch.autocast), float32 on the CPU."""
-    return torch.bfloat16 if device.type == "cuda" else param_dtype
-
-
 def train(args, data: CharData, device: torch.device, dtype: torch.dtype, use_fp8: bool, name: str):
     torch.manual_seed(args.seed)
     model = TinyGPT(data.vocab, args.seq, args.hidden, args.heads, args.layers, args.ffn, not args.untied_head,
@@ -197,7 +192,7 @@ def train(args, data: CharData, device: torch.device, dtype: torch.dtype, use_fp
     gen = torch.Generator().manual_seed(args.seed + 1)  # same batches for every run
     losses, times = [], []
     prog = Progress(args.steps, name)
-    mixed = dtype != compute_dtype(device, dtype)
+    mixed = device.type == "cuda" and dtype == torch.float32  # float32 weights, bfloat16 compute
     for _ in range(args.steps):
         x, y = data.batch_at(gen)
         x, y = x.to(device), y.to(device)
@@ -273,7 +268,7 @@ def main(argv=None):
     p.add_argument("--recipe", choices=("delayed", "current"), default="delayed",
                    help="FP8 scaling: DelayedScaling (default) or Float8CurrentScaling")
     p.add_argument("--fp8-format", choices=("hybrid", "e4m3"), default="hybrid",
-                   help="DelayedScaling format: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (both E4M3)")
+                   help="FP8 format of the recipe: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (both E4M3)")
     p.add_argument("--params", choices=("fp32", "bf16"), default="fp32",
                    help="GPU weights: fp32 under torch.autocast(bfloat16) (default) or bf16; the CPU runs fp32")
     args = p.parse_args(argv)
@@ -294,7 +289,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if device.type == "cuda" and args.params == "bf16" else torch.float32
-    hp_name = "BF16" if compute_dtype(device, dtype) == torch.bfloat16 else "FP32"
+    hp_name = "BF16" if device.type == "cuda" else "FP32"
 
     text = make_corpus(args.corpus_chars, args.seed)
     data = CharData(text, args.seq, args.batch)

@@ -137,6 +137,14 @@ def _slot_ptr(t: torch.Tensor, slot: int) -> int:
     return t.data_ptr() + 4 * slot
 
 
+def _history_slot_ptr(hist: torch.Tensor, slot: int) -> int:
+    """Address of amax history [len, n] element [0, slot] (float32 on the cast's device: checked by
+    the caller), after checking that the slot exists."""
+    if hist.dim() != 2 or not 0 <= slot < hist.shape[1]:
+        raise ValueError(f"amax slot {slot} needs an amax history [len, > {slot}], got shape {tuple(hist.shape)}")
+    return _slot_ptr(hist, slot)
+
+
 def _meta_ptrs(scale: torch.Tensor, amax: Optional[torch.Tensor], device, slot: Optional[int] = None):
     """(scale pointer, amax pointer or 0) of a delayed-scaling cast. slot None: scale and amax are
     float32 [1]. slot i: scale is float32 [n] and amax an amax history float32 [len, n]; the cast
@@ -152,9 +160,7 @@ def _meta_ptrs(scale: torch.Tensor, amax: Optional[torch.Tensor], device, slot: 
         return scale.data_ptr(), 0 if amax is None else amax.data_ptr()
     if not 0 <= slot < scale.numel():
         raise ValueError(f"scale slot {slot} is out of range for scales of shape {tuple(scale.shape)}")
-    if amax is not None and (amax.dim() != 2 or slot >= amax.shape[1]):
-        raise ValueError(f"amax slot {slot} needs an amax history [len, > {slot}], got shape {tuple(amax.shape)}")
-    return _slot_ptr(scale, slot), 0 if amax is None else _slot_ptr(amax, slot)
+    return _slot_ptr(scale, slot), 0 if amax is None else _history_slot_ptr(amax, slot)
 
 
 def _fp8_output(rows, cols, fp8_dtype, scale_ptr: int, amax_ptr: int, rowwise, columnwise, device):
@@ -237,10 +243,7 @@ def quantize_current_scaling(x: torch.Tensor, fp8_dtype, rowwise: bool = True, c
         amax_ptr = amax.data_ptr()
     else:
         _check(amax_history, "amax_history", (torch.float32,), x.device)
-        if slot is None or amax_history.dim() != 2 or not 0 <= slot < amax_history.shape[1]:
-            raise ValueError(f"amax slot {slot} needs an amax history [len, > {slot}], "
-                             f"got shape {tuple(amax_history.shape)}")
-        amax_ptr = _slot_ptr(amax_history, slot)
+        amax_ptr = _history_slot_ptr(amax_history, -1 if slot is None else slot)
     out, nt = _fp8_output(rows, cols, fp8_dtype, scale.data_ptr(), amax_ptr, rowwise, columnwise, x.device)
     src = _tensor(x, (rows, cols))
     stream = _stream(x)
