@@ -213,6 +213,48 @@ def test_unsupported_fp8_attention_recipes_are_clear_errors(monkeypatch):
         dpa(q, q, q)
 
 
+def _first_step_grad_errors(seeded: bool, grad_scale: float):
+    """Relative errors of dQ, dK, dV of DotProductAttention's first FP8 step (causal, bshd) against
+    float64 attention, for an output gradient of size ~grad_scale. seeded False: the module is
+    told its backward histories are already seeded, so the first backward uses the initial scales
+    (TE's behaviour)."""
+    b, s, h, d, dtype = (2, 128, 2, 128, torch.bfloat16) if ON_CUDA else (2, 33, 2, 16, torch.float32)
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(b, s, h, d, generator=gen).to(dtype).double() for _ in range(3))
+    dy = (torch.randn(b, s, h * d, generator=gen) * grad_scale).to(dtype).double()
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    z = torch.einsum("bqhd,bkhd->bhqk", ref[0], ref[1]) / math.sqrt(d)
+    z = z.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    torch.einsum("bhqk,bkhd->bqhd", torch.softmax(z, -1), ref[2]).reshape(b, s, h * d).backward(dy)
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal")
+    if not seeded:
+        dpa.fp8_meta.bwd_seeded = 1
+    x = [dev(t.to(dtype)).requires_grad_(True) for t in (q, k, v)]
+    with te.fp8_autocast(fp8_recipe=_recipe()):
+        out = dpa(*x)
+    out.backward(dev(dy.to(dtype)))
+    sb, am_b = dpa.fp8_meta.scale["bwd"].cpu(), dpa.fp8_meta.amax_history["bwd"][0].cpu()
+    return [rel_err(t.grad.double().cpu(), r.grad) for t, r in zip(x, ref)], sb, am_b
+
+
+@pytest.mark.parametrize("grad_scale", [1e-1, 1e-6])
+def test_fp8_dpa_first_backward_keeps_small_gradients(grad_scale):
+    """The first backward takes its FP8 scales from the gradients' own amaxes (dO by a current-scaled
+    cast, dP and dQKV from amaxes measured by extra runs; fused_attention_fp8's module doc), not
+    the initial scale 1 at which E5M2 flushes small gradients: the first step's dQ/dK/dV are as
+    close to float64 as FP8 attention is (~0.1; TOL 0.25) for large and tiny gradients alike. The
+    same step without the seeding loses the tiny gradients entirely (error ~1, checked: the test
+    can fail), and the backward scales it leaves are fp8_max / the recorded amaxes."""
+    errs, sb, am_b = _first_step_grad_errors(True, grad_scale)
+    print("seeded", grad_scale, errs)
+    assert max(errs) < 0.25, errs
+    torch.testing.assert_close(sb, FP8_MAX["e5m2"] / am_b, rtol=1e-6, atol=0)
+    if grad_scale < 1e-3:
+        unseeded, sb0, _ = _first_step_grad_errors(False, grad_scale)
+        print("initial scales", grad_scale, unseeded)
+        assert min(unseeded) > 0.9 and torch.equal(sb0, torch.ones(3)), unseeded
+
+
 def _cuda_vs_cpu_steps(mask):
     """The same module steps on both backends (bf16 Q/K/V, head dim 128: cuDNN's FP8 backward on
     Hopper takes 128 only): {(device, fp8): [per step: out, dq, dk, dv]} (CPU float32 copies)."""
@@ -365,14 +407,15 @@ def _op_args():
     dod, do_si = fa8._cast(torch.randn(2, 5, 2, 8, generator=g), torch.full((3,), 1000.0), torch.zeros(3, 3), 0, e5)
     bwd = (qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng, s_scale, None, None, None, None,
            torch.tensor([1000.0, 5000.0, 2000.0]), torch.zeros(3, 3), 5, 5, 0.35, 0.0, layout, mask, -1, -1, False,
-           e5)
-    return {"fwd": (OPS.fused_attn_fp8_fwd, fwd), "bwd": (OPS.fused_attn_fp8_bwd, bwd)}
+           e5, False)
+    return {"fwd": (OPS.fused_attn_fp8_fwd, fwd), "bwd": (OPS.fused_attn_fp8_bwd, bwd),
+            "bwd_seed": (OPS.fused_attn_fp8_bwd, bwd[:-1] + (True,))}
 
 
 @cpu_only
-@pytest.mark.parametrize("which", ["fwd", "bwd"])
+@pytest.mark.parametrize("which", ["fwd", "bwd", "bwd_seed"])
 def test_fp8_attention_op_registration(which):
-    """torch.library.opcheck: schema (the declared amax-history mutation), fake implementation and
+    """torch.library.opcheck: schema (the declared amax-history / scale mutations), fake implementation and
     dispatcher registration agree with what the FP8 attention ops really do."""
     op, args = _op_args()[which]
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

@@ -376,6 +376,16 @@ def gemm_fp8_output(A, B, out: torch.Tensor, out_scale_inv: torch.Tensor, fp8_dt
                _stream(out))
 
 
+def scale_from_history(data: torch.Tensor, fp8_dtype, scale: torch.Tensor, amax_history: torch.Tensor,
+                       slot: int) -> None:
+    """scale[slot] = fp8_max / amax_history[0, slot], the library's current-scaling rule
+    (nvte_compute_scale_from_amax; 1 for a zero amax): a delayed-scaling slot seeded from the amax
+    measured in this step. data: FP8 bytes of that tensor (the library picks the backend from them)."""
+    scale_ptr, amax_ptr = _meta_ptrs(scale, amax_history, data.device, slot)
+    nt = _make(data.data_ptr(), tuple(data.shape), fp8_dtype, 0, 0, None, scale_ptr, amax_ptr)
+    _nvte.compute_scale_from_amax(nt, False, 0.0, None, _stream(data))
+
+
 def transpose(x: torch.Tensor) -> torch.Tensor:
     """x [rows, cols] (any dtype the library takes, e.g. FP8 bytes as uint8) -> its transpose
     [cols, rows], contiguous (nvte_transpose)."""

@@ -170,29 +170,33 @@ def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_f
     return A.new_empty((n, m), dtype=out_dtype), A.new_empty(aux, dtype=out_dtype)
 
 
-@custom_op("transformer_engine::gemm_fp8_output", mutates_args=("amax_history",))
+@custom_op("transformer_engine::gemm_fp8_output", mutates_args=("scale", "amax_history"))
 def gemm_fp8_output(A: Tensor, A_transpose: Optional[Tensor], A_scale_inv: Tensor, A_fp8_dtype: int, B: Tensor,
                     B_transpose: Optional[Tensor], B_scale_inv: Tensor, B_fp8_dtype: int, out_fp8_dtype: int,
                     scale: Tensor, amax_history: Tensor, index: int, transa: bool, transb: bool,
-                    bias: Optional[Tensor]) -> Tensor:
+                    bias: Optional[Tensor], seed: bool) -> Tensor:
     """D = op(B) @ op(A) (+ bias) of FP8 operands, written in FP8 (format out_fp8_dtype, delayed
     scaling: scale[index], |D| max-accumulated into amax_history[0, index]) -> the FP8 hand-off
-    (fp8_handoff.py) holding D's bytes [n, m] and scale_inv."""
+    (fp8_handoff.py) holding D's bytes [n, m] and scale_inv. seed (the slot's empty history: its
+    initial scale would flush small gradients): a first run measures |D|'s amax, which sets
+    scale[index] (current scaling), then D is written with it."""
     ashape = _logical_shape(A, A_transpose, A_fp8_dtype)
     bshape = _logical_shape(B, B_transpose, B_fp8_dtype)
     m = ashape[0] if transa else ashape[1]
     n = bshape[1] if transb else bshape[0]
     h = new_handoff(n, m, A_scale_inv.device)
     data, si = handoff_parts(h, n, m)
-    _ops.gemm_fp8_output(_operand(A, A_transpose, A_scale_inv, A_fp8_dtype),
-                         _operand(B, B_transpose, B_scale_inv, B_fp8_dtype), data, si, _dtype(out_fp8_dtype), scale,
-                         amax_history, index, transa, transb, bias)
+    a, b = _operand(A, A_transpose, A_scale_inv, A_fp8_dtype), _operand(B, B_transpose, B_scale_inv, B_fp8_dtype)
+    for run in range(2 if seed else 1):
+        if run:
+            _ops.scale_from_history(data, _dtype(out_fp8_dtype), scale, amax_history, index)
+        _ops.gemm_fp8_output(a, b, data, si, _dtype(out_fp8_dtype), scale, amax_history, index, transa, transb, bias)
     return h
 
 
 @gemm_fp8_output.register_fake
 def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_fp8_dtype, out_fp8_dtype, scale,
-      amax_history, index, transa, transb, bias):
+      amax_history, index, transa, transb, bias, seed):
     ashape = _logical_shape(A, A_transpose, A_fp8_dtype)
     bshape = _logical_shape(B, B_transpose, B_fp8_dtype)
     m = ashape[0] if transa else ashape[1]

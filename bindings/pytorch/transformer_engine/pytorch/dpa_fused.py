@@ -298,17 +298,15 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
     rng = _fa.new_rng_state(q.device) if dropout > 0.0 else _zero_rng_state(q.device)
     br = "causal" not in mask_type
     mask = _fa.MASK_INT[mask_type]
-    if handoff is not None:
-        meta = dpa.fp8_meta
+    if handoff is not None or fp8 is not None:
+        meta = dpa.fp8_meta  # (the first run with gradients seeds the backward histories)
         cfg = (sq, sk, is_training, float(dpa.softmax_scale), float(dropout), layout, mask, int(wl), int(wr), br,
-               meta.fp8_dtype("bwd"), fp8.amax_compute_algo, float(fp8.margin))
+               meta.fp8_dtype("bwd"), fp8.amax_compute_algo, float(fp8.margin), grads and meta.take_bwd_seed(1))
+    if handoff is not None:
         return _fp8.FusedAttnFP8MHAFunc.apply(*handoff[0], *cu, rng, *_fp8_fwd_meta(dpa), meta.scale["bwd"],
                                               meta.amax_history["bwd"], cfg, handoff[1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if fp8 is not None:
-        meta = dpa.fp8_meta
-        cfg = (sq, sk, is_training, float(dpa.softmax_scale), float(dropout), layout, mask, int(wl), int(wr), br,
-               meta.fp8_dtype("bwd"), fp8.amax_compute_algo, float(fp8.margin))
         o = _fp8.FusedAttnFP8Func.apply(q, k, v, *cu, rng, *_fp8_fwd_meta(dpa), meta.scale["bwd"],
                                         meta.amax_history["bwd"], cfg)
     else:

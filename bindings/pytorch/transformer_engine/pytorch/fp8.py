@@ -97,6 +97,17 @@ class FP8Meta:
             self.scale[key] = torch.ones(n, dtype=torch.float32, device=device)
         self.bwd_seeded = 0
 
+    def take_bwd_seed(self, bit: int) -> bool:
+        """Whether the backward of this forward seeds the (empty) backward amax histories behind
+        `bit` with current-scaled first gradients; marks the bit, so only the first forward run
+        with gradients enabled does (should its backward never run, the history stays empty and
+        the next backward uses the initial scales, as TE does). A plain int attribute: torch.compile
+        guards on its value and replays the update, so a compiled first step seeds too."""
+        if self.bwd_seeded & bit:
+            return False
+        self.bwd_seeded = self.bwd_seeded | bit
+        return True
+
     def _needs_realloc(self, n_len: int, device: torch.device) -> bool:
         h = self.amax_history.get("fwd")
         return h is None or h.device != device or h.shape[0] != n_len

@@ -14,6 +14,13 @@ updates every scale like those of the Linear layers: the forward scales when the
 fp8_autocast exits, the backward scales at the start of this backward. The scale S was quantized
 with is kept from the forward (the backward must rebuild the very same P~), not re-read.
 
+The first backward (delayed scaling; FP8Meta.take_bwd_seed) does not use the initial scales: at
+scale 1 the E5M2 casts of dO, dP and dQKV flush typical gradients (1e-4 and below), so the first
+step's dQ/dK came out 80% wrong. It casts dO with current scaling, runs the backward twice more
+to measure dP's and then dQKV's amaxes (each set from its own amax, dQKV's after dP is scaled),
+and leaves those scales in bwd_scale and the amaxes in the histories; from the second backward on
+it is TE's delayed scaling. Under fp8_mha dO arrives in FP8 from the output projection's dgrad.
+
 O and dQ/dK/dV leave the library in FP8 and are decoded to the input dtype (fp8_dpa); the FP8
 copy of O is what the backward reads (D = dO . O), as in TE.
 
@@ -136,15 +143,19 @@ def _(qd, kd, vd, q_si, k_si, v_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state,
             q_si.new_empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=f32), qd.new_empty(2, dtype=torch.int64))
 
 
-@custom_op("transformer_engine::fused_attn_fp8_bwd", mutates_args=("bwd_hist",))
+@custom_op("transformer_engine::fused_attn_fp8_bwd", mutates_args=("bwd_scale", "bwd_hist"))
 def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: Tensor, v_si: Tensor, od: Tensor,
                        o_si: Tensor, dod: Tensor, do_si: Tensor, stats: Tensor, rng_copy: Tensor, s_scale: Tensor,
                        cu_q: Optional[Tensor], cu_kv: Optional[Tensor], cu_q_pad: Optional[Tensor],
                        cu_kv_pad: Optional[Tensor], bwd_scale: Tensor, bwd_hist: Tensor, max_sq: int, max_skv: int,
                        scale: float, dropout: float, layout: int, mask: int, wl: int, wr: int, br: bool,
-                       bwd_dtype: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       bwd_dtype: int, seed: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dO bytes (format bwd_dtype) -> (dQ, dK, dV bytes in bwd_dtype, their scale_invs); dP and
-    dQKV max-accumulate their amaxes into bwd_hist[0, 1] / [0, 2]."""
+    dQKV max-accumulate their amaxes into bwd_hist[0, 1] / [0, 2].
+
+    seed (the first backward of the histories, see the module doc): the scales of dP and dQKV
+    come from their own amaxes, which two extra runs measure, and every backward scale
+    (dO's from the amax its current-scaled cast wrote) is left in bwd_scale."""
     c = _fa.AttnCfg(max_sq, max_skv, scale, dropout, layout, int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br)
     dev = qd.device
     qkv = (qd, kd, vd)
@@ -158,13 +169,23 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
     g_scale, g_amax = _ops._slot_ptr(bwd_scale, SLOT_DQKV), _ops._slot_ptr(bwd_hist, SLOT_DQKV)
     G = [_fp8(g, bwd_dtype, si, g_scale, g_amax) for g, si in zip(grads, sis)]
     aux = [_fa._handle(stats), _fa._handle(rng_copy)]
-    _fa.call_bwd(c, qkv, H, o_h, do_h, s_h, dp_h, aux, G, None, (cu_q, cu_kv, cu_q_pad, cu_kv_pad))
+    cu = (cu_q, cu_kv, cu_q_pad, cu_kv_pad)
+    if seed:
+        _ops.scale_from_history(dod, ops._dtype(bwd_dtype), bwd_scale, bwd_hist, SLOT_DO)
+        # run 1 measures dP's amax (taken before its quantization, so exact with any scale);
+        # run 2, with dP's scale, measures dQKV's (run 1's came from a flushed dS: dropped)
+        for slot in (SLOT_DP, SLOT_DQKV):
+            _fa.call_bwd(c, qkv, H, o_h, do_h, s_h, dp_h, aux, G, None, cu)
+            if slot == SLOT_DP:
+                bwd_hist[0, SLOT_DQKV] = 0.0
+            _ops.scale_from_history(grads[0], ops._dtype(bwd_dtype), bwd_scale, bwd_hist, slot)
+    _fa.call_bwd(c, qkv, H, o_h, do_h, s_h, dp_h, aux, G, None, cu)
     return grads[0], grads[1], grads[2], sis[0], sis[1], sis[2]
 
 
 @fused_attn_fp8_bwd.register_fake
 def _(qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad,
-      bwd_scale, bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br, bwd_dtype):
+      bwd_scale, bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, seed):
     return (torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd), q_si.new_empty(1), q_si.new_empty(1),
             q_si.new_empty(1))
 
@@ -176,8 +197,9 @@ fused_attn_fp8_bwd = ops.eager_or_op(fused_attn_fp8_bwd)
 
 
 # ------------------------------------------------------------------ autograd
-def _cast(x: Tensor, scale: Tensor, hist: Tensor, slot: int, fp8_dtype: int) -> Tuple[Tensor, Tensor]:
-    """(FP8 bytes shaped like x, scale_inv) through the library's cast; amax into hist[0, slot]."""
+def _cast(x: Tensor, scale: Optional[Tensor], hist: Tensor, slot: int, fp8_dtype: int) -> Tuple[Tensor, Tensor]:
+    """(FP8 bytes shaped like x, scale_inv) through the library's cast; amax into hist[0, slot].
+    scale None: current scaling (the amax, written to hist[0, slot], sets the scale)."""
     data, _, si, _ = ops.quantize(x.contiguous(), scale, hist, slot, fp8_dtype, True, False, False, False, 0.0)
     return data.view(x.shape), si
 
@@ -188,12 +210,13 @@ def _decode(data: Tensor, si: Tensor, fp8_dtype: int, dtype: torch.dtype) -> Ten
 
 class FusedAttnFP8Func(torch.autograd.Function):
     """(q, k, v high precision) -> O in q's dtype, through FP8 attention. cfg: (max_sq, max_skv,
-    is_training, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, amax_compute_algo, margin)."""
+    is_training, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, amax_compute_algo, margin,
+    seed_bwd); seed_bwd: this backward seeds the empty backward histories (module doc)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist, bwd_scale, bwd_hist,
                 cfg):
-        (max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br, _, _, _) = cfg
+        (max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br, _, _, _, _) = cfg
         (qd, q_si), (kd, k_si), (vd, v_si) = (_cast(x, fwd_scale, fwd_hist, SLOT_QKV, E4M3) for x in (q, k, v))
         od, o_si, s_scale, stats, rng_copy = fused_attn_fp8_fwd(
             qd, kd, vd, q_si, k_si, v_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist,
@@ -209,15 +232,15 @@ class FusedAttnFP8Func(torch.autograd.Function):
     def backward(ctx, do):
         (qd, kd, vd, q_si, k_si, v_si, od, o_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad,
          cu_kv_pad) = ctx.saved_tensors
-        (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, algo, margin) = ctx.cfg
+        (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, algo, margin, seed) = ctx.cfg
         dtype = ctx.dtype
         do = do if do.dtype == dtype else do.to(dtype)
         ops.delayed_scaling_update(ctx.bwd_hist, ctx.bwd_scale, algo, bwd_dtype, margin)
-        dod, do_si = _cast(do, ctx.bwd_scale, ctx.bwd_hist, SLOT_DO, bwd_dtype)
+        dod, do_si = _cast(do, None if seed else ctx.bwd_scale, ctx.bwd_hist, SLOT_DO, bwd_dtype)
         dqd, dkd, dvd, dq_si, dk_si, dv_si = fused_attn_fp8_bwd(
             qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad,
             cu_kv_pad, ctx.bwd_scale, ctx.bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br,
-            bwd_dtype)
+            bwd_dtype, seed)
         dq, dk, dv = (_decode(g, si, bwd_dtype, dtype) for g, si in ((dqd, dq_si), (dkd, dk_si), (dvd, dv_si)))
         return (dq, dk, dv) + (None,) * 10
 
@@ -282,7 +305,7 @@ class FusedAttnFP8MHAFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src_a, src_b, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist, bwd_scale,
                 bwd_hist, cfg, spec):
-        (max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br, _, _, _) = cfg
+        (max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br, _, _, _, _) = cfg
         h, g, d, inter, lead_q, lead_kv = spec
         rows_q = _rows(lead_q)
         if src_b is None:
@@ -308,7 +331,7 @@ class FusedAttnFP8MHAFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_h):
         qd, kd, vd, q_si, k_si, o_h, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad = ctx.saved_tensors
-        (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, algo, margin) = ctx.cfg
+        (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, algo, margin, seed) = ctx.cfg
         h, g, d, inter, lead_q, lead_kv = ctx.spec
         ops.delayed_scaling_update(ctx.bwd_hist, ctx.bwd_scale, algo, bwd_dtype, margin)
         rows, cols = _o_rows_cols(qd, vd)
@@ -318,7 +341,7 @@ class FusedAttnFP8MHAFunc(torch.autograd.Function):
         dqd, dkd, dvd, dq_si, _, _ = fused_attn_fp8_bwd(
             qd, kd, vd, q_si, k_si, k_si, od.view(o_shape), o_si, dod.view(o_shape), do_si, stats, rng_copy,
             s_scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad, ctx.bwd_scale, ctx.bwd_hist, max_sq, max_skv, scale, dropout,
-            layout, mask, wl, wr, br, bwd_dtype)
+            layout, mask, wl, wr, br, bwd_dtype, seed)
         # dQ, dK, dV share one scale (backward slot 2): one scale_inv serves the merged gradient
         rows_q = _rows(lead_q)
         if not ctx.cross:

@@ -109,7 +109,7 @@ class _LinearFn(torch.autograd.Function):
             if cfg.fp8_output:
                 out = ops.gemm_fp8_output(w_data, w_transpose, w_scale_inv, cfg.fwd_dtype, xd, None, x_si,
                                           cfg.fwd_dtype, cfg.fwd_dtype, fwd_scale, fwd_hist, cfg.fwd_slot + 2, True,
-                                          False, b)
+                                          False, b, False)
                 pre = ops.missing(xd.device)
             else:
                 out, pre = ops.gemm(w_data, w_transpose, w_scale_inv, cfg.fwd_dtype, xd, None, x_si, cfg.fwd_dtype,
@@ -171,10 +171,11 @@ class _LinearFn(torch.autograd.Function):
                 none = ops.missing(g.device)  # the absent operand buffers (read-only: one serves them all)
             if cfg.fp8_input and need_dw:  # wgrad's transposed input, from the kept FP8 bytes
                 xt = ops.transpose(handoff_parts(xt, ctx.rows, in_features)[0])
-            if need_dx and cfg.fp8_input:  # the input gradient leaves in FP8, as a hand-off
+            if need_dx and cfg.fp8_input:  # the input gradient leaves in FP8, as a hand-off (seeded with
+                # the output gradient: at the initial scale its E5M2 bytes would flush)
                 dx = ops.gemm_fp8_output(none, w_t, w_si, cfg.fwd_dtype, gd, None, g_si, cfg.bwd_dtype,
                                          cfg.bwd_dtype, ctx.bwd_scale, ctx.bwd_hist, cfg.bwd_slot + 1, False, False,
-                                         None)
+                                         None, cfg.seed_bwd)
             elif need_dx:
                 dx = ops.gemm(none, w_t, w_si, cfg.fwd_dtype, gd, None, g_si, cfg.bwd_dtype, dtype, False, False,
                               None, False, False)[0]

@@ -190,19 +190,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _take_bwd_seed(self, scaling: str, bwd_slot: int, grad: bool) -> bool:
         """Whether this forward's backward casts the gradient of bwd_slot with current scaling and
-        seeds its empty amax history (LinearCfg.seed_bwd): true for the first delayed-scaling
-        forward run with gradients enabled (should its backward never run, the history stays
-        empty and the next backward casts with the initial scale, as TE does). A bit mask
-        attribute: torch.compile guards on its value and replays the update, so a compiled first
-        step seeds too."""
-        if scaling != "delayed" or not grad:
-            return False
-        meta = self.fp8_meta
-        bit = 1 << bwd_slot
-        if meta.bwd_seeded & bit:
-            return False
-        meta.bwd_seeded = meta.bwd_seeded | bit
-        return True
+        seeds its empty amax history (LinearCfg.seed_bwd; FP8Meta.take_bwd_seed): the first
+        delayed-scaling forward run with gradients enabled."""
+        return scaling == "delayed" and grad and self.fp8_meta.take_bwd_seed(1 << bwd_slot)
 
     def _meta_tensors(self, scaling: str):
         """(fwd scale, fwd amax history, bwd scale, bwd amax history), or Nones without delayed state."""
