@@ -187,8 +187,9 @@ def train(args, data: CharData, device: torch.device, dtype: torch.dtype, use_fp
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps))))
     fmt = Format[args.fp8_format.upper()]
-    recipe = (DelayedScaling(fp8_format=fmt, amax_history_len=16, amax_compute_algo="max") if args.recipe == "delayed"
-              else Float8CurrentScaling(fp8_format=fmt))
+    attn = dict(fp8_dpa=args.fp8_attention != "off", fp8_mha=args.fp8_attention == "mha")
+    recipe = (DelayedScaling(fp8_format=fmt, amax_history_len=16, amax_compute_algo="max", **attn)
+              if args.recipe == "delayed" else Float8CurrentScaling(fp8_format=fmt))
     gen = torch.Generator().manual_seed(args.seed + 1)  # same batches for every run
     losses, times = [], []
     prog = Progress(args.steps, name)
@@ -271,7 +272,13 @@ def main(argv=None):
                    help="FP8 format of the recipe: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (both E4M3)")
     p.add_argument("--params", choices=("fp32", "bf16"), default="fp32",
                    help="GPU weights: fp32 under torch.autocast(bfloat16) (default) or bf16; the CPU runs fp32")
+    p.add_argument("--fp8-attention", choices=("off", "dpa", "mha"), default="off",
+                   help="FP8 attention in the FP8 run (DelayedScaling only): dpa = the recipe's fp8_dpa "
+                        "(attention in FP8), mha = fp8_mha (also FP8 between the projections and attention). "
+                        "On a GPU, cuDNN's FP8 attention trains head size 128 only: use --heads hidden/128")
     args = p.parse_args(argv)
+    if args.fp8_attention != "off" and args.recipe != "delayed":
+        p.error("--fp8-attention needs --recipe delayed (fp8_dpa / fp8_mha are DelayedScaling options)")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     # GPU lr: on an H200 the 1024-wide model at 2e-3 spiked early and sat on a loss plateau
@@ -301,7 +308,8 @@ def main(argv=None):
           f"{args.steps} steps of {args.batch} x {args.seq} tokens on {device}")
 
     results = {}
-    fp8_name = "FP8 (DelayedScaling)" if args.recipe == "delayed" else "FP8 (CurrentScaling)"
+    fp8_name = ("FP8 (DelayedScaling" + ("" if args.fp8_attention == "off" else f", fp8_{args.fp8_attention}") + ")"
+                if args.recipe == "delayed" else "FP8 (CurrentScaling)")
     for name, fp8 in ((hp_name, False), (fp8_name, True)):
         results[name] = train(args, data, device, dtype, fp8, name)
 

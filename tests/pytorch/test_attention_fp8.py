@@ -213,11 +213,10 @@ def test_unsupported_fp8_attention_recipes_are_clear_errors(monkeypatch):
         dpa(q, q, q)
 
 
-def _first_step_grad_errors(seeded: bool, grad_scale: float):
+def _first_step_grad_errors(grad_scale: float):
     """Relative errors of dQ, dK, dV of DotProductAttention's first FP8 step (causal, bshd) against
-    float64 attention, for an output gradient of size ~grad_scale. seeded False: the module is
-    told its backward histories are already seeded, so the first backward uses the initial scales
-    (TE's behaviour)."""
+    float64 attention, for an output gradient of size ~grad_scale, and the backward scales and
+    amaxes it leaves."""
     b, s, h, d, dtype = (2, 128, 2, 128, torch.bfloat16) if ON_CUDA else (2, 33, 2, 16, torch.float32)
     gen = torch.Generator().manual_seed(21)
     q, k, v = (torch.randn(b, s, h, d, generator=gen).to(dtype).double() for _ in range(3))
@@ -227,8 +226,6 @@ def _first_step_grad_errors(seeded: bool, grad_scale: float):
     z = z.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
     torch.einsum("bhqk,bkhd->bqhd", torch.softmax(z, -1), ref[2]).reshape(b, s, h * d).backward(dy)
     dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal")
-    if not seeded:
-        dpa.fp8_meta.bwd_seeded = 1
     x = [dev(t.to(dtype)).requires_grad_(True) for t in (q, k, v)]
     with te.fp8_autocast(fp8_recipe=_recipe()):
         out = dpa(*x)
@@ -238,19 +235,21 @@ def _first_step_grad_errors(seeded: bool, grad_scale: float):
 
 
 @pytest.mark.parametrize("grad_scale", [1e-1, 1e-6])
-def test_fp8_dpa_first_backward_keeps_small_gradients(grad_scale):
+def test_fp8_dpa_first_backward_keeps_small_gradients(grad_scale, monkeypatch):
     """The first backward takes its FP8 scales from the gradients' own amaxes (dO by a current-scaled
     cast, dP and dQKV from amaxes measured by extra runs; fused_attention_fp8's module doc), not
     the initial scale 1 at which E5M2 flushes small gradients: the first step's dQ/dK/dV are as
     close to float64 as FP8 attention is (~0.1; TOL 0.25) for large and tiny gradients alike. The
-    same step without the seeding loses the tiny gradients entirely (error ~1, checked: the test
-    can fail), and the backward scales it leaves are fp8_max / the recorded amaxes."""
-    errs, sb, am_b = _first_step_grad_errors(True, grad_scale)
+    same step without the seeding (NVTE_FP8_SEED_FIRST_BACKWARD=0: TE's initial scales) loses the
+    tiny gradients entirely (error ~1, checked: the test can fail), and the backward scales it
+    leaves are fp8_max / the recorded amaxes."""
+    errs, sb, am_b = _first_step_grad_errors(grad_scale)
     print("seeded", grad_scale, errs)
     assert max(errs) < 0.25, errs
     torch.testing.assert_close(sb, FP8_MAX["e5m2"] / am_b, rtol=1e-6, atol=0)
     if grad_scale < 1e-3:
-        unseeded, sb0, _ = _first_step_grad_errors(False, grad_scale)
+        monkeypatch.setenv("NVTE_FP8_SEED_FIRST_BACKWARD", "0")
+        unseeded, sb0, _ = _first_step_grad_errors(grad_scale)
         print("initial scales", grad_scale, unseeded)
         assert min(unseeded) > 0.9 and torch.equal(sb0, torch.ones(3)), unseeded
 

@@ -159,11 +159,11 @@ def test_linear_no_grad_fp8_skips_update(rng):
     assert torch.equal(m.fp8_meta.scale["fwd"].cpu(), torch.ones(3))
 
 
-def test_linear_fp8_first_backward_keeps_small_gradients(rng):
+def test_linear_fp8_first_backward_keeps_small_gradients(rng, monkeypatch):
     """Gradients far below E5M2's smallest subnormal (2^-16) at the first FP8 step: cast with TE's
-    initial scale 1 they would all flush to zero (dgrad and wgrad 0); the first backward's
-    current-scaled cast keeps them FP8-accurate, and the next step's delayed scale comes from the
-    seeded amax."""
+    initial scale 1 they all flush to zero (dgrad and wgrad 0: checked with the seeding turned off,
+    NVTE_FP8_SEED_FIRST_BACKWARD=0); the first backward's current-scaled cast keeps them
+    FP8-accurate, and the next step's delayed scale comes from the seeded amax."""
     g = seeded(rng)
     m = te.Linear(32, 48, bias=False, device=DEVICE)
     r = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=4)
@@ -181,3 +181,10 @@ def test_linear_fp8_first_backward_keeps_small_gradients(rng):
         assert rel_err(m.weight.grad, cpu64(dy).t() @ cpu64(x)) < 0.1, step
     # the second backward's delayed scale: E5M2 max over the first step's (seeded) amax
     assert m.fp8_meta.scale["bwd"][0].item() == (torch.tensor(57344.0) / amaxes[0]).item()
+    monkeypatch.setenv("NVTE_FP8_SEED_FIRST_BACKWARD", "0")
+    m = te.Linear(32, 48, bias=False, device=DEVICE)
+    x = torch.randn(tokens, 32, generator=g).requires_grad_()
+    with te.fp8_autocast(fp8_recipe=r):
+        y = m(dev(x))
+    y.backward(dev(torch.randn(tokens, 48, generator=g) * 1e-7))
+    assert not x.grad.any() and not m.weight.grad.any()

@@ -1,5 +1,6 @@
 """The quickstart main job at CI size: 300 steps of a small GPT, FP8 DelayedScaling must end
-within 2% of the same run in high precision (issue acceptance), on the CPU."""
+within 2% of the same run in high precision (issue acceptance), on the CPU; also with FP8
+attention (--fp8-attention mha: fp8_dpa + fp8_mha)."""
 import importlib.util
 import os
 
@@ -16,13 +17,14 @@ def load_quickstart():
     return mod
 
 
-def test_fp8_final_loss_within_two_percent_of_high_precision(tmp_path):
+@pytest.mark.parametrize("fp8_attention", ["off", "mha"])
+def test_fp8_final_loss_within_two_percent_of_high_precision(tmp_path, fp8_attention):
     qs = load_quickstart()
     results = qs.main(["--device", "cpu", "--steps", "300", "--hidden", "64", "--ffn", "256", "--heads", "2",
                        "--layers", "2", "--batch", "8", "--seq", "32", "--corpus-chars", "40000", "--no-sample",
-                       "--plot", str(tmp_path / "loss.png")])
+                       "--plot", str(tmp_path / "loss.png"), "--fp8-attention", fp8_attention])
     (hp_name, hp), (fp8_name, fp8) = list(results.items())
-    assert "FP8" in fp8_name
+    assert "FP8" in fp8_name and ("fp8_mha" in fp8_name) == (fp8_attention == "mha")
     hp_last = sum(hp[0][-20:]) / 20  # mean of the last 20 steps: less noise than one batch
     fp8_last = sum(fp8[0][-20:]) / 20
     assert hp[0][-1] < 0.6 * hp[0][0], "the high-precision run did not learn"

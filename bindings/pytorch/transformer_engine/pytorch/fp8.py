@@ -15,6 +15,7 @@ current amaxes (row 0) are all-reduced (MAX) through torch.distributed before an
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -102,8 +103,9 @@ class FP8Meta:
         `bit` with current-scaled first gradients; marks the bit, so only the first forward run
         with gradients enabled does (should its backward never run, the history stays empty and
         the next backward uses the initial scales, as TE does). A plain int attribute: torch.compile
-        guards on its value and replays the update, so a compiled first step seeds too."""
-        if self.bwd_seeded & bit:
+        guards on its value and replays the update, so a compiled first step seeds too.
+        NVTE_FP8_SEED_FIRST_BACKWARD=0 turns the seeding off (TE's first step: initial scales)."""
+        if self.bwd_seeded & bit or os.environ.get("NVTE_FP8_SEED_FIRST_BACKWARD", "1") == "0":
             return False
         self.bwd_seeded = self.bwd_seeded | bit
         return True
