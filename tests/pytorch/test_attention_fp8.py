@@ -27,7 +27,7 @@ from transformer_engine.pytorch import fused_attention as fa
 from transformer_engine.pytorch import fused_attention_fp8 as fa8
 from transformer_engine.pytorch.attention import DotProductAttention
 
-from _attn_ref import dpa_thd_ref, from_thd, seqs_from_cu, to_thd
+from _attn_ref import dpa_thd_ref, from_thd, qdq, seqs_from_cu, to_thd
 from _util import ON_CUDA, dev, rel_err
 
 OPS = torch.ops.transformer_engine
@@ -254,6 +254,71 @@ def test_fp8_dpa_first_backward_keeps_small_gradients(grad_scale, monkeypatch):
         assert min(unseeded) > 0.9 and torch.equal(sb0, torch.ones(3)), unseeded
 
 
+def _fp8_fwd_f16_bwd_ref(q, k, v, dy, causal, sf):
+    """float64 emulation of NVTE_FP8_DPA_BWD=0 (bshd [b, s, h, d]): O of the FP8 forward (scales sf)
+    and the gradients of the high-precision backward on the unquantized q, k, v with that
+    forward's float32 softmax statistics and its decoded O."""
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d)
+    q, k, v, do = (t.double().permute(0, 2, 1, 3) for t in (q, k, v, dy))   # [b, h, s, d]
+    masked = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1) if causal else None
+    logits = lambda a, b: (scale * a @ b.transpose(-1, -2)).masked_fill(masked, -math.inf) \
+        if causal else scale * a @ b.transpose(-1, -2)  # noqa: E731
+    q8, k8, v8 = (qdq(t, sf[0], "e4m3") for t in (q, k, v))
+    z8 = logits(q8, k8)
+    lse = torch.logsumexp(z8, -1, keepdim=True)
+    m = z8.amax(-1, keepdim=True)
+    o = qdq((qdq(torch.exp(z8 - m), sf[1], "e4m3") @ v8) / torch.exp(lse - m), sf[2], "e4m3")
+    p = torch.exp(logits(q, k) - lse.float().double())
+    ds = scale * p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    back = lambda t: t.permute(0, 2, 1, 3)  # noqa: E731
+    return back(o), [back(ds @ k), back(ds.transpose(-1, -2) @ q), back(p.transpose(-1, -2) @ do)]
+
+
+@cpu_only
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_fp8_dpa_bwd_off_runs_the_high_precision_backward(mask, monkeypatch):
+    """NVTE_FP8_DPA_BWD=0 (TE's switch): the FP8 forward is unchanged (bit for bit), the backward is
+    the high-precision one on the unquantized Q, K, V with the FP8 forward's statistics and O, so
+    the gradients equal that float64 emulation (to float32 rounding) and differ from the FP8
+    backward's; the backward FP8 state stays untouched. Two steps (the second with recipe scales)."""
+    b, s, h, d = 2, 9, 2, 16
+    gen = torch.Generator().manual_seed(17)
+    mods = {flag: DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask) for flag in ("1", "0")}
+    for step in range(2):
+        q, k, v = (torch.randn(b, s, h, d, generator=gen) for _ in range(3))
+        dy = torch.randn(b, s, h * d, generator=gen) * 0.1
+        res = {}
+        for flag, dpa in mods.items():
+            monkeypatch.setenv("NVTE_FP8_DPA_BWD", flag)
+            x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            sf = dpa.fp8_meta.scale["fwd"].clone()
+            with te.fp8_autocast(fp8_recipe=_recipe()):
+                out = dpa(*x)
+            out.backward(dy)
+            res[flag] = (out.detach(), [t.grad for t in x], sf)
+        out, grads, sf = res["0"]
+        assert torch.equal(out, res["1"][0]), step
+        o_ref, g_ref = _fp8_fwd_f16_bwd_ref(q, k, v, dy.view(b, s, h, d), mask == "causal", sf)
+        assert rel_err(out, o_ref.reshape(out.shape)) < 1e-6, step
+        for name, g, r, g8 in zip("qkv", grads, g_ref, res["1"][1]):
+            e = rel_err(g, r)
+            assert e < 1e-6 and rel_err(g8, r) > 100 * max(e, 1e-6), (step, name, e, rel_err(g8, r))
+    meta = mods["0"].fp8_meta
+    assert not meta.amax_history["bwd"].any() and torch.equal(meta.scale["bwd"], torch.ones(3)) and meta.bwd_seeded == 0
+
+
+def test_fp8_dpa_bwd_off_under_fp8_mha_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "0")
+    d = 128 if ON_CUDA else 16
+    m = te.MultiheadAttention(2 * d, 2, attention_dropout=0.0, params_dtype=torch.bfloat16 if ON_CUDA else torch.float32,
+                              device=dev(torch.zeros(1)).device)
+    x = dev(torch.randn(128 if ON_CUDA else 5, 1, 2 * d)).to(m.proj.weight.dtype).requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="NVTE_FP8_DPA_BWD=0"), \
+            te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_mha=True)):
+        m(x)
+
+
 def _cuda_vs_cpu_steps(mask):
     """The same module steps on both backends (bf16 Q/K/V, head dim 128: cuDNN's FP8 backward on
     Hopper takes 128 only): {(device, fp8): [per step: out, dq, dk, dv]} (CPU float32 copies)."""
@@ -337,15 +402,18 @@ def test_fp8_dpa_cuda_gradients_match_the_cpu_backend(mask):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fp8_bwd", ["1", "0"])
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
-def test_fp8_dpa_cuda_as_accurate_as_the_cpu_backend(mask):
+def test_fp8_dpa_cuda_as_accurate_as_the_cpu_backend(mask, fp8_bwd, monkeypatch):
     """GUIDE's rule for fused low-precision kernels: against float64 attention, the CUDA backend's
     FP8 attention (output and gradients, both steps) is at most 1.5x as far as the CPU backend's.
     Unlike a direct CUDA-vs-CPU comparison this does not require both backends to pick the same
-    FP8 roundings (their step-1 scales come from each one's own amaxes)."""
+    FP8 roundings (their step-1 scales come from each one's own amaxes). fp8_bwd "0":
+    NVTE_FP8_DPA_BWD=0 (FP8 forward, cuDNN's BF16 backward)."""
     ok, why = te.is_fp8_available()
     if not ok:
         pytest.skip(why)
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", fp8_bwd)
     res, exact = _cuda_vs_cpu_steps(mask), _exact(mask)
     bad = []
     for step in range(2):

@@ -299,9 +299,16 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
     br = "causal" not in mask_type
     mask = _fa.MASK_INT[mask_type]
     if handoff is not None or fp8 is not None:
+        # NVTE_FP8_DPA_BWD=0 (TE's switch): FP8 forward, high-precision backward (fused_attention_fp8.py)
+        f16_bwd = grads and _fa._env("NVTE_FP8_DPA_BWD") == "0"
+        if f16_bwd and handoff is not None:
+            raise NotImplementedError("MultiheadAttention: NVTE_FP8_DPA_BWD=0 (a high-precision attention backward) "
+                                      "is implemented for fp8_dpa, not fp8_mha (whose backward hands FP8 gradients "
+                                      "to the projections): use fp8_dpa=True, fp8_mha=False")
         meta = dpa.fp8_meta  # (the first run with gradients seeds the backward histories)
         cfg = (sq, sk, is_training, float(dpa.softmax_scale), float(dropout), layout, mask, int(wl), int(wr), br,
-               meta.fp8_dtype("bwd"), fp8.amax_compute_algo, float(fp8.margin), grads and meta.take_bwd_seed(1))
+               meta.fp8_dtype("bwd"), fp8.amax_compute_algo, float(fp8.margin),
+               grads and not f16_bwd and meta.take_bwd_seed(1), f16_bwd)
     if handoff is not None:
         return _fp8.FusedAttnFP8MHAFunc.apply(*handoff[0], *cu, rng, *_fp8_fwd_meta(dpa), meta.scale["bwd"],
                                               meta.amax_history["bwd"], cfg, handoff[1])

@@ -21,6 +21,12 @@ to measure dP's and then dQKV's amaxes (each set from its own amax, dQKV's after
 and leaves those scales in bwd_scale and the amaxes in the histories; from the second backward on
 it is TE's delayed scaling. Under fp8_mha dO arrives in FP8 from the output projection's dgrad.
 
+NVTE_FP8_DPA_BWD=0 (as in TE; fp8_dpa only): the forward is the FP8 one above, the backward the
+high-precision fused attention backward on the saved high-precision Q, K, V, the decoded O and
+the FP8 forward's softmax statistics; the backward FP8 state is not touched. cuDNN's FP8 backward
+does the masked half of a causal problem too, so for causal masks this is the faster mode (and
+it keeps high-precision Q, K, V and O for the backward: more memory).
+
 O and dQ/dK/dV leave the library in FP8 and are decoded to the input dtype (fp8_dpa); the FP8
 copy of O is what the backward reads (D = dO . O), as in TE.
 
@@ -211,28 +217,36 @@ def _decode(data: Tensor, si: Tensor, fp8_dtype: int, dtype: torch.dtype) -> Ten
 class FusedAttnFP8Func(torch.autograd.Function):
     """(q, k, v high precision) -> O in q's dtype, through FP8 attention. cfg: (max_sq, max_skv,
     is_training, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, amax_compute_algo, margin,
-    seed_bwd); seed_bwd: this backward seeds the empty backward histories (module doc)."""
+    seed_bwd, f16_bwd); seed_bwd: this backward seeds the empty backward histories (module doc);
+    f16_bwd (NVTE_FP8_DPA_BWD=0): the backward is the high-precision fused attention backward on
+    the saved high-precision Q, K, V, the decoded O and the FP8 forward's statistics."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist, bwd_scale, bwd_hist,
                 cfg):
-        (max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br, _, _, _, _) = cfg
+        (max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br, _, _, _, _, f16_bwd) = cfg
         (qd, q_si), (kd, k_si), (vd, v_si) = (_cast(x, fwd_scale, fwd_hist, SLOT_QKV, E4M3) for x in (q, k, v))
         od, o_si, s_scale, stats, rng_copy = fused_attn_fp8_fwd(
             qd, kd, vd, q_si, k_si, v_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist,
             max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br)
-        ctx.save_for_backward(qd, kd, vd, q_si, k_si, v_si, od, o_si, stats, rng_copy, s_scale, cu_q, cu_kv,
-                              cu_q_pad, cu_kv_pad)
+        o = _decode(od, o_si, E4M3, q.dtype)
+        if f16_bwd:
+            ctx.save_for_backward(q, k, v, o, stats, rng_copy, cu_q, cu_kv, cu_q_pad, cu_kv_pad)
+        else:
+            ctx.save_for_backward(qd, kd, vd, q_si, k_si, v_si, od, o_si, stats, rng_copy, s_scale, cu_q, cu_kv,
+                                  cu_q_pad, cu_kv_pad)
         # updated in place by the backward's recipe step: kept on ctx, not saved
         ctx.bwd_scale, ctx.bwd_hist = bwd_scale, bwd_hist
         ctx.cfg, ctx.dtype = cfg, q.dtype
-        return _decode(od, o_si, E4M3, q.dtype)
+        return o
 
     @staticmethod
     def backward(ctx, do):
+        if ctx.cfg[-1]:
+            return FusedAttnFP8Func._f16_backward(ctx, do)
         (qd, kd, vd, q_si, k_si, v_si, od, o_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad,
          cu_kv_pad) = ctx.saved_tensors
-        (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, algo, margin, seed) = ctx.cfg
+        (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, algo, margin, seed, _) = ctx.cfg
         dtype = ctx.dtype
         do = do if do.dtype == dtype else do.to(dtype)
         ops.delayed_scaling_update(ctx.bwd_hist, ctx.bwd_scale, algo, bwd_dtype, margin)
@@ -242,6 +256,17 @@ class FusedAttnFP8Func(torch.autograd.Function):
             cu_kv_pad, ctx.bwd_scale, ctx.bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br,
             bwd_dtype, seed)
         dq, dk, dv = (_decode(g, si, bwd_dtype, dtype) for g, si in ((dqd, dq_si), (dkd, dk_si), (dvd, dv_si)))
+        return (dq, dk, dv) + (None,) * 10
+
+    @staticmethod
+    def _f16_backward(ctx, do):
+        """NVTE_FP8_DPA_BWD=0: the high-precision backward (no FP8 tensors, no backward recipe step)."""
+        q, k, v, o, stats, rng_copy, cu_q, cu_kv, cu_q_pad, cu_kv_pad = ctx.saved_tensors
+        (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br) = ctx.cfg[:10]
+        do = do if do.dtype == ctx.dtype else do.to(ctx.dtype)
+        dq, dk, dv, _ = _fa.fused_attn_bwd(q, k, v, o, do, stats, rng_copy, q.new_empty(0), cu_q, cu_kv, cu_q_pad,
+                                           cu_kv_pad, max_sq, max_skv, scale, dropout, layout,
+                                           int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br, False)
         return (dq, dk, dv) + (None,) * 10
 
 
@@ -305,7 +330,7 @@ class FusedAttnFP8MHAFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src_a, src_b, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist, bwd_scale,
                 bwd_hist, cfg, spec):
-        (max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br, _, _, _, _) = cfg
+        (max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br, _, _, _, _, f16_bwd) = cfg
         h, g, d, inter, lead_q, lead_kv = spec
         rows_q = _rows(lead_q)
         if src_b is None:
@@ -331,7 +356,7 @@ class FusedAttnFP8MHAFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_h):
         qd, kd, vd, q_si, k_si, o_h, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad = ctx.saved_tensors
-        (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, algo, margin, seed) = ctx.cfg
+        (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, algo, margin, seed, _) = ctx.cfg
         h, g, d, inter, lead_q, lead_kv = ctx.spec
         ops.delayed_scaling_update(ctx.bwd_hist, ctx.bwd_scale, algo, bwd_dtype, margin)
         rows, cols = _o_rows_cols(qd, vd)
