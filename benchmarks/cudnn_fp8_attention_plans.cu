@@ -11,6 +11,9 @@
 //     -I$sp/nvidia/cu13/include benchmarks/cudnn_fp8_attention_plans.cu -o /tmp/fp8_plans -ldl
 // Run on the GPU machine with torch's cuDNN first on LD_LIBRARY_PATH:
 //   /tmp/fp8_plans SEQ [e4m3|e5m2 (dO and gradients)|bf16 (all BF16)] [bhsd|bshd] [all]
+// DROPOUT=p in the environment adds dropout (probability p, seed/offset from device int64 tensors)
+// to every graph: run under compute-sanitizer to see whether cuDNN's FP8 kernels fault with it
+// (the library rejects FP8 dropout on the GPU since one did on an H100).
 #include <cudnn_frontend.h>
 #include <cuda_runtime.h>
 #include <cstdio>
@@ -52,6 +55,9 @@ int main(int argc, char **argv) {
     else fill<<<1024, 256>>>(p, n, seed++);
   }
   fill_f<<<1, 64>>>(scal, 64, 1.0f); fill_f<<<1024, 256>>>(stats, b * h * s, 5.0f);
+  const float dropout = getenv("DROPOUT") ? float(atof(getenv("DROPOUT"))) : 0.0f;
+  int64_t *rng; CK(cudaMalloc(&rng, 2 * sizeof(int64_t))); CK(cudaMemset(rng, 0, 2 * sizeof(int64_t)));
+  if (dropout > 0) printf("dropout %.3f\n", dropout);
   CK(cudaDeviceSynchronize());
   const bool e5 = argc > 2 && std::string(argv[2]) == "e5m2", bshd = argc > 3 && std::string(argv[3]) == "bshd";
   const fe::DataType_t gt = e5 ? fe::DataType_t::FP8_E5M2 : fe::DataType_t::FP8_E4M3;
@@ -70,6 +76,11 @@ int main(int argc, char **argv) {
           return g.tensor(fe::graph::Tensor_attributes().set_name(nm).set_uid(uid++).set_dim(dm).set_stride(st).set_data_type(dt));
         };
         auto S = [&](const char *nm, int i) { return T(nm, scal + i, {1, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::FLOAT); };
+        auto with_dropout = [&](auto &a) {
+          if (dropout > 0)
+            a.set_dropout(dropout, T("seed", rng, {1, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::INT64),
+                          T("offset", rng + 1, {1, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::INT64));
+        };
         auto out = [&](std::shared_ptr<fe::graph::Tensor_attributes> t, void *ptr, std::vector<int64_t> dm, std::vector<int64_t> st, fe::DataType_t dt) {
           pack[uid] = ptr; t->set_output(true).set_uid(uid++).set_dim(dm).set_stride(st).set_data_type(dt);
         };
@@ -78,6 +89,7 @@ int main(int argc, char **argv) {
         if (bf16 && !bwd) {
           fe::graph::SDPA_attributes a; a.set_name("f").set_generate_stats(true).set_attn_scale(0.088f);
           if (causal) a.set_causal_mask(true);
+          with_dropout(a);
           auto [O, st] = g.sdpa(Q, K, V, a);
           out(O, o, dim, str, io); out(st, stats, sd, ss, fe::DataType_t::FLOAT);
         } else if (bf16) {
@@ -85,11 +97,13 @@ int main(int argc, char **argv) {
           auto St = T("stats", stats, sd, ss, fe::DataType_t::FLOAT);
           fe::graph::SDPA_backward_attributes a; a.set_name("b").set_attn_scale(0.088f);
           if (causal) a.set_causal_mask(true);
+          with_dropout(a);
           auto [dQ, dK, dV] = g.sdpa_backward(Q, K, V, O, dOt, St, a);
           out(dQ, dq, dim, str, io); out(dK, dk, dim, str, io); out(dV, dv, dim, str, io);
         } else if (!bwd) {
           fe::graph::SDPA_fp8_attributes a; a.set_name("f").set_generate_stats(true).set_attn_scale(0.088f);
           if (causal) a.set_causal_mask(true);
+          with_dropout(a);
           auto [O, st, amax_s, amax_o] = g.sdpa_fp8(Q, K, V, S("dq", 0), S("dk", 1), S("dv", 2), S("ds", 3), S("ss", 4), S("so", 5), a);
           out(O, o, dim, str, fe::DataType_t::FP8_E4M3); out(st, stats, sd, ss, fe::DataType_t::FLOAT);
           out(amax_s, scal + 32, one, one, fe::DataType_t::FLOAT); out(amax_o, scal + 33, one, one, fe::DataType_t::FLOAT);
@@ -98,6 +112,7 @@ int main(int argc, char **argv) {
           auto St = T("stats", stats, sd, ss, fe::DataType_t::FLOAT);
           fe::graph::SDPA_fp8_backward_attributes a; a.set_name("b").set_attn_scale(0.088f);
           if (causal) a.set_causal_mask(true);
+          with_dropout(a);
           auto [dQ, dK, dV, a1, a2, a3, a4] = g.sdpa_fp8_backward(Q, K, V, O, dOt, St, S("dq", 0), S("dk", 1), S("dv", 2), S("do", 6), S("ddo", 7), S("ds", 3), S("ddp", 8), S("ss", 4), S("sdq", 9), S("sdk", 10), S("sdv", 11), S("sdp", 12), a);
           out(dQ, dq, dim, str, gt); out(dK, dk, dim, str, gt); out(dV, dv, dim, str, gt);
           out(a1, scal + 40, one, one, fe::DataType_t::FLOAT); out(a2, scal + 41, one, one, fe::DataType_t::FLOAT);
