@@ -1,4 +1,4 @@
-"""The TE tutorial layer, forward + backward, timed five ways in one process:
+"""The TE tutorial layer, forward + backward, timed seven ways in one process:
 
   (a) plain PyTorch eager: a pre-LN transformer layer of torch.nn modules with
       F.scaled_dot_product_attention (causal), bf16 parameters
@@ -6,6 +6,8 @@
   (c) torchao float8 (torchao.float8.convert_to_float8_training) + torch.compile
   (d) te.TransformerLayer, BF16
   (e) te.TransformerLayer under fp8_autocast(DelayedScaling(HYBRID))
+  (f) the same with the recipe's fp8_dpa=True (attention in FP8 too: cuDNN's FP8 graphs)
+  (g) (f) with NVTE_FP8_DPA_BWD=0 (FP8 attention forward, BF16 attention backward)
 
 Default shape: hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4 ([s, b, h] input), dropout off
 in every variant. All models hold the same weights (the reference is built from the TE layer's
@@ -40,6 +42,8 @@ VARIANTS = {
     "c": "torchao float8 + torch.compile",
     "d": "te.TransformerLayer BF16",
     "e": "te.TransformerLayer FP8 DelayedScaling",
+    "f": "te.TransformerLayer FP8 DelayedScaling + fp8_dpa",
+    "g": "te.TransformerLayer FP8 + fp8_dpa, NVTE_FP8_DPA_BWD=0",
 }
 FULL = dict(hidden=4096, ffn=16384, heads=32, seq=2048, batch=4)
 TINY = dict(hidden=64, ffn=256, heads=4, seq=32, batch=2)
@@ -126,15 +130,25 @@ def build(variant, te_layer, ref, te, recipe):
         return torch.compile(m), ""
     if variant == "d":
         return te_layer, ""
-    if variant == "e":
+    if variant in "efg":
         ok, reason = te.is_fp8_available()
         if not ok:
             return None, f"FP8 unavailable: {reason}"
-        r = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+        r = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
+                                  fp8_dpa=variant != "e")
+        fp8_dpa_bwd = "0" if variant == "g" else "1"  # read by each forward (it picks the backward)
 
         def run(x):
-            with te.fp8_autocast(enabled=True, fp8_recipe=r):
-                return te_layer(x)
+            old = os.environ.get("NVTE_FP8_DPA_BWD")
+            os.environ["NVTE_FP8_DPA_BWD"] = fp8_dpa_bwd
+            try:
+                with te.fp8_autocast(enabled=True, fp8_recipe=r):
+                    return te_layer(x)
+            finally:
+                if old is None:
+                    del os.environ["NVTE_FP8_DPA_BWD"]
+                else:
+                    os.environ["NVTE_FP8_DPA_BWD"] = old
         return run, ""
     raise ValueError(variant)
 
@@ -147,7 +161,7 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help=f"tiny shapes {TINY} (to check the script)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants (b, c)")
     p.add_argument("--fuse-qkv", action="store_true", help="te.TransformerLayer(fuse_qkv_params=True)")
-    p.add_argument("--only", default="abcde", help="variants to run, e.g. 'ade'")
+    p.add_argument("--only", default="abcdefg", help="variants to run, e.g. 'ade'")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--inner", type=int, default=8)
