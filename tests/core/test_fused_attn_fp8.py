@@ -70,6 +70,15 @@ def test_layouts_masks_gqa(layout, mask, rng):
     run_fp8_case(case, rng)
 
 
+@pytest.mark.parametrize("mask,wl,wr", [("causal", 3, 0), ("no_mask", 2, 1), ("padding_causal", 4, -1),
+                                         ("causal_bottom_right", 2, 0)])
+def test_sliding_windows(mask, wl, wr, rng):
+    """Windows in FP8 attention (the CUDA backend runs left windows through cuDNN's band mask; the
+    CPU backend, the oracle, takes every window)."""
+    run_fp8_case(Case(b=2, sq=9, skv=11 if "bottom_right" in mask else 9, hq=4, hkv=2, dqk=16, dv=16, mask=mask,
+                      wl=wl, wr=wr), rng)
+
+
 # ------------------------------------------------------------------ formats and recipes
 
 FORMATS = [("e4m3", "e4m3", "e4m3"),            # all E4M3

@@ -22,8 +22,10 @@ def mask_enum(name):
 
 class Case:
     def __init__(self, layout="NVTE_BSHD_BSHD_BSHD", dtype="bfloat16", b=2, sq=64, skv=64, hq=4, hkv=4, d=64,
-                 dv=None, mask="no_mask", bias=False, dropout=0.0, lens_q=None, lens_kv=None, seed=0, alibi=False):
+                 dv=None, mask="no_mask", bias=False, dropout=0.0, lens_q=None, lens_kv=None, seed=0, alibi=False,
+                 wl=-1):
         self.layout, self.dtype, self.b, self.sq, self.skv, self.alibi = layout, dtype, b, sq, skv, alibi
+        self.wl = wl  # left window (keys i - wl .. of query i, top-left aligned), -1: unbounded
         self.hq, self.hkv, self.d, self.dv, self.mask, self.bias = hq, hkv, d, dv or d, mask, bias
         self.dropout, self.lens_q, self.lens_kv, self.seed = dropout, lens_q, lens_kv, seed
         self.fmt = "sbhd" if layout.startswith("NVTE_SB") else "bshd"
@@ -75,7 +77,7 @@ def scalars(c):
     return dict(max_seqlen_q=c.sq, max_seqlen_kv=c.skv, attn_scale=1.0 / math.sqrt(c.d), dropout=c.dropout,
                 qkv_layout=getattr(L, c.layout),
                 bias_type=BT.NVTE_POST_SCALE_BIAS if c.bias else (BT.NVTE_ALIBI if c.alibi else BT.NVTE_NO_BIAS),
-                attn_mask_type=mask_enum(c.mask), softmax_type=ST.NVTE_VANILLA_SOFTMAX, window_size_left=-1,
+                attn_mask_type=mask_enum(c.mask), softmax_type=ST.NVTE_VANILLA_SOFTMAX, window_size_left=c.wl,
                 window_size_right=-1, bottom_right_diagonal=False)
 
 
@@ -135,7 +137,7 @@ def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, tr
 
 
 def visible(c, dev="cpu"):
-    """[b, 1, sq, skv] bool: which keys each query sees (padding and causal rules)."""
+    """[b, 1, sq, skv] bool: which keys each query sees (padding, causal and left-window rules)."""
     padded, lq, lkv, _, _ = lengths(c)
     allowed = torch.ones(c.b, 1, c.sq, c.skv, dtype=torch.bool, device=dev)
     i = torch.arange(c.sq, device=dev)[:, None]
@@ -147,6 +149,8 @@ def visible(c, dev="cpu"):
         if "causal" in c.mask:
             diag = (lkv[bi] - lq[bi]) if "bottom_right" in c.mask else 0
             a &= j <= i + diag
+        if c.wl >= 0:  # (top-left aligned: the tests' windows come without bottom-right masks)
+            a &= j >= i - c.wl
         allowed[bi, 0] = a
     return allowed
 

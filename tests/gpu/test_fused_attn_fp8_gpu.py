@@ -361,6 +361,14 @@ def test_fp8_layouts(layout):
     fp8_check(Case(layout=layout, b=2, hq=4, hkv=4, sq=128, skv=128, d=128, mask="causal"))
 
 
+@pytest.mark.parametrize("mask,wl", [("causal", 64), ("no_mask", 100), ("padding_causal", 32)])
+def test_fp8_sliding_window(mask, wl):
+    """Left (sliding) windows, top-left aligned: cuDNN's FP8 graphs with a diagonal band."""
+    padded = mask.startswith("padding")
+    fp8_check(Case(b=2, hq=4, hkv=4, sq=256, skv=256, d=128, mask=mask, wl=wl, lens_q=[256, 150] if padded else None,
+                   lens_kv=[256, 150] if padded else None))
+
+
 def test_fp8_padding_causal():
     fp8_check(Case(b=2, hq=4, hkv=4, sq=128, skv=128, d=128, mask="padding_causal", lens_q=[128, 77],
                    lens_kv=[128, 77]))

@@ -44,6 +44,14 @@ def test_head_dims_and_odd_lengths(d):
     check(Case(d=d, sq=77, skv=77, b=3))
 
 
+@pytest.mark.parametrize("mask,wl", [("causal", 20), ("no_mask", 33), ("padding_causal", 9)])
+def test_sliding_window(mask, wl):
+    """Left (sliding) windows, top-left aligned (cuDNN's diagonal band)."""
+    padded = mask.startswith("padding")
+    check(Case(mask=mask, wl=wl, sq=96, skv=96, lens_q=[96, 41] if padded else None,
+               lens_kv=[96, 41] if padded else None))
+
+
 def test_post_scale_bias():
     check(Case(bias=True, sq=64, skv=64))
 

@@ -18,8 +18,8 @@
 // device tensor, so one built graph serves every scale value.
 //
 // Supported: E4M3 Q/K/V, BSHD/SBHD (packed too), no_mask / causal / padding / padding_causal
-// (bottom-right where cuDNN allows: Blackwell), GQA/MQA, no bias, no dropout, no window, vanilla
-// softmax; head dims, sequence lengths, float16/bfloat16 O or gradients (Blackwell only) are
+// (bottom-right where cuDNN allows: Blackwell), left (sliding) windows, GQA/MQA, no bias, no
+// dropout, vanilla softmax; head dims, sequence lengths, float16/bfloat16 O or gradients (Blackwell only) are
 // cuDNN's call (its reason is reported; on Hopper the backward takes head_dim 128 only). The scales live on the device:
 // before a graph runs, a tiny kernel writes 1/scale_S, 1/scale_dP (and 1 for float16/bfloat16
 // outputs) into the workspace; after it, amax values are max-folded into the tensors' amax
@@ -33,12 +33,14 @@ namespace {
 
 constexpr fe::DataType_t kF32 = fe::DataType_t::FLOAT;
 
-// Masking shared by both graphs (the support rules admit no bias, ALiBi, window or dropout).
+// Masking shared by both graphs (the support rules admit no bias, ALiBi or dropout, and of the
+// windows only a left one, top-left aligned: cuDNN's band keeps keys j > i - left_bound).
 template <class Attr>
 void fp8_options(fe::graph::Graph &g, const AttnParams &p, Attr &a) {
   a.set_attn_scale(p.scale);
   if (p.rule.causal && p.rule.bottom_right) a.set_causal_mask_bottom_right(true);
   else if (p.rule.causal) a.set_causal_mask(true);
+  if (p.rule.window_left >= 0) a.set_diagonal_band_left_bound((int)p.rule.window_left + 1);
   if (p.padding) {
     a.set_padding_mask(true);
     a.set_seq_len_q(scalar_tensor(g, kUSeqQ, "seq_q", fe::DataType_t::INT32, (int64_t)p.batch));

@@ -37,8 +37,10 @@ std::string fp8_unsupported_reason(const AttnParams &p) {
     return "FP8 attention with dropout is not supported by the CUDA backend (cuDNN 9.19's FP8 forward kernel "
            "faulted with dropout on an H100)";
   if (p.return_max_logit) return "FP8 attention has no max logit";
-  if (p.rule.window_left >= 0 || (p.rule.window_right >= 0 && !(p.rule.causal && p.rule.window_right == 0)))
-    return "FP8 attention with a sliding window is not supported by the CUDA backend yet";
+  if (p.rule.window_right >= 0 && !(p.rule.causal && p.rule.window_right == 0))
+    return "FP8 attention with a bounded right window other than the causal one is not supported on the GPU";
+  if (p.rule.window_left >= 0 && p.rule.bottom_right)
+    return "FP8 attention with a left window and bottom-right alignment is not supported on the GPU";
   if (const std::string r = bottom_right_reason(p); !r.empty()) return r;
   // Measured on an H200 with cuDNN 9.19: at s = 200 the FP8 backward's dQ was twice as far from
   // float64 attention as the reference's (at 128 and 256 it matched); cuDNN's validation accepts
