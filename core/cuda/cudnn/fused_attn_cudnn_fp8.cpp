@@ -24,6 +24,9 @@
 // before a graph runs, a tiny kernel writes 1/scale_S, 1/scale_dP (and 1 for float16/bfloat16
 // outputs) into the workspace; after it, amax values are max-folded into the tensors' amax
 // buffers and every FP8 output's scale_inv is written as 1/scale, as the CPU reference does.
+#include <algorithm>
+#include <cstdint>
+
 #include "../cuda_check.h"
 #include "fused_attn_cudnn_internal.h"
 #include "fused_attn_seqlens.h"
@@ -40,7 +43,15 @@ void fp8_options(fe::graph::Graph &g, const AttnParams &p, Attr &a) {
   a.set_attn_scale(p.scale);
   if (p.rule.causal && p.rule.bottom_right) a.set_causal_mask_bottom_right(true);
   else if (p.rule.causal) a.set_causal_mask(true);
-  if (p.rule.window_left >= 0) a.set_diagonal_band_left_bound((int)p.rule.window_left + 1);
+  if (p.rule.window_left >= 0) {
+    a.set_diagonal_band_left_bound((int)p.rule.window_left + 1);
+  } else if (p.rule.causal && !p.rule.bottom_right && std::max(p.max_sq, p.max_skv) < (size_t)INT32_MAX) {
+    // A left bound that masks nothing (query i < max_sq < bound sees every key j >= 0 > i - bound).
+    // With it, cuDNN 9.19's FP8 kernels skip the key tiles a causal mask hides, which they compute
+    // without it: on an H200, module fwd+bwd at b=4 h=32 d=128 causal went from 20.4 to 13.2 ms at
+    // s=8192 and from 1.81 to 1.45 ms at s=2048 (benchmarks/gpu_attention_window.py).
+    a.set_diagonal_band_left_bound((int)std::max(p.max_sq, p.max_skv) + 1);
+  }
   if (p.padding) {
     a.set_padding_mask(true);
     a.set_seq_len_q(scalar_tensor(g, kUSeqQ, "seq_q", fe::DataType_t::INT32, (int64_t)p.batch));
