@@ -23,9 +23,9 @@ it is TE's delayed scaling. Under fp8_mha dO arrives in FP8 from the output proj
 
 NVTE_FP8_DPA_BWD=0 (as in TE; fp8_dpa only): the forward is the FP8 one above, the backward the
 high-precision fused attention backward on the saved high-precision Q, K, V, the decoded O and
-the FP8 forward's softmax statistics; the backward FP8 state is not touched. cuDNN's FP8 backward
-does the masked half of a causal problem too, so for causal masks this is the faster mode (and
-it keeps high-precision Q, K, V and O for the backward: more memory).
+the FP8 forward's softmax statistics; the backward FP8 state is not touched. It keeps
+high-precision Q, K, V and O for the backward (more memory); on an H200 it ran at 1.04-1.08x of
+BF16 attention against the FP8 backward's 1.09-1.30x (benchmarks/RESULTS.md).
 
 O and dQ/dK/dV leave the library in FP8 and are decoded to the input dtype (fp8_dpa); the FP8
 copy of O is what the backward reads (D = dO . O), as in TE.
