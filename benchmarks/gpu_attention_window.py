@@ -1,5 +1,5 @@
 """Sliding-window attention on the GPU: te.DotProductAttention forward + backward (b=4, h=32,
-d=128, bshd, causal, BF16 inputs) in BF16 and in FP8 (the recipe's fp8_dpa; also with
+d=128, bshd, causal or --mask no_mask, BF16 inputs) in BF16 and in FP8 (the recipe's fp8_dpa; also with
 NVTE_FP8_DPA_BWD=0), with window_size (w, 0) for several w: whether cuDNN's kernels skip the key
 tiles a window masks (the work of a window w is about s * w instead of s^2 / 2).
 
@@ -36,19 +36,21 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--windows", type=int, nargs="*", default=[-1, 4095, 1023, 255])
+    p.add_argument("--mask", default="causal", choices=["causal", "no_mask"],
+                   help="no_mask: windows (w, -1), a left bound only")
     a = p.parse_args(argv)
     s = a.seq
     g = torch.Generator(device="cuda").manual_seed(0)
     qkv = [torch.randn(B, s, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
            for _ in range(3)]
     dy = torch.randn(B, s, H * D, device="cuda", dtype=torch.bfloat16, generator=g)
-    print(f"{torch.cuda.get_device_name()}: DotProductAttention fwd+bwd b={B} h={H} d={D} s={s} causal, ms")
+    print(f"{torch.cuda.get_device_name()}: DotProductAttention fwd+bwd b={B} h={H} d={D} s={s} {a.mask}, ms")
     print("| window | BF16 | FP8 | FP8 vs BF16 | FP8 fwd + BF16 bwd | vs BF16 | BF16 vs no window |")
     print("|---|---|---|---|---|---|---|")
     base = None
     for w in a.windows:
-        dpa = te.DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", window_size=(w, 0),
-                                     attention_dropout=0.0)
+        dpa = te.DotProductAttention(H, D, qkv_format="bshd", attn_mask_type=a.mask,
+                                     window_size=(w, 0 if a.mask == "causal" else -1), attention_dropout=0.0)
         t = {}
         for name, fp8, bwd in (("bf16", False, "1"), ("fp8", True, "1"), ("mixed", True, "0")):
             try:
