@@ -138,6 +138,12 @@ def test_sliding_window(spy):
         run_check(spy, "sbhd", "no_mask", 2, 9, 9, 2, 2, 8, window=(2, 1))
 
 
+def test_sliding_window_left_only(spy):
+    """A left window without a causal mask: aligned to the bottom-right diagonal (the adapter's
+    choice for non-causal masks), which with equal lengths is the top-left one the GPU takes."""
+    run_check(spy, "bshd", "no_mask", 2, 9, 9, 2, 2, 8, window=(3, -1))
+
+
 def test_post_scale_bias_with_dbias(spy):
     bias = torch.randn(1, 2, 6, 6, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
     run_check(spy, "bshd", "causal", 2, 6, 6, 2, 2, 8, bias=bias, bias_type="post_scale_bias")

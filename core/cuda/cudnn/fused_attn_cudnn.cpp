@@ -161,7 +161,7 @@ Key key_of(const AttnParams &p, bool bwd, bool has_dbias, const Fp8Types *fp8) {
 template <class Attr>
 void common_options(fe::graph::Graph &g, const AttnParams &p, Attr &a, bool has_dbias) {
   a.set_attn_scale(p.scale);
-  if (p.rule.causal && p.rule.bottom_right) a.set_causal_mask_bottom_right(true);
+  if (p.rule.causal && bottom_right(p)) a.set_causal_mask_bottom_right(true);
   else if (p.rule.causal) a.set_causal_mask(true);
   if (p.rule.window_left >= 0) a.set_diagonal_band_left_bound((int)p.rule.window_left + 1);
   if (p.padding) {

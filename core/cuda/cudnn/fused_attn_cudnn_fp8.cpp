@@ -41,11 +41,11 @@ constexpr fe::DataType_t kF32 = fe::DataType_t::FLOAT;
 template <class Attr>
 void fp8_options(fe::graph::Graph &g, const AttnParams &p, Attr &a) {
   a.set_attn_scale(p.scale);
-  if (p.rule.causal && p.rule.bottom_right) a.set_causal_mask_bottom_right(true);
+  if (p.rule.causal && bottom_right(p)) a.set_causal_mask_bottom_right(true);
   else if (p.rule.causal) a.set_causal_mask(true);
   if (p.rule.window_left >= 0) {
     a.set_diagonal_band_left_bound((int)p.rule.window_left + 1);
-  } else if (p.rule.causal && !p.rule.bottom_right && std::max(p.max_sq, p.max_skv) < (size_t)INT32_MAX) {
+  } else if (p.rule.causal && !bottom_right(p) && std::max(p.max_sq, p.max_skv) < (size_t)INT32_MAX) {
     // A left bound that masks nothing (query i < max_sq < bound sees every key j >= 0 > i - bound).
     // With it, cuDNN 9.19's FP8 kernels skip the key tiles a causal mask hides, which they compute
     // without it: on an H200, module fwd+bwd at b=4 h=32 d=128 causal went from 20.4 to 13.2 ms at

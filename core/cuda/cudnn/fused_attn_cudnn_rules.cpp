@@ -10,11 +10,15 @@ namespace nvte::cuda::cudnn_attn {
 
 bool thd(const AttnParams &p) { return p.layout.q_format == NVTE_THD; }
 
+bool bottom_right(const AttnParams &p) {
+  return p.rule.bottom_right && (p.padding || thd(p) || p.max_sq != p.max_skv);
+}
+
 namespace {
 // cuDNN's SDPA (forward and backward, FP8 too) rejects a bottom-right causal mask together with a
 // bias, ALiBi or dropout; said here so that the backend query knows it.
 std::string bottom_right_reason(const AttnParams &p) {
-  if (!(p.rule.causal && p.rule.bottom_right)) return "";
+  if (!(p.rule.causal && bottom_right(p))) return "";
   if (p.bias_type != NVTE_NO_BIAS) return "cuDNN takes no bias or ALiBi with a bottom-right causal mask";
   if (p.dropout > 0.0f) return "cuDNN takes no dropout with a bottom-right causal mask";
   return "";
@@ -39,7 +43,7 @@ std::string fp8_unsupported_reason(const AttnParams &p) {
   if (p.return_max_logit) return "FP8 attention has no max logit";
   if (p.rule.window_right >= 0 && !(p.rule.causal && p.rule.window_right == 0))
     return "FP8 attention with a bounded right window other than the causal one is not supported on the GPU";
-  if (p.rule.window_left >= 0 && p.rule.bottom_right)
+  if (p.rule.window_left >= 0 && bottom_right(p))
     return "FP8 attention with a left window and bottom-right alignment is not supported on the GPU";
   if (const std::string r = bottom_right_reason(p); !r.empty()) return r;
   // Measured on an H200 with cuDNN 9.19: at s = 200 the FP8 backward's dQ was twice as far from
@@ -93,7 +97,7 @@ std::string unsupported_reason(const AttnParams &p) {
   if (p.bias_type == NVTE_ALIBI && !p.rule.causal) return "cuDNN applies ALiBi only with a causal mask";
   if (p.rule.window_right >= 0 && !(p.rule.causal && p.rule.window_right == 0))
     return "a bounded right window other than the causal one is not supported on the GPU";
-  if (p.rule.window_left >= 0 && p.rule.bottom_right)
+  if (p.rule.window_left >= 0 && bottom_right(p))
     return "a left window with bottom-right alignment is not supported on the GPU";
   return bottom_right_reason(p);
 }

@@ -13,6 +13,11 @@ using attn::AttnParams;
 // Whether the call is THD (mixed THD/BSHD layouts are rejected by unsupported_reason).
 bool thd(const AttnParams &p);
 
+// Whether the call needs bottom-right alignment: without padding and with max_seqlen_q ==
+// max_seqlen_kv the bottom-right diagonal is the top-left one, and the graphs use top-left
+// (which cuDNN takes with windows, bias and dropout; Hopper's FP8 graphs take no bottom-right).
+bool bottom_right(const AttnParams &p);
+
 // Why cuDNN cannot run the call ("" when it can), FP8 or float16/bfloat16.
 std::string unsupported_reason(const AttnParams &p);
 
