@@ -5,7 +5,8 @@ same calls in FP8 (TE's HYBRID recipe: E4M3 Q, K, V, O; E5M2 dO, dQ, dK, dV; cuD
 graphs through this library) with their speed-up over our BF16 row (target >= 1.3x), and the
 FP8 forward with the BF16 backward (NVTE_FP8_DPA_BWD=0).
 
-Ours: BSHD tensors, workspace and aux buffers allocated once, calls back to back. PyTorch: the
+Ours: BSHD tensors, workspace and aux buffers allocated once, calls back to back. Each comparison
+(ours vs torch's backends; BF16 vs FP8) is timed alternately, 3 rounds (gpu_harness.time_alternating_ms). PyTorch: the
 same BSHD storage viewed as [b, h, s, d], sdpa forward then autograd backward with a given dO
 (its autograd bookkeeping is part of its time, as in training). TFLOP/s counts 4 b h s^2 d for
 the forward (half when causal) and 2.5x that for the backward."""
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_harness import Report, time_ms  # noqa: E402
+from gpu_harness import Report, time_alternating_ms  # noqa: E402
 
 from transformer_engine import _nvte as nvte  # noqa: E402
 
@@ -153,7 +154,10 @@ def torch_fwd_bwd(o, causal, backend):
     return step
 
 
-def fp8_row(report, base, s, causal, flops, t_bf16):
+TIMING = dict(rounds=3, iters=15, warmup=3, inner=4)
+
+
+def fp8_row(report, base, s, causal, flops):
     """FP8 forward + backward on the BF16 row's values; speed-up over our BF16 (target >= 1.3x)."""
     case = f"fp8 fwd+bwd b={B} h={H} d={D} s={s} {'causal' if causal else 'no_mask'}"
     try:
@@ -170,11 +174,11 @@ def fp8_row(report, base, s, causal, flops, t_bf16):
         ref = F.scaled_dot_product_attention(*qkv, is_causal=causal).transpose(1, 2)
     err = ((f.dequant(f.o, f.o_scale) - ref).abs().max() / ref.abs().max()).item()
     del qkv, ref
-    t = time_ms(lambda: f.fwd_bwd(), iters=15, warmup=3, inner=4)
+    # BF16 again, alternated with the FP8 calls (the clock drifts between separate timings); the
+    # FP8 forward then the BF16 backward (NVTE_FP8_DPA_BWD=0), timed on the BF16 row's buffers
+    # (the same kernels whatever the values)
+    t_bf16, t, t_mixed = time_alternating_ms([base.fwd_bwd, f.fwd_bwd, lambda: (f.fwd(), base.bwd())], **TIMING)
     ratio = t_bf16 / t
-    # NVTE_FP8_DPA_BWD=0: the FP8 forward, then the BF16 backward (timed on the BF16 row's buffers:
-    # the same kernels whatever the values)
-    t_mixed = time_ms(lambda: (f.fwd(), base.bwd()), iters=15, warmup=3, inner=4)
     report.add("attention", case, fp8_ms=t, fp8_TFLOPs=flops / t / 1e9, bf16_ms=t_bf16, ratio_fp8_vs_bf16=ratio,
                meets_1_3x=ratio >= 1.3, max_rel_err_fwd=err, fp8fwd_bf16bwd_ms=t_mixed,
                ratio_fp8fwd_bf16bwd_vs_bf16=t_bf16 / t_mixed)
@@ -196,20 +200,26 @@ def run(report):
                 ref = F.scaled_dot_product_attention(*(x.transpose(1, 2).float() for x in (o.q, o.k, o.v)),
                                                      is_causal=causal).transpose(1, 2)
             err = ((o.o.float() - ref).abs().max() / ref.abs().max()).item()
-            t_ours = time_ms(lambda: o.fwd_bwd(), iters=15, warmup=3, inner=4)
-            row = dict(ours_ms=t_ours, ours_TFLOPs=flops / t_ours / 1e9, max_rel_err_fwd=err)
+            # ours and torch's backends timed alternately (time_alternating_ms: clock drift)
+            fns, names = [o.fwd_bwd], []
             for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 try:
-                    t = time_ms(torch_fwd_bwd(o, causal, be), iters=15, warmup=3, inner=4)
-                    row[f"torch_{name}_ms"] = t
-                    row[f"ratio_vs_{name}"] = t / t_ours
+                    fn = torch_fwd_bwd(o, causal, be)
+                    fn()
+                    fns.append(fn)
+                    names.append(name)
                 except Exception as e:  # a backend PyTorch cannot run here
                     print(f"[attention] torch {name} backend failed: {e}")
-                    row[f"torch_{name}_ms"] = float("nan")
-                    row[f"ratio_vs_{name}"] = float("nan")
+            times = time_alternating_ms(fns, **TIMING)
+            t_ours = times[0]
+            row = dict(ours_ms=t_ours, ours_TFLOPs=flops / t_ours / 1e9, max_rel_err_fwd=err)
+            for name in ("flash", "cudnn"):
+                t = times[1 + names.index(name)] if name in names else float("nan")
+                row[f"torch_{name}_ms"] = t
+                row[f"ratio_vs_{name}"] = t / t_ours
             report.add("attention", f"bf16 fwd+bwd b={B} h={H} d={D} s={s} {'causal' if causal else 'no_mask'}",
                        **row)
-            fp8_row(report, o, s, causal, flops, t_ours)
+            fp8_row(report, o, s, causal, flops)
             del o
             torch.cuda.empty_cache()
 
