@@ -144,6 +144,24 @@ def test_sliding_window_left_only(spy):
     run_check(spy, "bshd", "no_mask", 2, 9, 9, 2, 2, 8, window=(3, -1))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the GPU backend's alignment rule (NVTE_TEST_DEVICE=cuda only; the CPU "
+                                        "backend takes every window)")
+def test_bottom_right_window_with_cross_lengths_runs_unfused_on_gpu(spy):
+    """A left window on a non-causal mask is aligned to the bottom-right diagonal; with sq != skv
+    cuDNN does not take it. TE's backend query cannot tell (no alignment argument), so the adapter
+    asks the workspace query, which says NOT_SUPPORTED: the unfused path runs the call (before,
+    the fused call failed with that error), and its result is right."""
+    b, sq, sk, h, d = 2, 5, 9, 2, 8
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="no_mask", window_size=(3, -1))
+    q, k, v = make_qkv("bshd", b, sq, sk, h, h, d, seed=3, dtype=DT)
+    out = dpa(dev(q), dev(k), dev(v))
+    assert spy.fwd == 0, "the fused path was taken"
+    m = ref_mask("no_mask", b, sq, sk, None, (3, -1))
+    ref = ref_fused(*(t.double() for t in (q, k, v)), "bshd", 1.0 / math.sqrt(d), m)
+    naive = ref_fused(*(dev(t) for t in (q, k, v)), "bshd", 1.0 / math.sqrt(d), dev(m), dtype=DT)
+    assert_close_fused(out, ref, naive, TOL, "out")
+
+
 def test_post_scale_bias_with_dbias(spy):
     bias = torch.randn(1, 2, 6, 6, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
     run_check(spy, "bshd", "causal", 2, 6, 6, 2, 2, 8, bias=bias, bias_type="post_scale_bias")

@@ -277,7 +277,9 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
         if not why:
             ok, reason = _fa.fused_backend_supports(q, k, v, layout, _fa.BIAS_INT[bias_type],
                                                     _fa.MASK_INT[mask_type], dropout, is_training, sq, sk,
-                                                    wl, wr, fp8=fp8 is not None)
+                                                    wl, wr, fp8=fp8 is not None, br="causal" not in mask_type,
+                                                    bias=bias if bias_type in ("pre_scale_bias", "post_scale_bias")
+                                                    else None)
             why = "" if ok else reason
             if fmt == "thd" and handoff is None and (not ok or THD_AS_PADDED == "always"):
                 return _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_slopes, seq,

@@ -223,18 +223,34 @@ def unfused_allowed() -> bool:
 
 def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_type: int, mask: int, dropout: float,
                            is_training: bool, max_sq: int, max_skv: int, wl: int, wr: int,
-                           fp8: bool = False) -> Tuple[bool, str]:
+                           fp8: bool = False, br: bool = False, bias: Optional[Tensor] = None) -> Tuple[bool, str]:
     """(supported, reason) from nvte_get_fused_attn_backend for this configuration (fp8: Q, K, V
     will be passed as float8_e4m3). The query has no tensors and answers for the GPU when the
     library has one; host tensors run the CPU reference, which takes every configuration the
-    adapter passes (the call itself reports anything else)."""
+    adapter passes (the call itself reports anything else). TE's query has no alignment argument:
+    a left window on a non-causal mask aligned to the bottom-right diagonal (br) is asked of the
+    forward workspace query, which takes it (and reports NOT_SUPPORTED as the call would)."""
     if q.dtype not in _DT or k.dtype not in _DT or v.dtype not in _DT:
         return False, f"dtype {q.dtype} is not supported by fused attention"
     if q.device.type == "cpu":
         return True, ""
     qdt, kdt = (_nvte.DType.kFloat8E4M3,) * 2 if fp8 else (_DT[q.dtype], _DT[k.dtype])
-    return _backend_answer(q.device.index, is_training, qdt, kdt, layout, bias_type, mask, dropout, q.shape[-2],
-                           k.shape[-2], max_sq, max_skv, q.shape[-1], v.shape[-1], wl, wr)
+    ok, why = _backend_answer(q.device.index, is_training, qdt, kdt, layout, bias_type, mask, dropout, q.shape[-2],
+                              k.shape[-2], max_sq, max_skv, q.shape[-1], v.shape[-1], wl, wr)
+    if ok and br and wl >= 0 and not fp8 and mask in _NON_CAUSAL:
+        if bias is not None:  # (the call's form of the bias: [b or 1, h, sq, skv] in q's dtype)
+            bias = (bias if bias.dim() == 4 else bias.view(1, *bias.shape[-3:])).to(q.dtype)
+        try:
+            _nvte.fused_attn_fwd_workspace_size(*[_handle(x) for x in (q, k, v)], _handle(bias), max_sq, max_skv,
+                                                is_training, False, dropout, *_enums(layout, bias_type, mask), wl,
+                                                wr, True)
+        except _nvte.Error as e:  # (any other error: the call reports it)
+            if len(e.args) > 1 and e.args[1] == int(_nvte.Status.NOT_SUPPORTED):
+                return False, e.args[0]
+    return ok, why
+
+
+_NON_CAUSAL = (int(M.NVTE_NO_MASK), int(M.NVTE_PADDING_MASK))
 
 
 @functools.lru_cache(maxsize=1024)
