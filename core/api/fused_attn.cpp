@@ -459,6 +459,7 @@ NVTE_Fused_Attn_Backend nvte_get_fused_attn_backend(
       p.max_skv = max_seqlen_kv;
       p.bias_type = bias_type;
       p.mask_type = attn_mask_type;
+      p.padding = api::is_padding(attn_mask_type);  // (the rules' bottom-right alignment depends on it)
       p.softmax_type = softmax_type;
       p.is_training = is_training;
       p.dropout = is_training ? dropout : 0.0f;

@@ -77,14 +77,20 @@ def test_dropout_deterministic_per_rng_state():
     assert (mean - no).abs().mean() < 0.25 * no.abs().mean()
 
 
-def test_bottom_right_causal_with_bias_or_dropout_is_not_supported():
+@pytest.mark.parametrize("mask,skv", [("NVTE_CAUSAL_BOTTOM_RIGHT_MASK", 96), ("NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK", 64)])
+def test_bottom_right_causal_with_bias_or_dropout_is_not_supported(mask, skv):
     """cuDNN's SDPA rejects a bottom-right causal mask with a bias, ALiBi or dropout: the backend
-    query answers NVTE_No_Backend with the reason (not a call that fails inside cuDNN)."""
+    query answers NVTE_No_Backend with the reason (not a call that fails inside cuDNN). With
+    padding the alignment stays bottom-right at equal maximum lengths (each sequence has its own);
+    without padding and with equal lengths it is the top-left one, which cuDNN takes with a bias."""
     BK = nvte.NVTE_Fused_Attn_Backend
     bf16 = nvte.DType.kBFloat16
     args = dict(q_dtype=bf16, kv_dtype=bf16, qkv_layout=L.NVTE_BSHD_BSHD_BSHD, softmax_type=ST.NVTE_VANILLA_SOFTMAX,
-                attn_mask_type=M.NVTE_CAUSAL_BOTTOM_RIGHT_MASK, num_attn_heads=4, num_gqa_groups=4, max_seqlen_q=64,
-                max_seqlen_kv=96, head_dim_qk=64, head_dim_v=64)
+                attn_mask_type=getattr(M, mask), num_attn_heads=4, num_gqa_groups=4, max_seqlen_q=64,
+                max_seqlen_kv=skv, head_dim_qk=64, head_dim_v=64)
+    same = dict(args, attn_mask_type=M.NVTE_CAUSAL_BOTTOM_RIGHT_MASK, max_seqlen_kv=64)
+    assert nvte.get_fused_attn_backend(is_training=True, bias_type=BT.NVTE_POST_SCALE_BIAS, dropout=0.0,
+                                       **same) == BK.NVTE_F16_arbitrary_seqlen
     query = lambda **kw: nvte.get_fused_attn_backend(**args, **kw)
     assert query(is_training=True, bias_type=BT.NVTE_NO_BIAS, dropout=0.0) == BK.NVTE_F16_arbitrary_seqlen
     assert query(is_training=False, bias_type=BT.NVTE_NO_BIAS, dropout=0.1) == BK.NVTE_F16_arbitrary_seqlen
