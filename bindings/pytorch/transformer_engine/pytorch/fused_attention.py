@@ -238,19 +238,36 @@ def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_ty
     ok, why = _backend_answer(q.device.index, is_training, qdt, kdt, layout, bias_type, mask, dropout, q.shape[-2],
                               k.shape[-2], max_sq, max_skv, q.shape[-1], v.shape[-1], wl, wr)
     if ok and br and wl >= 0 and not fp8 and mask in _NON_CAUSAL:
-        if bias is not None:  # (the call's form of the bias: [b or 1, h, sq, skv] in q's dtype)
-            bias = (bias if bias.dim() == 4 else bias.view(1, *bias.shape[-3:])).to(q.dtype)
-        try:
-            _nvte.fused_attn_fwd_workspace_size(*[_handle(x) for x in (q, k, v)], _handle(bias), max_sq, max_skv,
-                                                is_training, False, dropout, *_enums(layout, bias_type, mask), wl,
-                                                wr, True)
-        except _nvte.Error as e:  # (any other error: the call reports it)
-            if len(e.args) > 1 and e.args[1] == int(_nvte.Status.NOT_SUPPORTED):
-                return False, e.args[0]
+        b4 = None if bias is None else (bias.shape if bias.dim() == 4 else (1, *bias.shape[-3:]))
+        key = (q.device.index, q.dtype, *((tuple(x.shape), x.stride()) for x in (q, k, v)), b4, layout,
+               bias_type, mask, dropout, is_training, max_sq, max_skv, wl, wr)
+        answer = _ALIGNED_ANSWERS.get(key)
+        if answer is None:  # asked once per configuration (a forward asks every time)
+            answer = _ALIGNED_ANSWERS[key] = _bottom_right_window_answer(q, k, v, bias, b4, layout, bias_type,
+                                                                         mask, dropout, is_training, max_sq,
+                                                                         max_skv, wl, wr)
+        return answer
     return ok, why
 
 
 _NON_CAUSAL = (int(M.NVTE_NO_MASK), int(M.NVTE_PADDING_MASK))
+_ALIGNED_ANSWERS = {}
+
+
+def _bottom_right_window_answer(q, k, v, bias, b4, layout, bias_type, mask, dropout, is_training, max_sq, max_skv,
+                                wl, wr) -> Tuple[bool, str]:
+    """The forward workspace query's answer for a bottom-right aligned call (the bias in the call's
+    form: [b or 1, h, sq, skv] in q's dtype)."""
+    if bias is not None:
+        bias = bias.reshape(b4).to(q.dtype)
+    try:
+        _nvte.fused_attn_fwd_workspace_size(*[_handle(x) for x in (q, k, v)], _handle(bias), max_sq, max_skv,
+                                            is_training, False, dropout, *_enums(layout, bias_type, mask), wl, wr,
+                                            True)
+    except _nvte.Error as e:  # (any other error: the call reports it)
+        if len(e.args) > 1 and e.args[1] == int(_nvte.Status.NOT_SUPPORTED):
+            return False, e.args[0]
+    return True, ""
 
 
 @functools.lru_cache(maxsize=1024)
