@@ -14,6 +14,10 @@
 // DROPOUT=p in the environment adds dropout (probability p, seed/offset from device int64 tensors)
 // to every graph: run under compute-sanitizer to see whether cuDNN's FP8 kernels fault with it
 // (the library rejects FP8 dropout on the GPU since one did on an H100).
+// KNOBS=1: after heuristic A's plans, sweep the first plan's engine knob by knob (each knob over
+// its whole range, the others at the heuristic's values) and time every configuration cuDNN
+// builds: does a configuration the heuristic does not rank beat its first plan? BAND=1 gives
+// causal FP8 graphs the non-masking left band bound the library adds (fused_attn_cudnn_fp8.cpp).
 #include <cudnn_frontend.h>
 #include <cuda_runtime.h>
 #include <cstdio>
@@ -22,6 +26,8 @@
 #include <string>
 #include <unordered_map>
 #include <dlfcn.h>
+#include <cmath>
+#include <cstring>
 namespace cudnn_frontend { void *cudnn_dlhandle = nullptr; }
 namespace fe = cudnn_frontend;
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("cuda %s line %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
@@ -63,6 +69,7 @@ int main(int argc, char **argv) {
   const fe::DataType_t gt = e5 ? fe::DataType_t::FP8_E5M2 : fe::DataType_t::FP8_E4M3;
   std::vector<int64_t> dim = {b, h, s, d}, str = bshd ? std::vector<int64_t>{s * h * d, d, h * d, 1} : std::vector<int64_t>{h * s * d, s * d, d, 1};
   printf("dO/grads %s, layout %s\n", bf16 ? "bf16" : e5 ? "e5m2" : "e4m3", bshd ? "bshd" : "bhsd");
+  const bool band = getenv("BAND") && atoi(getenv("BAND")), knobs = getenv("KNOBS") && atoi(getenv("KNOBS"));
   const fe::DataType_t io = bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::FP8_E4M3;
   for (int causal = 0; causal < 2; ++causal)
     for (int bwd = 0; bwd < 2; ++bwd)
@@ -103,6 +110,7 @@ int main(int argc, char **argv) {
         } else if (!bwd) {
           fe::graph::SDPA_fp8_attributes a; a.set_name("f").set_generate_stats(true).set_attn_scale(0.088f);
           if (causal) a.set_causal_mask(true);
+          if (causal && band) a.set_diagonal_band_left_bound((int)s + 1);
           with_dropout(a);
           auto [O, st, amax_s, amax_o] = g.sdpa_fp8(Q, K, V, S("dq", 0), S("dk", 1), S("dv", 2), S("ds", 3), S("ss", 4), S("so", 5), a);
           out(O, o, dim, str, fe::DataType_t::FP8_E4M3); out(st, stats, sd, ss, fe::DataType_t::FLOAT);
@@ -112,6 +120,7 @@ int main(int argc, char **argv) {
           auto St = T("stats", stats, sd, ss, fe::DataType_t::FLOAT);
           fe::graph::SDPA_fp8_backward_attributes a; a.set_name("b").set_attn_scale(0.088f);
           if (causal) a.set_causal_mask(true);
+          if (causal && band) a.set_diagonal_band_left_bound((int)s + 1);
           with_dropout(a);
           auto [dQ, dK, dV, a1, a2, a3, a4] = g.sdpa_fp8_backward(Q, K, V, O, dOt, St, S("dq", 0), S("dk", 1), S("dv", 2), S("do", 6), S("ddo", 7), S("ds", 3), S("ddp", 8), S("ss", 4), S("sdq", 9), S("sdk", 10), S("sdv", 11), S("sdp", 12), a);
           out(dQ, dq, dim, str, gt); out(dK, dk, dim, str, gt); out(dV, dv, dim, str, gt);
@@ -127,24 +136,84 @@ int main(int argc, char **argv) {
         st = g.check_support(hd); if (st.is_bad()) { printf("support: %s\n", st.get_message().c_str()); continue; }
         int64_t cnt = g.get_execution_plan_count();
         printf("%ld plans\n", (long)cnt);
-        for (int64_t i = 0; i < cnt; ++i) {
-          auto bs = g.build_plan_at_index(hd, i);
-          if (bs.is_bad()) { printf("  plan %ld: build failed: %s\n", (long)i, bs.get_message().c_str()); continue; }
+        auto time_plan = [&](int64_t i, int reps) -> float {  // median ms per execution, <0: not built
+          if (g.build_plan_at_index(hd, i).is_bad()) return -1.f;
           int64_t wsz = 0; g.get_workspace_size_plan_at_index(i, wsz);
-          if (wsz > (int64_t(1) << 31)) { printf("  plan %ld: ws %ld too big\n", (long)i, (long)wsz); continue; }
+          if (wsz > (int64_t(1) << 31)) return -2.f;
           for (int w = 0; w < 3; ++w) g.execute_plan_at_index(hd, pack, ws, i);
           cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
           std::vector<float> t;
-          for (int r = 0; r < 15; ++r) {
+          for (int r = 0; r < reps; ++r) {
             cudaEventRecord(e0);
             for (int j = 0; j < 4; ++j) g.execute_plan_at_index(hd, pack, ws, i);
             cudaEventRecord(e1); cudaEventSynchronize(e1); float ms; cudaEventElapsedTime(&ms, e0, e1); t.push_back(ms / 4);
           }
           std::sort(t.begin(), t.end());
           cudaError_t ce = cudaGetLastError();
+          if (ce != cudaSuccess) { printf("  plan %ld: %s\n", (long)i, cudaGetErrorString(ce)); exit(1); }
+          return t[t.size() / 2];
+        };
+        for (int64_t i = 0; i < cnt; ++i) {
+          float ms = time_plan(i, 15);
           std::string nm; g.get_plan_name_at_index(i, nm);
-          printf("  plan %ld: %.4f ms (ws %ld) %s %s\n", (long)i, t[t.size() / 2], (long)wsz, cudaGetErrorString(ce), nm.c_str());
+          printf("  plan %ld: %.4f ms %s\n", (long)i, ms, nm.c_str());
         }
+        if (!knobs || cnt == 0) continue;
+        int64_t eng = -1; std::unordered_map<fe::KnobType_t, int64_t> def;
+        g.get_engine_and_knobs_at_index(0, eng, def);
+        std::vector<fe::Knob> kl; g.get_knobs_for_engine(eng, kl);
+        printf("  engine %ld knobs:", (long)eng);
+        for (auto &kb : kl) printf(" [type %ld: %ld..%ld step %ld, heuristic %ld]", (long)kb.type, (long)kb.minValue,
+                                   (long)kb.maxValue, (long)kb.stride, def.count(kb.type) ? (long)def[kb.type] : -1L);
+        printf("\n");
+        std::vector<std::pair<fe::KnobType_t, int64_t>> tried;
+        for (auto &kb : kl)
+          for (int64_t val = kb.minValue, nv = 0; val <= kb.maxValue && nv < 128; val += std::max<int64_t>(1, kb.stride), ++nv) {
+            if (def.count(kb.type) && def[kb.type] == val) continue;
+            auto kn = def; kn[kb.type] = val;
+            if (g.create_execution_plan(eng, kn).is_bad()) continue;
+            tried.push_back({kb.type, val});
+          }
+        // outputs of one execution of plan i, to compare plans (same inputs, same kernels' math?)
+        std::vector<void *> outs = bwd ? std::vector<void *>{dq, dk, dv} : std::vector<void *>{o};
+        const size_t ob = bf16 ? 2 * n : n;
+        auto run_copy = [&](int64_t i) {
+          std::vector<std::vector<unsigned char>> r;
+          for (auto p : outs) CK(cudaMemset(p, 0, ob));
+          g.execute_plan_at_index(hd, pack, ws, i); CK(cudaDeviceSynchronize());
+          for (auto p : outs) { r.emplace_back(ob); CK(cudaMemcpy(r.back().data(), p, ob, cudaMemcpyDeviceToHost)); }
+          return r;
+        };
+        auto bf = [](const unsigned char *p, size_t i) { unsigned u = unsigned(((const unsigned short *)p)[i]) << 16; float f; memcpy(&f, &u, 4); return f; };
+        const auto ref = run_copy(0);
+        int built = 0;
+        for (int64_t i = cnt; i < g.get_execution_plan_count(); ++i) {
+          float ms = time_plan(i, 7);
+          if (ms < 0) continue;
+          ++built;
+          std::string nm; g.get_plan_name_at_index(i, nm);
+          printf("  knob %ld=%ld: %.4f ms %s\n", (long)tried[i - cnt].first, (long)tried[i - cnt].second, ms, nm.c_str());
+          // alternate with the heuristic's plan: 6 rounds of 15 medians each
+          for (int round = 0; round < 6; ++round) {
+            float a = time_plan(0, 15), b = time_plan(i, 15);
+            printf("    round %d: heuristic %.4f ms, this %.4f ms, speedup %.4f\n", round, a, b, a / b);
+          }
+          const auto got = run_copy(i);
+          for (size_t t = 0; t < outs.size(); ++t) {
+            size_t nd = 0; double md = 0, mr = 0;
+            for (size_t e = 0; e < (bf16 ? n : ob); ++e) {
+              if (bf16) {
+                float x = bf(ref[t].data(), e), y = bf(got[t].data(), e);
+                if (x != y) ++nd;
+                md = std::max(md, (double)std::fabs(x - y)); mr = std::max(mr, (double)std::fabs(x));
+              } else if (ref[t][e] != got[t][e]) ++nd;
+            }
+            printf("    output %zu: %zu of %zu elements differ from the heuristic plan's, max |diff| %.3g (max |ref| %.3g)\n",
+                   t, nd, bf16 ? n : ob, md, mr);
+          }
+        }
+        printf("  %zu knob settings made configurations, %d built\n", tried.size(), built);
+        fflush(stdout);
       }
   return 0;
 }
