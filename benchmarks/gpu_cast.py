@@ -1,6 +1,8 @@
 """GPU benchmarks of the cast family: cast+transpose bf16 -> FP8 E4M3 (rowwise + columnwise,
 amax, scale_inv) and dgelu + cast + transpose + dbias (bf16 in, FP8 E5M2 out, bf16 dbias), at
-8192x4096 and 8192x16384. Reports achieved GB/s (bytes read + written), its fraction of the
+8192x4096 and 8192x16384; the plain (rowwise-only) cast bf16 -> E4M3 / E5M2 with amax and the
+decode E4M3 / E5M2 -> bf16 (the flat kernel: FP8 attention's Q/K/V/dO casts and O/dQ/dK/dV
+decodes) at 8192x4096 and 262144x128 (b=4 s=2048 h=32 d=128 attention tokens x head dim). Reports achieved GB/s (bytes read + written), its fraction of the
 device-copy bandwidth, and the speed-up over the equivalent PyTorch op sequence timed in the
 same process. Inputs rotate among 3 sets so that repeated runs are not served from the L2."""
 import math
@@ -108,8 +110,41 @@ def run(report):
         del gs, acts, gts, ats, o, ws
         torch.cuda.empty_cache()
 
+    bench_plain(report, bw, stream)
     bench_transpose(report, bw, stream)
     bench_multi(report, bw, stream)
+
+
+def bench_plain(report, bw, stream):
+    """Rowwise-only cast (amax, scale_inv) and decode, against torch's scaled .to() in and out."""
+    for m, n in ((8192, 4096), (262144, 128)):
+        xs = [torch.randn((m, n), device="cuda").to(torch.bfloat16) for _ in range(SETS)]
+        xts = [nt(x) for x in xs]
+        for name, dt, tdt, lim in (("e4m3", DT.kFloat8E4M3, torch.float8_e4m3fn, 448.0),
+                                   ("e5m2", DT.kFloat8E5M2, torch.float8_e5m2, 57344.0)):
+            o = fp8_output(m, n, dt)
+            ot = nt(o["data"], dt, scale=o["scale"], amax=o["amax"], scale_inv=o["scale_inv"])
+            q = lambda i: nvte.quantize(xts[i % SETS], ot, stream)  # noqa: E731
+            ours, host = time_ms(q), host_us(q)
+            scale = o["scale"]
+
+            def torch_q(i):
+                x = xs[i % SETS]
+                return (x.float() * scale).clamp(-lim, lim).to(tdt), x.abs().amax().float()
+
+            add(report, f"quantize bf16->{name} {m}x{n}", ours, m * n * 3, time_ms(torch_q), bw, host)
+            outs = [torch.empty((m, n), dtype=torch.bfloat16, device="cuda") for _ in range(SETS)]
+            ins = [nt(o["data"], dt, scale_inv=o["scale_inv"])]
+            outts = [nt(y) for y in outs]
+            dq = lambda i: nvte.dequantize(ins[0], outts[i % SETS], stream)  # noqa: E731
+            ours, host = time_ms(dq), host_us(dq)
+            si = o["scale_inv"]
+            fp8 = o["data"].view(tdt)
+            add(report, f"dequantize {name}->bf16 {m}x{n}", ours, m * n * 3,
+                time_ms(lambda i: (fp8.to(torch.bfloat16) * si).to(torch.bfloat16)), bw, host)
+            del o, ot, outs, outts, ins
+        del xs, xts
+        torch.cuda.empty_cache()
 
 
 def bench_transpose(report, bw, stream):

@@ -49,12 +49,14 @@ __device__ __forceinline__ T st_exact(float v) {
 }
 
 // x * si as the CPU computes it (x86: a NaN operand propagates with its payload, the first
-// one when both are NaN; multiplying by exactly 1 is skipped).
+// one when both are NaN; an invalid product, 0 * inf, is x86's default NaN 0xFFC00000 where
+// the GPU gives 0x7FFFFFFF; multiplying by exactly 1 is skipped).
 __device__ __forceinline__ float mul_like_host(float x, float si) {
   if (si == 1.0f) return x;
   if (x != x) return x;
   if (si != si) return si;
-  return x * si;
+  const float r = x * si;
+  return r == r ? r : __uint_as_float(0xFFC00000u);
 }
 
 // A type marker: "the act input's dtype is only known at run time".

@@ -188,6 +188,57 @@ def test_quantize_misaligned_buffers_take_the_scalar_path(in_name, layout):
     assert_same(g, c)
 
 
+SPECIAL_BITS = {  # NaNs with payloads (quiet and signalling), infinities, -0, subnormals
+    "float32": [0x7FC00001, 0xFFA00000, 0x7F800001, 0x7F800000, 0xFF800000, 0x80000000, 0x00000001, 0x807FFFFF],
+    "float16": [0x7E01, 0xFD00, 0x7C00, 0xFC00, 0x8000, 0x0001, 0x83FF],
+    "bfloat16": [0x7FC1, 0xFFA0, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x807F],
+}
+
+
+@pytest.mark.parametrize("shape", [(64, 272), (37, 129)])
+@pytest.mark.parametrize("in_name", HP)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_quantize_vectors_holding_specials_match_cpu(shape, in_name, fmt):
+    """Specials scattered through whole vectors: the flat kernel converts finite vectors with
+    hardware pair instructions and hands a vector holding a NaN to the exact per-element path."""
+    x = make_input(shape, in_name, 3 + shape[0])
+    bits = SPECIAL_BITS[in_name]
+    itype = {"float32": torch.int32, "float16": torch.int16, "bfloat16": torch.int16}[in_name]
+    flat = x.view(-1)
+    pos = torch.randperm(flat.numel(), generator=gen(shape[0]))[: 3 * len(bits)]
+    for j, p in enumerate(pos.tolist()):
+        width = 32 if itype == torch.int32 else 16
+        b = bits[j % len(bits)]
+        flat[p : p + 1].view(itype)[0] = b - (1 << width) if b >= 1 << (width - 1) else b  # as signed
+
+    def run(dev):
+        o = fp8_buffers(shape, fmt, dev, scale=3.7, amax=0.5)
+        nvte.quantize(tt(x.to(dev)), o["T"].t)
+        return o
+
+    c, g = both(run)
+    assert_same(g, c)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("out_name", HP)
+@pytest.mark.parametrize("si", [1.0, 2.0 ** -10, 0.37, float("inf")])
+def test_dequantize_every_code_matches_cpu(fmt, out_name, si):
+    """All 256 codes (NaNs included) in every position of 16-code vectors, with a scale_inv of 1
+    (no multiply on the CPU), a power of two, a plain value and infinity (0 * inf is NaN)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = torch.stack([codes.roll(k) for k in range(16)]).reshape(64, 64)
+
+    def run(dev):
+        inp = T(codes.to(dev), dtype=FP8_DT[fmt], scale_inv=torch.tensor([si], dtype=torch.float32, device=dev))
+        o = hp_buffers((64, 64), out_name, dev, amax=0.0)
+        nvte.dequantize(inp.t, o["T"].t)
+        return o
+
+    c, g = both(run)
+    assert_same(g, c)
+
+
 def test_quantize_large_tensor_uses_the_whole_grid():
     shape = (4096, 4096)
     x = make_input(shape, "bfloat16", 11)
