@@ -320,8 +320,9 @@ def test_fp8_mha_hands_fp8_between_modules(monkeypatch, bias):
     projection's input are not cast, nothing is decoded; backward: the output projection's dgrad
     writes FP8 (dO is not cast), dQ/dK/dV are not decoded, the wgrad operands of the output
     projection (and, without a bias gradient, of the QKV projection) are byte transposes. fp8_dpa
-    casts Q/K/V, decodes O and casts it again for the output projection, and in backward casts dO,
-    decodes dQ/dK/dV and casts them again."""
+    casts Q/K/V (here one cast: they are views of the QKV projection's output in the packed sbh3d
+    placement), decodes O and casts it again for the output projection, and in backward casts dO,
+    decodes dQ/dK/dV (one packed buffer, one decode) and casts them again."""
     calls = _Calls(monkeypatch)
     x, enc, dy = _draw(torch.Generator().manual_seed(3), "sbhd")
     per_recipe = {}
@@ -334,14 +335,15 @@ def test_fp8_mha_hands_fp8_between_modules(monkeypatch, bias):
         y.backward(dev(dy.to(DTYPE)))
         per_recipe[mha] = (fwd, calls.take())
     (fwd_d, bwd_d), (fwd_m, bwd_m) = per_recipe[False], per_recipe[True]
-    # forward: x, the QKV weight, the proj weight are cast; fp8_dpa also Q, K, V and O (decoded first)
+    # forward: x, the QKV weight, the proj weight are cast; fp8_dpa also the packed Q, K, V (one
+    # call) and O (decoded first)
     assert fwd_m == dict(quantize=3, dequantize=0, gemm=1, gemm_fp8_output=1, transpose=0), fwd_m
-    assert fwd_d == dict(quantize=7, dequantize=1, gemm=2, gemm_fp8_output=0, transpose=0), fwd_d
+    assert fwd_d == dict(quantize=5, dequantize=1, gemm=2, gemm_fp8_output=0, transpose=0), fwd_d
     # backward: the proj's output gradient is cast; with a bias the QKV gradient is decoded once for
     # its bias gradient (and its transposed copy cast from that), without one it is byte-transposed
     assert bwd_m == dict(quantize=1 + bias, dequantize=int(bias), gemm=3, gemm_fp8_output=1,
                          transpose=2 - bias), bwd_m
-    assert bwd_d == dict(quantize=3, dequantize=3, gemm=4, gemm_fp8_output=0, transpose=0), bwd_d
+    assert bwd_d == dict(quantize=3, dequantize=1, gemm=4, gemm_fp8_output=0, transpose=0), bwd_d
     h = calls.fp8_outputs[0]  # the QKV projection's output: FP8 bytes + scale_inv
     tokens, cols = S * B, (H + 2 * H) * D
     assert h.dtype == torch.float32 and h.shape == (handoff_words(tokens, cols),)

@@ -468,8 +468,13 @@ class MultiheadAttention(torch.nn.Module):
 
     # -------------------------------------------------------------- helpers
     def _split_qkv(self, mixed: torch.Tensor):
-        return _fa8.split_qkv(mixed, self.num_attention_heads, self.num_gqa_groups,
-                              self.hidden_size_per_attention_head, self.qkv_weight_interleaved)
+        # (SplitQKV: a packed dQKV from fused attention becomes mixed's gradient without a copy;
+        # traced graphs take the plain views, as packed_layout does not look at traced tensors)
+        if torch.compiler.is_compiling():
+            return _fa8.split_qkv(mixed, self.num_attention_heads, self.num_gqa_groups,
+                                  self.hidden_size_per_attention_head, self.qkv_weight_interleaved)
+        return _fa8.SplitQKV.apply(mixed, self.num_attention_heads, self.num_gqa_groups,
+                                   self.hidden_size_per_attention_head, self.qkv_weight_interleaved)
 
     def _split_kv(self, mixed: torch.Tensor):
         return _fa8.split_kv(mixed, self.num_gqa_groups, self.hidden_size_per_attention_head,

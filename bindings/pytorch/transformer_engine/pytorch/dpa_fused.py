@@ -248,7 +248,9 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
         why = "FP8 attention has no attention bias or ALiBi (as in TE)"
     elif bias_type == "alibi" and alibi_slopes is not None and q.is_cuda:
         why = "ALiBi with caller-given slopes is not supported by the GPU backend (cuDNN uses its default slopes)"
-    layout = _fa.LAYOUTS[fmt]
+    # q, k, v already in a packed placement (a fused QKV projection's split) go as they are
+    packed = None if why or handoff is not None else _fa.packed_layout(q, k, v, fmt)
+    layout = packed if packed is not None else _fa.LAYOUTS[fmt]
     wl, wr = window if window is not None else (-1, -1)
     dropout = dpa.attention_dropout if dpa.training else 0.0
     cu = (None, None, None, None)
@@ -314,7 +316,8 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
     if handoff is not None:
         return _fp8.FusedAttnFP8MHAFunc.apply(*handoff[0], *cu, rng, *_fp8_fwd_meta(dpa), meta.scale["bwd"],
                                               meta.amax_history["bwd"], cfg, handoff[1])
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if packed is None:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if fp8 is not None:
         o = _fp8.FusedAttnFP8Func.apply(q, k, v, *cu, rng, *_fp8_fwd_meta(dpa), meta.scale["bwd"],
                                         meta.amax_history["bwd"], cfg)

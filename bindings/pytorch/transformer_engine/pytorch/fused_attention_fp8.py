@@ -157,7 +157,8 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
                        scale: float, dropout: float, layout: int, mask: int, wl: int, wr: int, br: bool,
                        bwd_dtype: int, seed: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dO bytes (format bwd_dtype) -> (dQ, dK, dV bytes in bwd_dtype, their scale_invs); dP and
-    dQKV max-accumulate their amaxes into bwd_hist[0, 1] / [0, 2].
+    dQKV max-accumulate their amaxes into bwd_hist[0, 1] / [0, 2]. A packed layout returns
+    (dQKV, empty, empty, ..): the gradient bytes in one packed buffer [rows, 3 h d].
 
     seed (the first backward of the histories, see the module doc): the scales of dP and dQKV
     come from their own amaxes, which two extra runs measure, and every backward scale
@@ -170,7 +171,12 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
     do_h = _fp8(dod, bwd_dtype, do_si)
     s_h = _fp8(None, E4M3, scale=s_scale.data_ptr())
     dp_h = _fp8(None, bwd_dtype, scale=_ops._slot_ptr(bwd_scale, SLOT_DP), amax=_ops._slot_ptr(bwd_hist, SLOT_DP))
-    grads = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in qkv]
+    packed = layout in _fa.PACKED_LAYOUTS
+    if packed:  # dQ, dK, dV as views of one packed buffer, returned whole
+        gbuf = torch.empty(_fa.packed_rows(qd), dtype=torch.uint8, device=dev)
+        grads = list(_fa.packed_views(gbuf, qkv))
+    else:
+        grads = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in qkv]
     sis = [torch.empty(1, dtype=torch.float32, device=dev) for _ in range(3)]
     g_scale, g_amax = _ops._slot_ptr(bwd_scale, SLOT_DQKV), _ops._slot_ptr(bwd_hist, SLOT_DQKV)
     G = [_fp8(g, bwd_dtype, si, g_scale, g_amax) for g, si in zip(grads, sis)]
@@ -186,14 +192,18 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
                 bwd_hist[0, SLOT_DQKV] = 0.0
             _ops.scale_from_history(grads[0], ops._dtype(bwd_dtype), bwd_scale, bwd_hist, slot)
     _fa.call_bwd(c, qkv, H, o_h, do_h, s_h, dp_h, aux, G, None, cu)
+    if packed:
+        return gbuf, qd.new_empty(0), qd.new_empty(0), sis[0], sis[1], sis[2]
     return grads[0], grads[1], grads[2], sis[0], sis[1], sis[2]
 
 
 @fused_attn_fp8_bwd.register_fake
 def _(qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad,
       bwd_scale, bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, seed):
-    return (torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd), q_si.new_empty(1), q_si.new_empty(1),
-            q_si.new_empty(1))
+    sis = (q_si.new_empty(1), q_si.new_empty(1), q_si.new_empty(1))
+    if layout in _fa.PACKED_LAYOUTS:
+        return (qd.new_empty(_fa.packed_rows(qd)), qd.new_empty(0), qd.new_empty(0)) + sis
+    return (torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)) + sis
 
 
 # eager calls run the bodies directly (the dispatcher's custom-op path costs tens of microseconds)
@@ -214,6 +224,23 @@ def _decode(data: Tensor, si: Tensor, fp8_dtype: int, dtype: torch.dtype) -> Ten
     return ops.dequantize(data.view(-1, data.shape[-1]), si, fp8_dtype, dtype).view(data.shape)
 
 
+def _cast_qkv(q: Tensor, k: Tensor, v: Tensor, layout: int, scale: Tensor, hist: Tensor):
+    """((qd, q_si), (kd, k_si), (vd, v_si)): Q, K, V in E4M3 (one scale, one amax: forward slot 0).
+    Views of one packed buffer (a packed layout) are cast as that one buffer, in one call."""
+    if layout in _fa.PACKED_LAYOUTS:
+        data, si = _cast(_fa.packed_region(q), scale, hist, SLOT_QKV, E4M3)
+        return tuple((x, si) for x in _fa.packed_views(data, (q, k, v)))
+    return tuple(_cast(x, scale, hist, SLOT_QKV, E4M3) for x in (q, k, v))
+
+
+def _decode_grads(dqd, dkd, dvd, sis, like, layout: int, fp8_dtype: int, dtype: torch.dtype):
+    """dQ, dK, dV in dtype from fused_attn_fp8_bwd's outputs; a packed layout's gradient buffer
+    (one scale: backward slot 2) is decoded in one call and cut into views shaped like `like`."""
+    if layout in _fa.PACKED_LAYOUTS:
+        return _fa.packed_views(ops.dequantize(dqd, sis[0], fp8_dtype, dtype), like)
+    return tuple(_decode(g, si, fp8_dtype, dtype) for g, si in zip((dqd, dkd, dvd), sis))
+
+
 class FusedAttnFP8Func(torch.autograd.Function):
     """(q, k, v high precision) -> O in q's dtype, through FP8 attention. cfg: (max_sq, max_skv,
     is_training, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, amax_compute_algo, margin,
@@ -225,7 +252,7 @@ class FusedAttnFP8Func(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist, bwd_scale, bwd_hist,
                 cfg):
         (max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br, _, _, _, _, f16_bwd) = cfg
-        (qd, q_si), (kd, k_si), (vd, v_si) = (_cast(x, fwd_scale, fwd_hist, SLOT_QKV, E4M3) for x in (q, k, v))
+        (qd, q_si), (kd, k_si), (vd, v_si) = _cast_qkv(q, k, v, layout, fwd_scale, fwd_hist)
         od, o_si, s_scale, stats, rng_copy = fused_attn_fp8_fwd(
             qd, kd, vd, q_si, k_si, v_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, fwd_scale, fwd_hist,
             max_sq, max_skv, is_training, scale, dropout, layout, mask, wl, wr, br)
@@ -255,7 +282,7 @@ class FusedAttnFP8Func(torch.autograd.Function):
             qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad,
             cu_kv_pad, ctx.bwd_scale, ctx.bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br,
             bwd_dtype, seed)
-        dq, dk, dv = (_decode(g, si, bwd_dtype, dtype) for g, si in ((dqd, dq_si), (dkd, dk_si), (dvd, dv_si)))
+        dq, dk, dv = _decode_grads(dqd, dkd, dvd, (dq_si, dk_si, dv_si), (qd, kd, vd), layout, bwd_dtype, dtype)
         return (dq, dk, dv) + (None,) * 10
 
     @staticmethod
@@ -267,6 +294,8 @@ class FusedAttnFP8Func(torch.autograd.Function):
         dq, dk, dv, _ = _fa.fused_attn_bwd(q, k, v, o, do, stats, rng_copy, q.new_empty(0), cu_q, cu_kv, cu_q_pad,
                                            cu_kv_pad, max_sq, max_skv, scale, dropout, layout,
                                            int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br, False)
+        if layout in _fa.PACKED_LAYOUTS:
+            dq, dk, dv = _fa.packed_views(dq, (q, k, v))
         return (dq, dk, dv) + (None,) * 10
 
 
@@ -285,6 +314,52 @@ def split_qkv(mixed: Tensor, h: int, g: int, d: int, interleaved: bool, grouped_
         return (q if grouped_q else q.reshape(*lead, h, d)), x[..., per, :], x[..., per + 1, :]
     q, k, v = torch.split(mixed, [h * d, g * d, g * d], dim=-1)
     return q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
+
+
+class SplitQKV(torch.autograd.Function):
+    """split_qkv with a backward that takes gradients already lying in the places the forward cut
+    q, k, v from (views of one buffer shaped like `mixed`: the packed dQKV fused attention writes
+    for q, k, v in a packed layout) as `mixed`'s gradient without a copy; other gradients are
+    copied into a new buffer (absent ones as zeros)."""
+
+    @staticmethod
+    def forward(ctx, mixed, h, g, d, interleaved):
+        q, k, v = split_qkv(mixed, h, g, d, interleaved)
+        base = mixed.storage_offset()
+        ctx.geo = tuple((x.stride(), x.storage_offset() - base) for x in (q, k, v))
+        ctx.spec = (tuple(mixed.shape), h, g, d, interleaved)
+        ctx.views = all(x._base is not None for x in (q, k, v))  # (GQA's interleaved q is a copy)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        shape, h, g, d, interleaved = ctx.spec
+        grads = (dq, dk, dv)
+        if ctx.views and all(x is not None for x in grads) and _in_place(grads, ctx.geo, shape):
+            whole = dq.as_strided(shape, torch.empty(shape, device="meta").stride(), dq.storage_offset())
+            return whole, None, None, None, None
+        ref = next(x for x in grads if x is not None)
+        dm = ref.new_empty(shape)
+        for dst, src in zip(split_qkv(dm, h, g, d, interleaved, grouped_q=True), grads):
+            if src is None:
+                dst.zero_()
+            else:
+                dst.copy_(src.reshape(dst.shape))
+        return dm, None, None, None, None
+
+
+def _in_place(grads, geo, shape) -> bool:
+    """Whether q, k, v's gradients are views of one contiguous buffer shaped like the forward's
+    `mixed`, each at the stride and offset its forward view had."""
+    dq = grads[0]
+    st, base = dq.untyped_storage(), dq.storage_offset()
+    n = 1
+    for x in shape:
+        n *= x
+    if (base + n) * dq.element_size() > st.nbytes():
+        return False
+    return all(x.untyped_storage().data_ptr() == st.data_ptr() and x.dtype == dq.dtype and x.stride() == stride
+               and x.storage_offset() - base == off for x, (stride, off) in zip(grads, geo))
 
 
 def split_kv(mixed: Tensor, g: int, d: int, interleaved: bool):

@@ -1,0 +1,182 @@
+"""Q, K, V that are views of one packed buffer (the split of a fused QKV projection's output) go
+to fused attention in the packed layout as they are (sbh3d / sb3hd / bsh3d / bs3hd), without
+contiguous copies, and their gradients come back as views of one packed buffer, which
+MultiheadAttention's SplitQKV hands on as the projection output's gradient without a copy.
+
+Checked: the detection (packed placements found, anything else not), outputs and gradients
+bit-identical to the same call on contiguous copies (separate layout: the same math, other
+addresses), in BF16-style float32 and under fp8_dpa (one cast of the whole buffer gives the same
+scale and bytes as three casts with a shared amax), SplitQKV's zero-copy and copying backward, and
+MultiheadAttention against its unfused path."""
+import copy
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+from transformer_engine.pytorch import fused_attention as fa
+from transformer_engine.pytorch import fused_attention_fp8 as fa8
+
+from _util import DEVICE, ON_CUDA
+
+L = fa.L
+
+
+def packed_qkv(fmt, placement, s, b, h, d, dtype, gen):
+    """(mixed [tokens..., 3 h d] leaf, q, k, v views) in the given placement."""
+    lead = (s, b) if fmt == "sbhd" else (b, s)
+    mixed = torch.randn(*lead, 3 * h * d, generator=gen).to(dtype).to(DEVICE).requires_grad_(True)
+    if placement == "h3d":
+        x = mixed.view(*lead, h, 3, d)
+        q, k, v = x[..., 0, :], x[..., 1, :], x[..., 2, :]
+    else:
+        x = mixed.view(*lead, 3, h, d)
+        q, k, v = x[..., 0, :, :], x[..., 1, :, :], x[..., 2, :, :]
+    return mixed, q, k, v
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("placement", ["h3d", "3hd"])
+def test_packed_placements_are_found(fmt, placement):
+    _, q, k, v = packed_qkv(fmt, placement, 5, 3, 4, 8, torch.float32, torch.Generator().manual_seed(0))
+    assert fa.packed_layout(q, k, v, fmt) == fa.PACKED[(fmt, placement)]
+    assert fa.packed_layout(q, k, v, "thd") is None
+    # the same values in separate buffers, a swapped order, or a gap: not packed
+    assert fa.packed_layout(q.contiguous(), k.contiguous(), v.contiguous(), fmt) is None
+    assert fa.packed_layout(k, q, v, fmt) is None
+    wide = torch.zeros(5, 3, 4, 4, 8, device=DEVICE)  # 4 slots per head: token rows of 4 h d
+    assert fa.packed_layout(wide[..., 0, :], wide[..., 1, :], wide[..., 2, :], "sbhd") is None
+
+
+def test_gqa_interleaved_split_is_not_packed():
+    mixed = torch.zeros(5, 3, 2 * (2 + 2) * 8, device=DEVICE)
+    q, k, v = fa8.split_qkv(mixed, 4, 2, 8, True)
+    assert fa.packed_layout(q, k, v, "sbhd") is None
+
+
+def _run(q, k, v, fmt, mask, r=None):
+    dpa = te.DotProductAttention(q.shape[-2], q.shape[-1], qkv_format=fmt, attn_mask_type=mask,
+                                 attention_dropout=0.0)
+    with te.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+        return dpa(q, k, v)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("placement", ["h3d", "3hd"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_packed_call_matches_contiguous_copies(fmt, placement, mask, monkeypatch):
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    g = torch.Generator().manual_seed(3)
+    mixed, q, k, v = packed_qkv(fmt, placement, 24, 2, 3, 64, dtype, g)
+    seen = []
+    real = fa.FusedAttnFunc.apply
+    monkeypatch.setattr(fa.FusedAttnFunc, "apply", lambda *a: seen.append(a[-1][5]) or real(*a))
+    y = _run(q, k, v, fmt, mask)
+    dy = torch.randn(y.shape, generator=g).to(dtype).to(DEVICE)
+    y.backward(dy)
+    assert seen == [fa.PACKED[(fmt, placement)]]
+    ref_in = [t.detach().clone().contiguous().requires_grad_(True) for t in (q, k, v)]
+    y_ref = _run(*ref_in, fmt, mask)
+    y_ref.backward(dy)
+    assert seen[-1] == fa.LAYOUTS[fmt]
+    assert torch.equal(y, y_ref)
+    want = torch.stack([t.grad for t in ref_in], dim=-2 if placement == "h3d" else -3)  # mixed's placement
+    assert torch.equal(mixed.grad.reshape(want.shape), want)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="cuDNN's FP8 attention wants head dim 128 and s % 128 == 0: "
+                                    "the CUDA run is test_packed_fp8_dpa_matches_contiguous_copies_cuda")
+def test_packed_fp8_dpa_matches_contiguous_copies(monkeypatch):
+    _fp8_packed_vs_copies(monkeypatch, s=20, h=2, d=16)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA (NVTE_TEST_DEVICE=cuda); the CPU run is "
+                                        "test_packed_fp8_dpa_matches_contiguous_copies")
+def test_packed_fp8_dpa_matches_contiguous_copies_cuda(monkeypatch):
+    _fp8_packed_vs_copies(monkeypatch, s=128, h=2, d=128)
+
+
+def _fp8_packed_vs_copies(monkeypatch, s, h, d):
+    """Two steps each (the first seeds the backward scales): same outputs, gradients and recipe state."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+    g = torch.Generator().manual_seed(5)
+    mixed, q, k, v = packed_qkv("sbhd", "h3d", s, 2, h, d, torch.bfloat16, g)
+    dys = [torch.randn(s, 2, h * d, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2)]
+    r = recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)
+    seen = []
+    real = fa8.FusedAttnFP8Func.apply
+    monkeypatch.setattr(fa8.FusedAttnFP8Func, "apply", lambda *a: seen.append(a[-1][5]) or real(*a))
+    dpa = te.DotProductAttention(h, d, qkv_format="sbhd", attn_mask_type="causal", attention_dropout=0.0)
+    twin = copy.deepcopy(dpa)
+    for step, dy in enumerate(dys):
+        mixed.grad = None
+        with te.fp8_autocast(fp8_recipe=r):
+            y = dpa(q, k, v)
+        y.backward(dy, retain_graph=True)
+        ref_in = [t.detach().clone().contiguous().requires_grad_(True) for t in (q, k, v)]
+        with te.fp8_autocast(fp8_recipe=r):
+            y_ref = twin(*ref_in)
+        y_ref.backward(dy)
+        assert seen[-2:] == [fa.PACKED[("sbhd", "h3d")], fa.LAYOUTS["sbhd"]]
+        assert torch.equal(y, y_ref), step
+        want = torch.stack([t.grad for t in ref_in], dim=-2)
+        assert torch.equal(mixed.grad.view(want.shape), want), step
+        for key in ("fwd", "bwd"):
+            assert torch.equal(dpa.fp8_meta.scale[key], twin.fp8_meta.scale[key])
+            assert torch.equal(dpa.fp8_meta.amax_history[key], twin.fp8_meta.amax_history[key])
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_split_qkv_backward_takes_packed_gradients_without_a_copy(interleaved):
+    mixed = torch.randn(4, 2, 3 * 2 * 8, device=DEVICE, requires_grad=True)
+    q, k, v = fa8.SplitQKV.apply(mixed, 2, 2, 8, interleaved)
+    buf = torch.randn(4, 2, 3 * 2 * 8, device=DEVICE)
+    dq, dk, dv = fa8.split_qkv(buf, 2, 2, 8, interleaved)
+    torch.autograd.backward((q, k, v), (dq, dk, dv))
+    assert torch.equal(mixed.grad, buf)
+    (got,) = torch.autograd.grad((q, k, v), mixed, (dq, dk, dv))
+    assert got.data_ptr() == buf.data_ptr()
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("h, g", [(2, 2), (4, 2)])
+def test_split_qkv_backward_copies_other_gradients(interleaved, h, g):
+    mixed = torch.randn(3, 2, (h + 2 * g) * 8, device=DEVICE, requires_grad=True)
+    q, k, v = fa8.SplitQKV.apply(mixed, h, g, 8, interleaved)
+    dq, dk = torch.randn(q.shape, device=DEVICE), torch.randn(k.shape, device=DEVICE)
+    (got,) = torch.autograd.grad((q, k), mixed, (dq, dk))  # v unused: its part is zero
+    ref_in = mixed.detach().clone().requires_grad_(True)
+    rq, rk, rv = fa8.split_qkv(ref_in, h, g, 8, interleaved)
+    (want,) = torch.autograd.grad((rq, rk), ref_in, (dq, dk))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_multihead_attention_fused_packed_matches_unfused(interleaved, monkeypatch):
+    """MultiheadAttention (fused QKV projection, self attention): the fused path with q, k, v
+    packed against the unfused path, outputs and every gradient."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    mha = te.MultiheadAttention(128, 2, attention_dropout=0.0, attn_mask_type="causal", params_dtype=dtype,
+                                qkv_weight_interleaved=interleaved, fuse_qkv_params=True, device=DEVICE)
+    other = copy.deepcopy(mha)
+    x = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
+    dy = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
+    taken = []
+    real = fa8._in_place
+    monkeypatch.setattr(fa8, "_in_place", lambda *a: taken.append(real(*a)) or taken[-1])
+    outs = []
+    for m, fused in ((mha, "1"), (other, "0")):
+        monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        y.backward(dy)
+        outs.append((y.detach().float(), xi.grad.float(), [p.grad.float() for p in m.parameters()]))
+    assert taken[0] is True  # the fused run's dQKV became the projection output's gradient as it was
+    tol = dict(rtol=2e-2, atol=2e-2) if ON_CUDA else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][0], outs[1][0], **tol)
+    torch.testing.assert_close(outs[0][1], outs[1][1], **tol)
+    for a, b in zip(outs[0][2], outs[1][2]):
+        torch.testing.assert_close(a, b, **tol)
