@@ -222,15 +222,21 @@ def _thd_twice(monkeypatch, make_dpa, inputs, dy, fp8=False, **call):
 
 
 @pytest.mark.skipif(ON_CUDA, reason="compares with the CPU backend's native THD (the GPU rejects these THD calls)")
-@pytest.mark.parametrize("case", ["plain", "gaps_cross_gqa", "post_scale_bias", "alibi", "fp8"])
+@pytest.mark.parametrize("case", ["plain", "gaps_cross_gqa", "empty_sequence", "post_scale_bias", "alibi", "fp8"])
 def test_thd_as_padded_bshd_matches_native(monkeypatch, case):
     """The padded-bshd route of THD calls equals the backend's own THD on the CPU (which runs every
-    THD call): same output and gradients, gap tokens zero, for gaps between sequences, cross
-    lengths and GQA, attention bias, ALiBi and FP8 attention."""
+    THD call): same output and gradients, gap tokens zero, for gaps between sequences (and before
+    the first, after the last), an empty sequence, cross lengths and GQA, attention bias, ALiBi and
+    FP8 attention."""
     lens_q, lens_kv, h, g, d = [3, 5, 1], [3, 5, 1], 2, 2, 8
     pad_q = pad_kv = None
     kw = {}
-    if case == "gaps_cross_gqa":
+    if case == "empty_sequence":
+        lens_q, lens_kv = [3, 0, 4], [2, 0, 5]
+        pad_q, tq = padded_cu(lens_q, [0, 2, 1])
+        pad_kv, tkv = padded_cu(lens_kv, [1, 1, 0])
+        kw = dict(cu_seqlens_q_padded=dev(pad_q), cu_seqlens_kv_padded=dev(pad_kv))
+    elif case == "gaps_cross_gqa":
         lens_kv, h, g = [4, 2, 6], 4, 2
         pad_q, tq = padded_cu(lens_q, [1, 0, 2])
         pad_kv, tkv = padded_cu(lens_kv, [0, 3, 1])
@@ -320,3 +326,13 @@ def test_mha_thd_matches_per_sequence_bshd():
     parts = [m_b(dev(x[int(cu[i]):int(cu[i + 1])]).unsqueeze(0))[0] for i in range(len(lens))]
     assert rel_err(out, torch.cat(parts)) < (2e-2 if ON_CUDA else 1e-5)
     assert te.DotProductAttention is DotProductAttention and dpa_fused.thd_mask_type("causal") == "padding_causal"
+
+
+def test_thd_as_padded_bshd_checks_max_seqlen(monkeypatch):
+    """A sequence longer than the max_seqlen given is an error on the padded route too (its slots
+    would drop the extra tokens)."""
+    monkeypatch.setattr(dpa_fused, "THD_AS_PADDED", "always")
+    q, k, v = (dev(draw(8, 2, 8, i)) for i in range(3))
+    dpa = DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding_causal")
+    with pytest.raises(ValueError, match=r"longer than max_seqlen_q \(5 > 4\)"):
+        dpa(q, k, v, cu_seqlens_q=dev(cu_of([3, 5])), max_seqlen_q=4, max_seqlen_kv=5)

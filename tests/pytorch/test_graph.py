@@ -113,3 +113,51 @@ def test_make_graphed_callables_transformer_layer_matches_eager(mode):
             for k in (mb.amax_history if mb is not None else {}):
                 torch.testing.assert_close(mb.scale[k], ma.scale[k], rtol=0, atol=0)
                 torch.testing.assert_close(mb.amax_history[k], ma.amax_history[k], rtol=0, atol=0)
+
+
+class _THDAttention(torch.nn.Module):
+    """DotProductAttention over THD q, k, v with fixed cu_seqlens and max_seqlen (graph arguments
+    are tensors only)."""
+
+    def __init__(self, cu, max_s):
+        super().__init__()
+        self.dpa = te.DotProductAttention(2, 128, qkv_format="thd", attn_mask_type="padding_causal",
+                                          attention_dropout=0.0)
+        self.cu, self.max_s = cu, max_s
+
+    def forward(self, q, k, v):
+        return self.dpa(q, k, v, cu_seqlens_q=self.cu, cu_seqlens_kv=self.cu, max_seqlen_q=self.max_s,
+                        max_seqlen_kv=self.max_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_make_graphed_callables_thd_attention_matches_eager(fp8):
+    """THD attention captured in a CUDA graph: BF16 runs cuDNN's THD graphs, fp8_dpa the padded
+    bshd route (cuDNN has no FP8 THD backward on Hopper), which must not synchronize with the host
+    while capturing (max_seqlen given)."""
+    cu = torch.tensor([0, 100, 130, 300], dtype=torch.int32, device="cuda")
+    eager, graphed_src = _THDAttention(cu, 170), _THDAttention(cu, 170)
+    r = recipe.DelayedScaling(amax_history_len=4, fp8_dpa=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sample = [torch.randn(300, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+              for _ in range(3)]
+    graphed = te.make_graphed_callables(graphed_src, tuple(sample), fp8_enabled=fp8, fp8_recipe=r)
+    if fp8:
+        with te.fp8_autocast(fp8_recipe=r):
+            eager(*sample).sum().backward()
+        _sync_fp8_state(eager, graphed_src)
+    for step in range(2):
+        qkv = [torch.randn(300, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+        dy = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        outs = []
+        for m in (eager, graphed):
+            ins = [t.clone().requires_grad_() for t in qkv]
+            with te.fp8_autocast(enabled=fp8, fp8_recipe=r):
+                y = m(*ins)
+            y.backward(dy)
+            outs.append((y.detach(), [t.grad for t in ins]))
+        torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+        for a, b in zip(outs[1][1], outs[0][1]):
+            torch.testing.assert_close(a, b)

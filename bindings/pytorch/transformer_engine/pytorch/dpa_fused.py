@@ -115,16 +115,46 @@ def sequences(fmt: str, mask_type: str, q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, 
 THD_AS_PADDED = "auto"
 
 
-def _thd_rows(cu: torch.Tensor, cu_pad: Optional[torch.Tensor], max_s: int, name: str):
-    """(THD token rows, their flat positions in a [b * max_s] padded batch) of every valid token."""
+def _thd_slots(cu: torch.Tensor, cu_pad: Optional[torch.Tensor], max_s: int, name: str):
+    """(slot holds a token [b * max_s] bool, its THD row [b * max_s] int64; 0 where empty) for the
+    slots (sequence i, position p) of the zero-padded [b, max_s] batch, and (start, length) of every
+    sequence: device tensors, computed without synchronizing with the host. A sequence longer than
+    max_s is an error, checked on the host except while a CUDA graph is being captured (where
+    nothing may synchronize, and the capture's max_seqlen must hold for its replays)."""
     lens = (cu[1:] - cu[:-1]).to(torch.int64)
-    if lens.numel() and int(lens.max()) > max_s:
-        raise ValueError(f"DotProductAttention: a sequence of cu_seqlens_{name} is longer than max_seqlen_{name} "
-                         f"({int(lens.max())} > {max_s})")
+    if lens.numel() and not (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+        longest = int(lens.max())
+        if longest > max_s:
+            raise ValueError(f"DotProductAttention: a sequence of cu_seqlens_{name} is longer than max_seqlen_{name} "
+                             f"({longest} > {max_s})")
     starts = (cu if cu_pad is None else cu_pad)[:-1].to(torch.int64)
     pos = torch.arange(max_s, device=cu.device)
     valid = pos[None, :] < lens[:, None]
-    return (starts[:, None] + pos[None, :])[valid], torch.nonzero(valid.reshape(-1)).squeeze(1)
+    rows = torch.where(valid, starts[:, None] + pos[None, :], 0)
+    return valid.reshape(-1), rows.reshape(-1), starts, lens
+
+
+def _pad_thd(t: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """THD t [tokens, ...] -> [b, s, ...]: each slot's token, zeros in empty slots (differentiable)."""
+    if t.shape[0] == 0:
+        return t.new_zeros((b, s) + t.shape[1:])
+    x = t.index_select(0, rows)
+    x = torch.where(valid.view(-1, *([1] * (t.dim() - 1))), x, x.new_zeros(()))
+    return x.view(b, s, *t.shape[1:])
+
+
+def _unpad_thd(o: torch.Tensor, tokens: int, starts: torch.Tensor, lens: torch.Tensor, s: int) -> torch.Tensor:
+    """[b * s, ...] -> THD [tokens, ...]: each THD row gathered from its slot; rows between or after
+    the sequences are zeros. The sequences' starts are non-decreasing (cu_seqlens or their padded
+    offsets are cumulative), so a row's sequence is the last one starting at or before it."""
+    r = torch.arange(tokens, device=o.device)
+    seq = torch.searchsorted(starts, r, right=True) - 1
+    seq_c = seq.clamp(min=0)
+    p = r - starts[seq_c]
+    valid = (seq >= 0) & (p < lens[seq_c])
+    slot = torch.where(valid, seq_c * s + p, 0)
+    x = o.index_select(0, slot)
+    return torch.where(valid.view(-1, *([1] * (o.dim() - 1))), x, x.new_zeros(()))
 
 
 def _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_slopes, seq: Seq, fp8, why):
@@ -136,14 +166,10 @@ def _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_
     b = seq.cu_q.numel() - 1
     if fp8 is not None:
         seq = seq._replace(max_sq=-(-seq.max_sq // 128) * 128, max_skv=-(-seq.max_skv // 128) * 128)
-    rows_q, flat_q = _thd_rows(seq.cu_q, seq.cu_q_pad, seq.max_sq, "q")
-    rows_kv, flat_kv = _thd_rows(seq.cu_kv, seq.cu_kv_pad, seq.max_skv, "kv")
-
-    def pad(t, rows, flat, s):
-        return t.new_zeros((b * s,) + t.shape[1:]).index_copy(0, flat, t.index_select(0, rows)).view(b, s, *t.shape[1:])
-
-    qp = pad(q, rows_q, flat_q, seq.max_sq)
-    kp, vp = (pad(t, rows_kv, flat_kv, seq.max_skv) for t in (k, v))
+    valid_q, rows_q, starts_q, lens_q = _thd_slots(seq.cu_q, seq.cu_q_pad, seq.max_sq, "q")
+    valid_kv, rows_kv, _, _ = _thd_slots(seq.cu_kv, seq.cu_kv_pad, seq.max_skv, "kv")
+    qp = _pad_thd(q, valid_q, rows_q, b, seq.max_sq)
+    kp, vp = (_pad_thd(t, valid_kv, rows_kv, b, seq.max_skv) for t in (k, v))
     bshd = Seq(seq.cu_q, seq.cu_kv, None, None, seq.max_sq, seq.max_skv)
     head = (f"DotProductAttention: qkv_format 'thd' runs only on the fused attention path, which cannot run "
             f"this call{f' ({why})' if why else ''}, nor its padded bshd form")
@@ -152,8 +178,7 @@ def _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_
                       force_fused=True)
     except NotImplementedError as e:
         raise NotImplementedError(f"{head}: {e}") from None
-    o = o.reshape(b * seq.max_sq, -1)
-    return o.new_zeros(q.shape[0], o.shape[1]).index_copy(0, rows_q, o.index_select(0, flat_q))
+    return _unpad_thd(o.reshape(b * seq.max_sq, -1), q.shape[0], starts_q, lens_q, seq.max_sq)
 
 
 def padding_masks(seq: Seq):
