@@ -180,3 +180,14 @@ def test_multihead_attention_fused_packed_matches_unfused(interleaved, monkeypat
     torch.testing.assert_close(outs[0][1], outs[1][1], **tol)
     for a, b in zip(outs[0][2], outs[1][2]):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_split_qkv_of_a_non_contiguous_output_copies():
+    """A non-contiguous `mixed` never takes the zero-copy gradient (it would need mixed's strides)."""
+    base = torch.randn(2, 4, 3 * 2 * 8, device=DEVICE)
+    mixed = base.transpose(0, 1).requires_grad_(True)  # [4, 2, 48], not contiguous
+    q, k, v = fa8.SplitQKV.apply(mixed, 2, 2, 8, True)
+    buf = torch.randn(4, 2, 3 * 2 * 8, device=DEVICE)
+    grads = fa8.split_qkv(buf, 2, 2, 8, True)
+    (got,) = torch.autograd.grad((q, k, v), mixed, grads)
+    assert torch.equal(got, buf) and got.data_ptr() != buf.data_ptr()

@@ -328,7 +328,8 @@ class SplitQKV(torch.autograd.Function):
         base = mixed.storage_offset()
         ctx.geo = tuple((x.stride(), x.storage_offset() - base) for x in (q, k, v))
         ctx.spec = (tuple(mixed.shape), h, g, d, interleaved)
-        ctx.views = all(x._base is not None for x in (q, k, v))  # (GQA's interleaved q is a copy)
+        # (GQA's interleaved q is a copy; the zero-copy gradient is a contiguous `mixed`)
+        ctx.views = mixed.is_contiguous() and all(x._base is not None for x in (q, k, v))
         return q, k, v
 
     @staticmethod
@@ -336,8 +337,11 @@ class SplitQKV(torch.autograd.Function):
         shape, h, g, d, interleaved = ctx.spec
         grads = (dq, dk, dv)
         if ctx.views and all(x is not None for x in grads) and _in_place(grads, ctx.geo, shape):
-            whole = dq.as_strided(shape, torch.empty(shape, device="meta").stride(), dq.storage_offset())
-            return whole, None, None, None, None
+            strides, n = [], 1
+            for size in reversed(shape):  # contiguous strides of `shape`
+                strides.insert(0, n)
+                n *= size
+            return dq.as_strided(shape, strides, dq.storage_offset()), None, None, None, None
         ref = next(x for x in grads if x is not None)
         dm = ref.new_empty(shape)
         for dst, src in zip(split_qkv(dm, h, g, d, interleaved, grouped_q=True), grads):
