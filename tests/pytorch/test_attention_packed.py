@@ -1,13 +1,15 @@
-"""Q, K, V that are views of one packed buffer (the split of a fused QKV projection's output) go
-to fused attention in the packed layout as they are (sbh3d / sb3hd / bsh3d / bs3hd), without
-contiguous copies, and their gradients come back as views of one packed buffer, which
-MultiheadAttention's SplitQKV hands on as the projection output's gradient without a copy.
+"""Q, K, V that are views of one packed buffer (the split of a fused QKV projection's output), or
+K, V that are (a key/value projection's, for cross attention), go to fused attention in the
+packed layout as they are (sbh3d / sb3hd / bsh3d / bs3hd; sbhd_sbh2d / sbhd_sb2hd / bshd_bsh2d /
+bshd_bs2hd), without contiguous copies, and their gradients come back as views of one packed
+buffer, which MultiheadAttention's split (attn_packing.SplitPacked) hands on as the projection
+output's gradient without a copy.
 
 Checked: the detection (packed placements found, anything else not), outputs and gradients
 bit-identical to the same call on contiguous copies (separate layout: the same math, other
-addresses), in BF16-style float32 and under fp8_dpa (one cast of the whole buffer gives the same
-scale and bytes as three casts with a shared amax), SplitQKV's zero-copy and copying backward, and
-MultiheadAttention against its unfused path."""
+addresses), in float32 / BF16 and under fp8_dpa (one cast of the whole buffer gives the same
+scale and bytes as separate casts with a shared amax), SplitPacked's zero-copy and copying
+backward, and MultiheadAttention (self and cross attention) against its unfused path."""
 import copy
 
 import pytest
@@ -15,12 +17,19 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
+from transformer_engine.pytorch import attn_packing as pk
 from transformer_engine.pytorch import fused_attention as fa
 from transformer_engine.pytorch import fused_attention_fp8 as fa8
 
 from _util import DEVICE, ON_CUDA
 
 L = fa.L
+
+
+def split_qkv_op(mixed, h, g, d, inter):
+    """MultiheadAttention's split of its QKV projection output (attn_packing.SplitPacked)."""
+    return pk.SplitPacked.apply(mixed, lambda t: fa8.split_qkv(t, h, g, d, inter),
+                                lambda t: fa8.split_qkv(t, h, g, d, inter, grouped_q=True))
 
 
 def packed_qkv(fmt, placement, s, b, h, d, dtype, gen):
@@ -40,19 +49,19 @@ def packed_qkv(fmt, placement, s, b, h, d, dtype, gen):
 @pytest.mark.parametrize("placement", ["h3d", "3hd"])
 def test_packed_placements_are_found(fmt, placement):
     _, q, k, v = packed_qkv(fmt, placement, 5, 3, 4, 8, torch.float32, torch.Generator().manual_seed(0))
-    assert fa.packed_layout(q, k, v, fmt) == fa.PACKED[(fmt, placement)]
-    assert fa.packed_layout(q, k, v, "thd") is None
+    assert pk.packed_layout(q, k, v, fmt) == pk.QKV[(fmt, placement)]
+    assert pk.packed_layout(q, k, v, "thd") is None
     # the same values in separate buffers, a swapped order, or a gap: not packed
-    assert fa.packed_layout(q.contiguous(), k.contiguous(), v.contiguous(), fmt) is None
-    assert fa.packed_layout(k, q, v, fmt) is None
+    assert pk.packed_layout(q.contiguous(), k.contiguous(), v.contiguous(), fmt) is None
+    assert pk.packed_layout(k, q, v, fmt) is None
     wide = torch.zeros(5, 3, 4, 4, 8, device=DEVICE)  # 4 slots per head: token rows of 4 h d
-    assert fa.packed_layout(wide[..., 0, :], wide[..., 1, :], wide[..., 2, :], "sbhd") is None
+    assert pk.packed_layout(wide[..., 0, :], wide[..., 1, :], wide[..., 2, :], "sbhd") is None
 
 
 def test_gqa_interleaved_split_is_not_packed():
     mixed = torch.zeros(5, 3, 2 * (2 + 2) * 8, device=DEVICE)
     q, k, v = fa8.split_qkv(mixed, 4, 2, 8, True)
-    assert fa.packed_layout(q, k, v, "sbhd") is None
+    assert pk.packed_layout(q, k, v, "sbhd") is None
 
 
 def _run(q, k, v, fmt, mask, r=None):
@@ -76,7 +85,7 @@ def test_packed_call_matches_contiguous_copies(fmt, placement, mask, monkeypatch
     y = _run(q, k, v, fmt, mask)
     dy = torch.randn(y.shape, generator=g).to(dtype).to(DEVICE)
     y.backward(dy)
-    assert seen == [fa.PACKED[(fmt, placement)]]
+    assert seen == [pk.QKV[(fmt, placement)]]
     ref_in = [t.detach().clone().contiguous().requires_grad_(True) for t in (q, k, v)]
     y_ref = _run(*ref_in, fmt, mask)
     y_ref.backward(dy)
@@ -119,7 +128,7 @@ def _fp8_packed_vs_copies(monkeypatch, s, h, d):
         with te.fp8_autocast(fp8_recipe=r):
             y_ref = twin(*ref_in)
         y_ref.backward(dy)
-        assert seen[-2:] == [fa.PACKED[("sbhd", "h3d")], fa.LAYOUTS["sbhd"]]
+        assert seen[-2:] == [pk.QKV[("sbhd", "h3d")], fa.LAYOUTS["sbhd"]]
         assert torch.equal(y, y_ref), step
         want = torch.stack([t.grad for t in ref_in], dim=-2)
         assert torch.equal(mixed.grad.view(want.shape), want), step
@@ -131,7 +140,7 @@ def _fp8_packed_vs_copies(monkeypatch, s, h, d):
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_split_qkv_backward_takes_packed_gradients_without_a_copy(interleaved):
     mixed = torch.randn(4, 2, 3 * 2 * 8, device=DEVICE, requires_grad=True)
-    q, k, v = fa8.SplitQKV.apply(mixed, 2, 2, 8, interleaved)
+    q, k, v = split_qkv_op(mixed, 2, 2, 8, interleaved)
     buf = torch.randn(4, 2, 3 * 2 * 8, device=DEVICE)
     dq, dk, dv = fa8.split_qkv(buf, 2, 2, 8, interleaved)
     torch.autograd.backward((q, k, v), (dq, dk, dv))
@@ -144,7 +153,7 @@ def test_split_qkv_backward_takes_packed_gradients_without_a_copy(interleaved):
 @pytest.mark.parametrize("h, g", [(2, 2), (4, 2)])
 def test_split_qkv_backward_copies_other_gradients(interleaved, h, g):
     mixed = torch.randn(3, 2, (h + 2 * g) * 8, device=DEVICE, requires_grad=True)
-    q, k, v = fa8.SplitQKV.apply(mixed, h, g, 8, interleaved)
+    q, k, v = split_qkv_op(mixed, h, g, 8, interleaved)
     dq, dk = torch.randn(q.shape, device=DEVICE), torch.randn(k.shape, device=DEVICE)
     (got,) = torch.autograd.grad((q, k), mixed, (dq, dk))  # v unused: its part is zero
     ref_in = mixed.detach().clone().requires_grad_(True)
@@ -165,8 +174,8 @@ def test_multihead_attention_fused_packed_matches_unfused(interleaved, monkeypat
     x = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
     dy = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
     taken = []
-    real = fa8._in_place
-    monkeypatch.setattr(fa8, "_in_place", lambda *a: taken.append(real(*a)) or taken[-1])
+    real = pk._in_place
+    monkeypatch.setattr(pk, "_in_place", lambda *a: taken.append(real(*a)) or taken[-1])
     outs = []
     for m, fused in ((mha, "1"), (other, "0")):
         monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
@@ -186,8 +195,123 @@ def test_split_qkv_of_a_non_contiguous_output_copies():
     """A non-contiguous `mixed` never takes the zero-copy gradient (it would need mixed's strides)."""
     base = torch.randn(2, 4, 3 * 2 * 8, device=DEVICE)
     mixed = base.transpose(0, 1).requires_grad_(True)  # [4, 2, 48], not contiguous
-    q, k, v = fa8.SplitQKV.apply(mixed, 2, 2, 8, True)
+    q, k, v = split_qkv_op(mixed, 2, 2, 8, True)
     buf = torch.randn(4, 2, 3 * 2 * 8, device=DEVICE)
     grads = fa8.split_qkv(buf, 2, 2, 8, True)
     (got,) = torch.autograd.grad((q, k, v), mixed, grads)
     assert torch.equal(got, buf) and got.data_ptr() != buf.data_ptr()
+
+
+def packed_kv(fmt, placement, s, b, g, d, dtype, gen):
+    """(mixed [tokens..., 2 g d] leaf, k, v views) in the given placement."""
+    lead = (s, b) if fmt == "sbhd" else (b, s)
+    mixed = torch.randn(*lead, 2 * g * d, generator=gen).to(dtype).to(DEVICE).requires_grad_(True)
+    x = mixed.view(*lead, g, 2, d) if placement == "h2d" else mixed.view(*lead, 2, g, d)
+    k, v = (x[..., i, :] for i in range(2)) if placement == "h2d" else (x[..., i, :, :] for i in range(2))
+    return mixed, k, v
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("placement", ["h2d", "2hd"])
+def test_packed_kv_placements_are_found(fmt, placement):
+    g = torch.Generator().manual_seed(1)
+    _, k, v = packed_kv(fmt, placement, 7, 3, 2, 8, torch.float32, g)
+    q = torch.randn((5, 3, 4, 8) if fmt == "sbhd" else (3, 5, 4, 8), device=DEVICE)
+    assert pk.packed_layout(q, k, v, fmt) == pk.KV[(fmt, placement)]
+    assert pk.packed_layout(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, fmt) is None  # strided q
+    assert pk.packed_layout(q, v, k, fmt) is None
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("placement", ["h2d", "2hd"])
+def test_packed_kv_cross_attention_matches_contiguous_copies(fmt, placement, monkeypatch):
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    gen = torch.Generator().manual_seed(4)
+    mixed, k, v = packed_kv(fmt, placement, 40, 2, 2, 64, dtype, gen)
+    q = torch.randn((24, 2, 4, 64) if fmt == "sbhd" else (2, 24, 4, 64), generator=gen).to(dtype).to(DEVICE)
+    q.requires_grad_(True)
+    seen = []
+    real = fa.FusedAttnFunc.apply
+    monkeypatch.setattr(fa.FusedAttnFunc, "apply", lambda *a: seen.append(a[-1][5]) or real(*a))
+    dpa = te.DotProductAttention(4, 64, num_gqa_groups=2, qkv_format=fmt, attn_mask_type="no_mask",
+                                 attention_dropout=0.0)
+    y = dpa(q, k, v)
+    dy = torch.randn(y.shape, generator=gen).to(dtype).to(DEVICE)
+    y.backward(dy)
+    ref_in = [t.detach().clone().contiguous().requires_grad_(True) for t in (q, k, v)]
+    y_ref = dpa(*ref_in)
+    y_ref.backward(dy)
+    assert seen == [pk.KV[(fmt, placement)], fa.LAYOUTS[fmt]]
+    assert torch.equal(y, y_ref) and torch.equal(q.grad, ref_in[0].grad)
+    want = torch.stack([t.grad for t in ref_in[1:]], dim=-2 if placement == "h2d" else -3)
+    assert torch.equal(mixed.grad.reshape(want.shape), want)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="cuDNN's FP8 attention wants head dim 128 and s % 128 == 0: the CUDA run "
+                                    "is test_packed_kv_fp8_dpa_matches_contiguous_copies_cuda")
+def test_packed_kv_fp8_dpa_matches_contiguous_copies(monkeypatch):
+    _fp8_kv_packed_vs_copies(monkeypatch, sq=20, skv=28, d=16)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA (NVTE_TEST_DEVICE=cuda); the CPU run is "
+                                        "test_packed_kv_fp8_dpa_matches_contiguous_copies")
+def test_packed_kv_fp8_dpa_matches_contiguous_copies_cuda(monkeypatch):
+    _fp8_kv_packed_vs_copies(monkeypatch, sq=128, skv=256, d=128)
+
+
+def _fp8_kv_packed_vs_copies(monkeypatch, sq, skv, d):
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+    gen = torch.Generator().manual_seed(6)
+    mixed, k, v = packed_kv("sbhd", "h2d", skv, 2, 2, d, torch.bfloat16, gen)
+    q = torch.randn(sq, 2, 2, d, generator=gen).to(torch.bfloat16).to(DEVICE).requires_grad_(True)
+    r = recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)
+    dpa = te.DotProductAttention(2, d, qkv_format="sbhd", attn_mask_type="no_mask", attention_dropout=0.0)
+    twin = copy.deepcopy(dpa)
+    seen = []
+    real = fa8.FusedAttnFP8Func.apply
+    monkeypatch.setattr(fa8.FusedAttnFP8Func, "apply", lambda *a: seen.append(a[-1][5]) or real(*a))
+    for step in range(2):
+        dy = torch.randn(sq, 2, 2 * d, generator=gen).to(torch.bfloat16).to(DEVICE)
+        q.grad = mixed.grad = None
+        with te.fp8_autocast(fp8_recipe=r):
+            y = dpa(q, k, v)
+        y.backward(dy, retain_graph=True)
+        ref_in = [t.detach().clone().contiguous().requires_grad_(True) for t in (q, k, v)]
+        with te.fp8_autocast(fp8_recipe=r):
+            y_ref = twin(*ref_in)
+        y_ref.backward(dy)
+        assert seen[-2:] == [pk.KV[("sbhd", "h2d")], fa.LAYOUTS["sbhd"]]
+        assert torch.equal(y, y_ref) and torch.equal(q.grad, ref_in[0].grad), step
+        want = torch.stack([t.grad for t in ref_in[1:]], dim=-2)
+        assert torch.equal(mixed.grad.view(want.shape), want), step
+        for key in ("fwd", "bwd"):
+            assert torch.equal(dpa.fp8_meta.amax_history[key], twin.fp8_meta.amax_history[key])
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_multihead_cross_attention_fused_packed_kv_matches_unfused(interleaved, monkeypatch):
+    """MultiheadAttention(attention_type="cross"): K, V from the key/value projection go packed,
+    and their gradient buffer becomes that projection output's gradient without a copy."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    mha = te.MultiheadAttention(128, 2, attention_dropout=0.0, attention_type="cross", params_dtype=dtype,
+                                qkv_weight_interleaved=interleaved, device=DEVICE)
+    other = copy.deepcopy(mha)
+    x = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
+    enc = torch.randn(24, 2, 128, dtype=dtype, device=DEVICE)
+    dy = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
+    taken = []
+    real = pk._in_place
+    monkeypatch.setattr(pk, "_in_place", lambda *a: taken.append(real(*a)) or taken[-1])
+    outs = []
+    for m, fused in ((mha, "1"), (other, "0")):
+        monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
+        xi, ei = x.clone().requires_grad_(True), enc.clone().requires_grad_(True)
+        y = m(xi, encoder_output=ei)
+        y.backward(dy)
+        outs.append([y.detach().float(), xi.grad.float(), ei.grad.float()] + [p.grad.float() for p in m.parameters()])
+    assert taken[0] is True
+    tol = dict(rtol=2e-2, atol=2e-2) if ON_CUDA else dict(rtol=1e-5, atol=1e-5)
+    for a, b in zip(outs[0], outs[1]):
+        torch.testing.assert_close(a, b, **tol)

@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _ops, custom_ops
+from . import attn_packing as _pk
 from . import dpa_fused as _df
 from . import fused_attention as _fa
 from . import fused_attention_fp8 as _fa8
@@ -467,18 +468,22 @@ class MultiheadAttention(torch.nn.Module):
                            sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker)
 
     # -------------------------------------------------------------- helpers
+    # (SplitPacked: a packed gradient from fused attention becomes mixed's gradient without a copy;
+    # traced graphs take the plain views, as packed_layout does not look at traced tensors)
     def _split_qkv(self, mixed: torch.Tensor):
-        # (SplitQKV: a packed dQKV from fused attention becomes mixed's gradient without a copy;
-        # traced graphs take the plain views, as packed_layout does not look at traced tensors)
+        h, g, d, inter = (self.num_attention_heads, self.num_gqa_groups, self.hidden_size_per_attention_head,
+                          self.qkv_weight_interleaved)
         if torch.compiler.is_compiling():
-            return _fa8.split_qkv(mixed, self.num_attention_heads, self.num_gqa_groups,
-                                  self.hidden_size_per_attention_head, self.qkv_weight_interleaved)
-        return _fa8.SplitQKV.apply(mixed, self.num_attention_heads, self.num_gqa_groups,
-                                   self.hidden_size_per_attention_head, self.qkv_weight_interleaved)
+            return _fa8.split_qkv(mixed, h, g, d, inter)
+        return _pk.SplitPacked.apply(mixed, lambda t: _fa8.split_qkv(t, h, g, d, inter),
+                                     lambda t: _fa8.split_qkv(t, h, g, d, inter, grouped_q=True))
 
     def _split_kv(self, mixed: torch.Tensor):
-        return _fa8.split_kv(mixed, self.num_gqa_groups, self.hidden_size_per_attention_head,
-                             self.qkv_weight_interleaved)
+        g, d, inter = self.num_gqa_groups, self.hidden_size_per_attention_head, self.qkv_weight_interleaved
+        if torch.compiler.is_compiling():
+            return _fa8.split_kv(mixed, g, d, inter)
+        split = lambda t: _fa8.split_kv(t, g, d, inter)  # noqa: E731
+        return _pk.SplitPacked.apply(mixed, split, split)
 
     def _project_in(self, module, x, is_first_microbatch):
         """(output, layernorm output or None) of a QKV / query projection."""

@@ -23,6 +23,7 @@ import torch
 
 from transformer_engine.common.recipe import DelayedScaling, Format
 
+from . import attn_packing as _pk
 from . import fused_attention as _fa
 from . import fused_attention_fp8 as _fp8
 from .fp8 import FP8GlobalState
@@ -274,7 +275,7 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
     elif bias_type == "alibi" and alibi_slopes is not None and q.is_cuda:
         why = "ALiBi with caller-given slopes is not supported by the GPU backend (cuDNN uses its default slopes)"
     # q, k, v already in a packed placement (a fused QKV projection's split) go as they are
-    packed = None if why or handoff is not None else _fa.packed_layout(q, k, v, fmt)
+    packed = None if why or handoff is not None else _pk.packed_layout(q, k, v, fmt)
     layout = packed if packed is not None else _fa.LAYOUTS[fmt]
     wl, wr = window if window is not None else (-1, -1)
     dropout = dpa.attention_dropout if dpa.training else 0.0

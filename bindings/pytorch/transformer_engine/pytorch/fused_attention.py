@@ -3,9 +3,8 @@ float64 reference on the CPU) as two torch.library custom ops inside one autogra
 
 The library owns the math, the masks and the dropout stream; this file only shapes tensors:
 Q, K, V in one of the separate layouts (sbhd_sbhd_sbhd / bshd_bshd_bshd / thd_thd_thd, made
-contiguous), or, when they already are views of one buffer in a packed placement (the split of a
-fused QKV projection's output: sbh3d / sb3hd / bsh3d / bs3hd), in that packed layout as they are,
-with dQ, dK, dV written as views of one packed gradient buffer (no copies either way), cu_seqlens (and for THD the padded offsets) given by the caller or derived from a
+contiguous), or, when they already are views in a packed layout's placement (attn_packing.py),
+in that layout as they are, cu_seqlens (and for THD the padded offsets) given by the caller or derived from a
 padding mask (True = masked out, valid tokens first), the aux tensors the
 forward keeps for the backward (softmax statistics, the rng_state copy, the bias copy), and
 the backend choice TE documents: NVTE_FUSED_ATTN=0 turns the fused path off,
@@ -27,6 +26,7 @@ from torch.library import custom_op
 from transformer_engine import _nvte
 
 from . import _ops
+from . import attn_packing as _pk
 from .custom_ops import eager_or_op
 
 L, M, BT, ST = _nvte.NVTE_QKV_Layout, _nvte.NVTE_Mask_Type, _nvte.NVTE_Bias_Type, _nvte.NVTE_Softmax_Type
@@ -34,11 +34,6 @@ _DT = {torch.float32: _nvte.DType.kFloat32, torch.float16: _nvte.DType.kFloat16,
        torch.bfloat16: _nvte.DType.kBFloat16, torch.int32: _nvte.DType.kInt32, torch.int64: _nvte.DType.kInt64,
        torch.uint8: _nvte.DType.kByte}
 LAYOUTS = {"sbhd": int(L.NVTE_SBHD_SBHD_SBHD), "bshd": int(L.NVTE_BSHD_BSHD_BSHD), "thd": int(L.NVTE_THD_THD_THD)}
-# (format, placement) -> packed layout: "h3d" = [.., h, 3, d], "3hd" = [.., 3, h, d]
-PACKED = {("sbhd", "h3d"): int(L.NVTE_SBH3D), ("sbhd", "3hd"): int(L.NVTE_SB3HD),
-          ("bshd", "h3d"): int(L.NVTE_BSH3D), ("bshd", "3hd"): int(L.NVTE_BS3HD)}
-PACKED_LAYOUTS = frozenset(PACKED.values())
-_BSHD_LAYOUTS = frozenset((LAYOUTS["bshd"], PACKED[("bshd", "h3d")], PACKED[("bshd", "3hd")]))
 MASKS = {"no_mask": M.NVTE_NO_MASK, "padding": M.NVTE_PADDING_MASK, "causal": M.NVTE_CAUSAL_MASK,
          "padding_causal": M.NVTE_PADDING_CAUSAL_MASK, "causal_bottom_right": M.NVTE_CAUSAL_BOTTOM_RIGHT_MASK,
          "padding_causal_bottom_right": M.NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK}
@@ -129,50 +124,8 @@ def stats_shape(q: Tensor, layout: int, max_sq: int, cu_q: Optional[Tensor]) -> 
     if layout == LAYOUTS["thd"]:
         b = cu_q.shape[0] - 1
     else:
-        b = q.shape[0] if layout in _BSHD_LAYOUTS else q.shape[1]
+        b = q.shape[0] if layout == LAYOUTS["bshd"] or layout in _pk.BSHD_LAYOUTS else q.shape[1]
     return [b, q.shape[-2], max_sq, 1]
-
-
-def packed_layout(q: Tensor, k: Tensor, v: Tensor, fmt: str) -> Optional[int]:
-    """The packed layout whose placement q, k, v ([s, b, h, d] / [b, s, h, d]) already have as views
-    of one buffer, token rows of 3 h d elements (e.g. the split of a fused QKV projection's
-    output), or None. (None while torch.compile traces: its tensors have no addresses to compare.)"""
-    if torch.compiler.is_compiling():
-        return None
-    if fmt not in ("sbhd", "bshd") or q.dim() != 4 or not (q.shape == k.shape == v.shape) or q.numel() == 0:
-        return None
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        return None
-    h, d, es = q.shape[2], q.shape[3], q.element_size()
-    width = 3 * h * d
-    for placement, head_stride, step in (("h3d", 3 * d, d), ("3hd", d, h * d)):
-        if k.data_ptr() - q.data_ptr() != step * es or v.data_ptr() - q.data_ptr() != 2 * step * es:
-            continue
-        want = (q.shape[1] * width, width, head_stride, 1)
-        if all(x.shape[i] == 1 or x.stride(i) == want[i] for x in (q, k, v) for i in range(4)):
-            st = q.untyped_storage().data_ptr()
-            if k.untyped_storage().data_ptr() == st and v.untyped_storage().data_ptr() == st:
-                return PACKED[(fmt, placement)]
-    return None
-
-
-def packed_rows(q: Tensor) -> Tuple[int, int]:
-    """(token rows, 3 h d): the packed buffer that starts at q, as a matrix."""
-    return q.shape[0] * q.shape[1], 3 * q.shape[2] * q.shape[3]
-
-
-def packed_region(q: Tensor) -> Tensor:
-    """The packed buffer q, k, v are views of, as a [rows, 3 h d] view starting at q."""
-    rows, width = packed_rows(q)
-    return q.as_strided((rows, width), (width, 1))
-
-
-def packed_views(buf: Tensor, like: Tuple[Tensor, Tensor, Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    """Views of buf (a packed buffer, e.g. the gradients' or the FP8 copy's) with the shapes, strides
-    and offsets from the first that the tensors `like` have in theirs."""
-    base = like[0].storage_offset()
-    return tuple(buf.as_strided(x.shape, x.stride(), buf.storage_offset() + x.storage_offset() - base)
-                 for x in like)
 
 
 # ------------------------------------------------------------------ custom ops
@@ -211,15 +164,11 @@ def fused_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, stats
                    cu_kv_pad: Optional[Tensor], max_sq: int, max_skv: int,
                    scale: float, dropout: float, layout: int, bias_type: int, mask: int, wl: int, wr: int,
                    br: bool, need_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dQ, dK, dV, dBias or an empty placeholder); for a packed layout (dQKV, empty, empty,
-    ..): the gradients in one packed buffer [rows, 3 h d] (packed_views cuts them out)."""
+    """Returns (the gradients in attn_packing's three-output form (dQ, dK, dV unless the layout is
+    packed), dBias or an empty placeholder)."""
     c = AttnCfg(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br)
     qkv = (q, k, v)
-    if layout in PACKED_LAYOUTS:
-        dqkv = q.new_empty(packed_rows(q))
-        dq, dk, dv = packed_views(dqkv, qkv)
-    else:
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    outs, (dq, dk, dv) = _pk.new_grads(layout, q, k, v, q.dtype)
     has_bias = bias_copy.numel() > 0
     dbias = torch.empty_like(bias_copy) if (has_bias and need_dbias) else q.new_empty(0)
     aux = [_handle(stats), _handle(rng_copy)] + ([_handle(bias_copy)] if has_bias else [])
@@ -227,9 +176,7 @@ def fused_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, stats
     call_bwd(c, qkv, [_handle(x) for x in qkv], _handle(o), _handle(do), None, None, aux,
              [_handle(x) for x in (dq, dk, dv)], dbias if dbias.numel() else None, (cu_q, cu_kv, cu_q_pad, cu_kv_pad),
              bias_copy if has_bias else None)
-    if layout in PACKED_LAYOUTS:
-        return dqkv, q.new_empty(0), q.new_empty(0), dbias
-    return dq, dk, dv, dbias
+    return outs[0], outs[1], outs[2], dbias
 
 
 @fused_attn_bwd.register_fake
@@ -237,9 +184,7 @@ def _(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad, cu_kv_p
       layout, bias_type, mask, wl, wr, br, need_dbias):
     has = bias_copy.numel() > 0 and need_dbias
     dbias = torch.empty_like(bias_copy) if has else q.new_empty(0)
-    if layout in PACKED_LAYOUTS:
-        return q.new_empty(packed_rows(q)), q.new_empty(0), q.new_empty(0), dbias
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    return _pk.fake_grads(layout, q, k, v, q.dtype) + (dbias,)
 
 
 # eager calls run the bodies directly (the dispatcher's custom-op path costs tens of microseconds)
@@ -267,8 +212,7 @@ class FusedAttnFunc(torch.autograd.Function):
         dq, dk, dv, dbias = fused_attn_bwd(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad,
                                            cu_kv_pad, max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl,
                                            wr, br, ctx.need_dbias)
-        if layout in PACKED_LAYOUTS:
-            dq, dk, dv = packed_views(dq, (q, k, v))
+        dq, dk, dv = _pk.grads_from(layout, (dq, dk, dv), (q, k, v))
         return dq, dk, dv, (dbias if ctx.need_dbias else None), None, None, None, None, None, None
 
 

@@ -50,6 +50,7 @@ from transformer_engine import _nvte as _nv
 
 from . import _ops
 from . import custom_ops as ops
+from . import attn_packing as _pk
 from . import fused_attention as _fa
 from .fp8_handoff import handoff_parts, handoff_words, new_handoff
 
@@ -157,8 +158,8 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
                        scale: float, dropout: float, layout: int, mask: int, wl: int, wr: int, br: bool,
                        bwd_dtype: int, seed: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dO bytes (format bwd_dtype) -> (dQ, dK, dV bytes in bwd_dtype, their scale_invs); dP and
-    dQKV max-accumulate their amaxes into bwd_hist[0, 1] / [0, 2]. A packed layout returns
-    (dQKV, empty, empty, ..): the gradient bytes in one packed buffer [rows, 3 h d].
+    dQKV max-accumulate their amaxes into bwd_hist[0, 1] / [0, 2]. The gradients come in
+    attn_packing's three-output form (packed layouts: one packed buffer for what is packed).
 
     seed (the first backward of the histories, see the module doc): the scales of dP and dQKV
     come from their own amaxes, which two extra runs measure, and every backward scale
@@ -171,12 +172,7 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
     do_h = _fp8(dod, bwd_dtype, do_si)
     s_h = _fp8(None, E4M3, scale=s_scale.data_ptr())
     dp_h = _fp8(None, bwd_dtype, scale=_ops._slot_ptr(bwd_scale, SLOT_DP), amax=_ops._slot_ptr(bwd_hist, SLOT_DP))
-    packed = layout in _fa.PACKED_LAYOUTS
-    if packed:  # dQ, dK, dV as views of one packed buffer, returned whole
-        gbuf = torch.empty(_fa.packed_rows(qd), dtype=torch.uint8, device=dev)
-        grads = list(_fa.packed_views(gbuf, qkv))
-    else:
-        grads = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in qkv]
+    outs, grads = _pk.new_grads(layout, qd, kd, vd, torch.uint8)
     sis = [torch.empty(1, dtype=torch.float32, device=dev) for _ in range(3)]
     g_scale, g_amax = _ops._slot_ptr(bwd_scale, SLOT_DQKV), _ops._slot_ptr(bwd_hist, SLOT_DQKV)
     G = [_fp8(g, bwd_dtype, si, g_scale, g_amax) for g, si in zip(grads, sis)]
@@ -192,18 +188,14 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
                 bwd_hist[0, SLOT_DQKV] = 0.0
             _ops.scale_from_history(grads[0], ops._dtype(bwd_dtype), bwd_scale, bwd_hist, slot)
     _fa.call_bwd(c, qkv, H, o_h, do_h, s_h, dp_h, aux, G, None, cu)
-    if packed:
-        return gbuf, qd.new_empty(0), qd.new_empty(0), sis[0], sis[1], sis[2]
-    return grads[0], grads[1], grads[2], sis[0], sis[1], sis[2]
+    return outs[0], outs[1], outs[2], sis[0], sis[1], sis[2]
 
 
 @fused_attn_fp8_bwd.register_fake
 def _(qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad,
       bwd_scale, bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, seed):
     sis = (q_si.new_empty(1), q_si.new_empty(1), q_si.new_empty(1))
-    if layout in _fa.PACKED_LAYOUTS:
-        return (qd.new_empty(_fa.packed_rows(qd)), qd.new_empty(0), qd.new_empty(0)) + sis
-    return (torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)) + sis
+    return _pk.fake_grads(layout, qd, kd, vd, torch.uint8) + sis
 
 
 # eager calls run the bodies directly (the dispatcher's custom-op path costs tens of microseconds)
@@ -226,19 +218,27 @@ def _decode(data: Tensor, si: Tensor, fp8_dtype: int, dtype: torch.dtype) -> Ten
 
 def _cast_qkv(q: Tensor, k: Tensor, v: Tensor, layout: int, scale: Tensor, hist: Tensor):
     """((qd, q_si), (kd, k_si), (vd, v_si)): Q, K, V in E4M3 (one scale, one amax: forward slot 0).
-    Views of one packed buffer (a packed layout) are cast as that one buffer, in one call."""
-    if layout in _fa.PACKED_LAYOUTS:
-        data, si = _cast(_fa.packed_region(q), scale, hist, SLOT_QKV, E4M3)
-        return tuple((x, si) for x in _fa.packed_views(data, (q, k, v)))
+    Tensors packed in one buffer (attn_packing) are cast as that buffer, in one call."""
+    g = _pk.group(layout)
+    if g == 3:
+        data, si = _cast(_pk.region(q, 3), scale, hist, SLOT_QKV, E4M3)
+        return tuple((x, si) for x in _pk.views(data, (q, k, v)))
+    if g == 2:
+        data, si = _cast(_pk.region(k, 2), scale, hist, SLOT_QKV, E4M3)
+        return (_cast(q, scale, hist, SLOT_QKV, E4M3),) + tuple((x, si) for x in _pk.views(data, (k, v)))
     return tuple(_cast(x, scale, hist, SLOT_QKV, E4M3) for x in (q, k, v))
 
 
-def _decode_grads(dqd, dkd, dvd, sis, like, layout: int, fp8_dtype: int, dtype: torch.dtype):
-    """dQ, dK, dV in dtype from fused_attn_fp8_bwd's outputs; a packed layout's gradient buffer
-    (one scale: backward slot 2) is decoded in one call and cut into views shaped like `like`."""
-    if layout in _fa.PACKED_LAYOUTS:
-        return _fa.packed_views(ops.dequantize(dqd, sis[0], fp8_dtype, dtype), like)
-    return tuple(_decode(g, si, fp8_dtype, dtype) for g, si in zip((dqd, dkd, dvd), sis))
+def _decode_grads(outs, sis, like, layout: int, fp8_dtype: int, dtype: torch.dtype):
+    """dQ, dK, dV in dtype from fused_attn_fp8_bwd's gradient outputs (one scale: backward slot 2);
+    a packed gradient buffer is decoded in one call and cut into views shaped like `like`."""
+    g = _pk.group(layout)
+    if g == 3:
+        return _pk.grads_from(layout, (ops.dequantize(outs[0], sis[0], fp8_dtype, dtype),), like)
+    if g == 2:
+        dec = (_decode(outs[0], sis[0], fp8_dtype, dtype), ops.dequantize(outs[1], sis[1], fp8_dtype, dtype))
+        return _pk.grads_from(layout, dec, like)
+    return tuple(_decode(x, si, fp8_dtype, dtype) for x, si in zip(outs, sis))
 
 
 class FusedAttnFP8Func(torch.autograd.Function):
@@ -282,7 +282,7 @@ class FusedAttnFP8Func(torch.autograd.Function):
             qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad,
             cu_kv_pad, ctx.bwd_scale, ctx.bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br,
             bwd_dtype, seed)
-        dq, dk, dv = _decode_grads(dqd, dkd, dvd, (dq_si, dk_si, dv_si), (qd, kd, vd), layout, bwd_dtype, dtype)
+        dq, dk, dv = _decode_grads((dqd, dkd, dvd), (dq_si, dk_si, dv_si), (qd, kd, vd), layout, bwd_dtype, dtype)
         return (dq, dk, dv) + (None,) * 10
 
     @staticmethod
@@ -294,8 +294,7 @@ class FusedAttnFP8Func(torch.autograd.Function):
         dq, dk, dv, _ = _fa.fused_attn_bwd(q, k, v, o, do, stats, rng_copy, q.new_empty(0), cu_q, cu_kv, cu_q_pad,
                                            cu_kv_pad, max_sq, max_skv, scale, dropout, layout,
                                            int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br, False)
-        if layout in _fa.PACKED_LAYOUTS:
-            dq, dk, dv = _fa.packed_views(dq, (q, k, v))
+        dq, dk, dv = _pk.grads_from(layout, (dq, dk, dv), (q, k, v))
         return (dq, dk, dv) + (None,) * 10
 
 
@@ -314,56 +313,6 @@ def split_qkv(mixed: Tensor, h: int, g: int, d: int, interleaved: bool, grouped_
         return (q if grouped_q else q.reshape(*lead, h, d)), x[..., per, :], x[..., per + 1, :]
     q, k, v = torch.split(mixed, [h * d, g * d, g * d], dim=-1)
     return q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
-
-
-class SplitQKV(torch.autograd.Function):
-    """split_qkv with a backward that takes gradients already lying in the places the forward cut
-    q, k, v from (views of one buffer shaped like `mixed`: the packed dQKV fused attention writes
-    for q, k, v in a packed layout) as `mixed`'s gradient without a copy; other gradients are
-    copied into a new buffer (absent ones as zeros)."""
-
-    @staticmethod
-    def forward(ctx, mixed, h, g, d, interleaved):
-        q, k, v = split_qkv(mixed, h, g, d, interleaved)
-        base = mixed.storage_offset()
-        ctx.geo = tuple((x.stride(), x.storage_offset() - base) for x in (q, k, v))
-        ctx.spec = (tuple(mixed.shape), h, g, d, interleaved)
-        # (GQA's interleaved q is a copy; the zero-copy gradient is a contiguous `mixed`)
-        ctx.views = mixed.is_contiguous() and all(x._base is not None for x in (q, k, v))
-        return q, k, v
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        shape, h, g, d, interleaved = ctx.spec
-        grads = (dq, dk, dv)
-        if ctx.views and all(x is not None for x in grads) and _in_place(grads, ctx.geo, shape):
-            strides, n = [], 1
-            for size in reversed(shape):  # contiguous strides of `shape`
-                strides.insert(0, n)
-                n *= size
-            return dq.as_strided(shape, strides, dq.storage_offset()), None, None, None, None
-        ref = next(x for x in grads if x is not None)
-        dm = ref.new_empty(shape)
-        for dst, src in zip(split_qkv(dm, h, g, d, interleaved, grouped_q=True), grads):
-            if src is None:
-                dst.zero_()
-            else:
-                dst.copy_(src.reshape(dst.shape))
-        return dm, None, None, None, None
-
-
-def _in_place(grads, geo, shape) -> bool:
-    """Whether q, k, v's gradients are views of one contiguous buffer shaped like the forward's
-    `mixed`, each at the stride and offset its forward view had."""
-    dq = grads[0]
-    st, base = dq.untyped_storage(), dq.storage_offset()
-    n = 1
-    for x in shape:
-        n *= x
-    if (base + n) * dq.element_size() > st.nbytes():
-        return False
-    return all(x.untyped_storage().data_ptr() == st.data_ptr() and x.dtype == dq.dtype and x.stride() == stride
-               and x.storage_offset() - base == off for x, (stride, off) in zip(grads, geo))
 
 
 def split_kv(mixed: Tensor, g: int, d: int, interleaved: bool):
