@@ -315,3 +315,25 @@ def test_multihead_cross_attention_fused_packed_kv_matches_unfused(interleaved, 
     tol = dict(rtol=2e-2, atol=2e-2) if ON_CUDA else dict(rtol=1e-5, atol=1e-5)
     for a, b in zip(outs[0], outs[1]):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_cat_rows_of_back_to_back_parameters_is_a_view():
+    """MultiheadAttention's split QKV parameters are rows of one buffer: the forward's concatenation
+    is a view (no copy), and gradients reach each parameter as with torch.cat."""
+    mha = te.MultiheadAttention(64, 2, attention_dropout=0.0, device=DEVICE)
+    qkv = mha.layernorm_qkv if hasattr(mha, "layernorm_qkv") else mha.qkv
+    ws = [qkv.query_weight, qkv.key_weight, qkv.value_weight]
+    w = pk.cat_rows(ws)
+    assert w.data_ptr() == ws[0].data_ptr() and torch.equal(w, torch.cat([t.detach() for t in ws]))
+    g = torch.randn(w.shape, device=DEVICE)
+    w.backward(g)
+    for t, part in zip(ws, g.split(64)):
+        assert torch.equal(t.grad, part)
+    # parameters that no longer lie together (replaced, moved, converted): concatenated by copy
+    qkv.key_weight = torch.nn.Parameter(qkv.key_weight.detach().clone())
+    ws = [qkv.query_weight, qkv.key_weight, qkv.value_weight]
+    w = pk.cat_rows(ws)
+    assert w.data_ptr() != ws[0].data_ptr() and torch.equal(w, torch.cat([t.detach() for t in ws]))
+    x = torch.randn(5, 2, 64, device=DEVICE, requires_grad=True)
+    mha(x).sum().backward()  # still trains
+    assert qkv.key_weight.grad is not None

@@ -316,18 +316,21 @@ class DotProductAttention(torch.nn.Module):
 # ------------------------------------------------------------- split-parameter projections
 class _SplitParams:
     """Mixin: replaces the fused `weight`/`bias` of a Linear-like module with one Parameter per
-    named split (`<name>_weight`, `<name>_bias`); the forward concatenates the current Parameters."""
+    named split (`<name>_weight`, `<name>_bias`); the forward concatenates the current Parameters.
+    They are made as consecutive rows of one buffer, so that the concatenation is a view while they
+    stay there (attn_packing.cat_rows; moved or replaced parameters are concatenated by copy)."""
 
     def _split(self, splits: Sequence[Tuple[str, int]]) -> None:
         self._splits = list(splits)
         w, b = self.weight, self.bias
         del self._parameters["weight"]
         del self._parameters["bias"]
+        w_all = w.detach().clone()
+        b_all = None if b is None else b.detach().clone()
         start = 0
         for name, n in self._splits:
-            self.register_parameter(f"{name}_weight", torch.nn.Parameter(w.detach()[start:start + n].clone()))
-            self.register_parameter(f"{name}_bias", None if b is None else
-                                    torch.nn.Parameter(b.detach()[start:start + n].clone()))
+            self.register_parameter(f"{name}_weight", torch.nn.Parameter(w_all[start:start + n]))
+            self.register_parameter(f"{name}_bias", None if b is None else torch.nn.Parameter(b_all[start:start + n]))
             start += n
         self._make_fp8_params()  # quantized_model_init: the split weights are the FP8 parameters
 
@@ -352,9 +355,7 @@ class _SplitParams:
     def _weight_and_bias(self):
         ws = [getattr(self, f"{n}_weight") for n, _ in self._splits]
         bs = [getattr(self, f"{n}_bias") for n, _ in self._splits]
-        w = ws[0] if len(ws) == 1 else torch.cat(ws, 0)
-        b = None if bs[0] is None else (bs[0] if len(bs) == 1 else torch.cat(bs, 0))
-        return w, b
+        return _pk.cat_rows(ws), (None if bs[0] is None else _pk.cat_rows(bs))
 
 
 class _SplitLinear(_SplitParams, Linear):

@@ -5,7 +5,9 @@ projection's) as views. When those views have exactly a packed layout's placemen
 sbh3d / sb3hd / bsh3d / bs3hd for Q, K, V; sbhd_sbh2d / sbhd_sb2hd / bshd_bsh2d / bshd_bs2hd for
 K, V beside a plain Q), fused attention takes them as they are instead of contiguous copies, and
 writes dQ, dK, dV as views of one packed gradient buffer of the same placement. SplitPacked is
-the split whose backward takes such a buffer as the projection output's gradient without a copy.
+the split whose backward takes such a buffer as the projection output's gradient without a copy;
+cat_rows is the concatenation of parameters that already lie back to back (the split QKV
+projection's query/key/value weights) without a copy.
 
 Bwd ops return three tensors: the packed Q, K, V gradient buffer and two empty ones (Q, K, V
 packed), dQ and the packed K, V gradient buffer and an empty one (K, V packed), or dQ, dK, dV;
@@ -171,3 +173,35 @@ def _in_place(grads, geo, shape) -> bool:
         return False
     return all(x.untyped_storage().data_ptr() == st.data_ptr() and x.dtype == g0.dtype and x.stride() == stride
                and x.storage_offset() - base == off for x, (stride, off) in zip(grads, geo))
+
+
+class _CatInPlace(torch.autograd.Function):
+    """torch.cat(ts, 0) of tensors lying back to back in one buffer: a view of that buffer; the
+    backward hands each tensor its rows of the gradient (views)."""
+
+    @staticmethod
+    def forward(ctx, *ts):
+        ctx.sizes = [t.shape[0] for t in ts]
+        return ts[0].as_strided((sum(ctx.sizes),) + tuple(ts[0].shape[1:]), ts[0].stride())
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(g.split(ctx.sizes, 0))
+
+
+def cat_rows(ts) -> Tensor:
+    """torch.cat(ts, 0); without a copy when the tensors (plain, contiguous, same dtype and device)
+    already lie back to back in one storage, as MultiheadAttention's split QKV parameters are made."""
+    if len(ts) == 1:
+        return ts[0]
+    t0 = ts[0]
+    if not torch.compiler.is_compiling() and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in ts):
+        es, st, at = t0.element_size(), t0.untyped_storage().data_ptr(), t0.data_ptr()
+        ok = True
+        for t in ts:
+            ok = ok and t.is_contiguous() and t.dtype == t0.dtype and t.device == t0.device and \
+                t.shape[1:] == t0.shape[1:] and t.untyped_storage().data_ptr() == st and t.data_ptr() == at
+            at += t.numel() * es
+        if ok:
+            return _CatInPlace.apply(*ts)
+    return torch.cat(ts, 0)
