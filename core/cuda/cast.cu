@@ -96,19 +96,12 @@ __device__ __forceinline__ void convert_vec(const Vec<InT, N> &x, Vec<OutT, N> &
   if constexpr (is_fp8_type<OutT>::value) {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) tiles::st_pair(f[2 * i] * scale, f[2 * i + 1] * scale, y.v[2 * i], y.v[2 * i + 1]);
-  } else if constexpr (std::is_same_v<OutT, bf16>) {
+  } else if constexpr (std::is_same_v<OutT, bf16> || std::is_same_v<OutT, fp16>) {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
-      const __nv_bfloat162 v = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-      y.v[2 * i].bits = __bfloat16_as_ushort(v.x);
-      y.v[2 * i + 1].bits = __bfloat16_as_ushort(v.y);
-    }
-  } else if constexpr (std::is_same_v<OutT, fp16>) {
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-      const __half2 v = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-      y.v[2 * i].bits = __half_as_ushort(v.x);
-      y.v[2 * i + 1].bits = __half_as_ushort(v.y);
+      const uint32_t w = pack2<OutT>(f[2 * i], f[2 * i + 1]);
+      y.v[2 * i].bits = (uint16_t)(w & 0xFFFFu);
+      y.v[2 * i + 1].bits = (uint16_t)(w >> 16);
     }
   } else {
 #pragma unroll

@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "../common/error.h"
 #include "../common/numeric.h"
@@ -69,6 +71,21 @@ template <> __device__ __forceinline__ fp8e4m3 store_f32<fp8e4m3>(float v) {
 }
 template <> __device__ __forceinline__ fp8e5m2 store_f32<fp8e5m2>(float v) {
   return fp8e5m2{(uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2)};
+}
+
+// Two values as one 32-bit word of bf16/fp16 storage (low half = a), round to nearest even
+// (the hardware pair conversion: as numeric.h for every non-NaN value).
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  uint32_t r;
+  if constexpr (std::is_same_v<T, bf16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    memcpy(&r, &v, 4);
+  } else {
+    const __half2 v = __floats2half2_rn(a, b);
+    memcpy(&r, &v, 4);
+  }
+  return r;
 }
 
 // ------------------------------------------------- run-time typed element access

@@ -139,20 +139,6 @@ __device__ __forceinline__ void unpack8(const uint4 &c, float (&f)[kVec]) {
   }
 }
 
-// Two values as one 32-bit word of 16-bit storage (low half = a), round to nearest even.
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  uint32_t r;
-  if constexpr (std::is_same_v<T, bf16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    memcpy(&r, &v, 4);
-  } else {
-    const __half2 v = __floats2half2_rn(a, b);
-    memcpy(&r, &v, 4);
-  }
-  return r;
-}
-
 // Stores 8 values (times s for FP8) at dst with one 8-byte (FP8) or 16-byte store.
 template <class TO>
 __device__ __forceinline__ void store8(TO *dst, const float (&o)[kVec], float s) {

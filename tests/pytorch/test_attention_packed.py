@@ -32,6 +32,20 @@ def split_qkv_op(mixed, h, g, d, inter):
                                 lambda t: fa8.split_qkv(t, h, g, d, inter, grouped_q=True))
 
 
+def spy_layouts(monkeypatch, func):
+    """The layouts (cfg[5]) of every func.apply call (FusedAttnFunc / FusedAttnFP8Func), in a list."""
+    seen, real = [], func.apply
+    monkeypatch.setattr(func, "apply", lambda *a: seen.append(a[-1][5]) or real(*a))
+    return seen
+
+
+def spy_in_place(monkeypatch):
+    """SplitPacked's zero-copy decisions (attn_packing._in_place results), in a list."""
+    taken, real = [], pk._in_place
+    monkeypatch.setattr(pk, "_in_place", lambda *a: taken.append(real(*a)) or taken[-1])
+    return taken
+
+
 def packed_qkv(fmt, placement, s, b, h, d, dtype, gen):
     """(mixed [tokens..., 3 h d] leaf, q, k, v views) in the given placement."""
     lead = (s, b) if fmt == "sbhd" else (b, s)
@@ -79,9 +93,7 @@ def test_packed_call_matches_contiguous_copies(fmt, placement, mask, monkeypatch
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     g = torch.Generator().manual_seed(3)
     mixed, q, k, v = packed_qkv(fmt, placement, 24, 2, 3, 64, dtype, g)
-    seen = []
-    real = fa.FusedAttnFunc.apply
-    monkeypatch.setattr(fa.FusedAttnFunc, "apply", lambda *a: seen.append(a[-1][5]) or real(*a))
+    seen = spy_layouts(monkeypatch, fa.FusedAttnFunc)
     y = _run(q, k, v, fmt, mask)
     dy = torch.randn(y.shape, generator=g).to(dtype).to(DEVICE)
     y.backward(dy)
@@ -93,48 +105,6 @@ def test_packed_call_matches_contiguous_copies(fmt, placement, mask, monkeypatch
     assert torch.equal(y, y_ref)
     want = torch.stack([t.grad for t in ref_in], dim=-2 if placement == "h3d" else -3)  # mixed's placement
     assert torch.equal(mixed.grad.reshape(want.shape), want)
-
-
-@pytest.mark.skipif(ON_CUDA, reason="cuDNN's FP8 attention wants head dim 128 and s % 128 == 0: "
-                                    "the CUDA run is test_packed_fp8_dpa_matches_contiguous_copies_cuda")
-def test_packed_fp8_dpa_matches_contiguous_copies(monkeypatch):
-    _fp8_packed_vs_copies(monkeypatch, s=20, h=2, d=16)
-
-
-@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA (NVTE_TEST_DEVICE=cuda); the CPU run is "
-                                        "test_packed_fp8_dpa_matches_contiguous_copies")
-def test_packed_fp8_dpa_matches_contiguous_copies_cuda(monkeypatch):
-    _fp8_packed_vs_copies(monkeypatch, s=128, h=2, d=128)
-
-
-def _fp8_packed_vs_copies(monkeypatch, s, h, d):
-    """Two steps each (the first seeds the backward scales): same outputs, gradients and recipe state."""
-    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
-    g = torch.Generator().manual_seed(5)
-    mixed, q, k, v = packed_qkv("sbhd", "h3d", s, 2, h, d, torch.bfloat16, g)
-    dys = [torch.randn(s, 2, h * d, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2)]
-    r = recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)
-    seen = []
-    real = fa8.FusedAttnFP8Func.apply
-    monkeypatch.setattr(fa8.FusedAttnFP8Func, "apply", lambda *a: seen.append(a[-1][5]) or real(*a))
-    dpa = te.DotProductAttention(h, d, qkv_format="sbhd", attn_mask_type="causal", attention_dropout=0.0)
-    twin = copy.deepcopy(dpa)
-    for step, dy in enumerate(dys):
-        mixed.grad = None
-        with te.fp8_autocast(fp8_recipe=r):
-            y = dpa(q, k, v)
-        y.backward(dy, retain_graph=True)
-        ref_in = [t.detach().clone().contiguous().requires_grad_(True) for t in (q, k, v)]
-        with te.fp8_autocast(fp8_recipe=r):
-            y_ref = twin(*ref_in)
-        y_ref.backward(dy)
-        assert seen[-2:] == [pk.QKV[("sbhd", "h3d")], fa.LAYOUTS["sbhd"]]
-        assert torch.equal(y, y_ref), step
-        want = torch.stack([t.grad for t in ref_in], dim=-2)
-        assert torch.equal(mixed.grad.view(want.shape), want), step
-        for key in ("fwd", "bwd"):
-            assert torch.equal(dpa.fp8_meta.scale[key], twin.fp8_meta.scale[key])
-            assert torch.equal(dpa.fp8_meta.amax_history[key], twin.fp8_meta.amax_history[key])
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -173,9 +143,7 @@ def test_multihead_attention_fused_packed_matches_unfused(interleaved, monkeypat
     other = copy.deepcopy(mha)
     x = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
     dy = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
-    taken = []
-    real = pk._in_place
-    monkeypatch.setattr(pk, "_in_place", lambda *a: taken.append(real(*a)) or taken[-1])
+    taken = spy_in_place(monkeypatch)
     outs = []
     for m, fused in ((mha, "1"), (other, "0")):
         monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
@@ -231,9 +199,7 @@ def test_packed_kv_cross_attention_matches_contiguous_copies(fmt, placement, mon
     mixed, k, v = packed_kv(fmt, placement, 40, 2, 2, 64, dtype, gen)
     q = torch.randn((24, 2, 4, 64) if fmt == "sbhd" else (2, 24, 4, 64), generator=gen).to(dtype).to(DEVICE)
     q.requires_grad_(True)
-    seen = []
-    real = fa.FusedAttnFunc.apply
-    monkeypatch.setattr(fa.FusedAttnFunc, "apply", lambda *a: seen.append(a[-1][5]) or real(*a))
+    seen = spy_layouts(monkeypatch, fa.FusedAttnFunc)
     dpa = te.DotProductAttention(4, 64, num_gqa_groups=2, qkv_format=fmt, attn_mask_type="no_mask",
                                  attention_dropout=0.0)
     y = dpa(q, k, v)
@@ -248,32 +214,29 @@ def test_packed_kv_cross_attention_matches_contiguous_copies(fmt, placement, mon
     assert torch.equal(mixed.grad.reshape(want.shape), want)
 
 
-@pytest.mark.skipif(ON_CUDA, reason="cuDNN's FP8 attention wants head dim 128 and s % 128 == 0: the CUDA run "
-                                    "is test_packed_kv_fp8_dpa_matches_contiguous_copies_cuda")
-def test_packed_kv_fp8_dpa_matches_contiguous_copies(monkeypatch):
-    _fp8_kv_packed_vs_copies(monkeypatch, sq=20, skv=28, d=16)
-
-
-@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA (NVTE_TEST_DEVICE=cuda); the CPU run is "
-                                        "test_packed_kv_fp8_dpa_matches_contiguous_copies")
-def test_packed_kv_fp8_dpa_matches_contiguous_copies_cuda(monkeypatch):
-    _fp8_kv_packed_vs_copies(monkeypatch, sq=128, skv=256, d=128)
-
-
-def _fp8_kv_packed_vs_copies(monkeypatch, sq, skv, d):
+@pytest.mark.parametrize("packed", ["qkv", "kv"])
+def test_packed_fp8_dpa_matches_contiguous_copies(packed, monkeypatch):
+    """Two steps each (the first seeds the backward scales): the same outputs, gradients and recipe
+    state as the call on contiguous copies. Sizes: cuDNN's FP8 attention wants head dim 128 and
+    lengths that are multiples of 128 on CUDA; the CPU backend takes small odd ones."""
     monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
-    gen = torch.Generator().manual_seed(6)
-    mixed, k, v = packed_kv("sbhd", "h2d", skv, 2, 2, d, torch.bfloat16, gen)
-    q = torch.randn(sq, 2, 2, d, generator=gen).to(torch.bfloat16).to(DEVICE).requires_grad_(True)
+    sq, skv, d = (128, 256, 128) if ON_CUDA else (20, 28, 16)
+    gen = torch.Generator().manual_seed(5)
+    if packed == "qkv":  # self attention: one length
+        mixed, q, k, v = packed_qkv("sbhd", "h3d", sq, 2, 2, d, torch.bfloat16, gen)
+        layout, first = pk.QKV[("sbhd", "h3d")], 0
+    else:
+        mixed, k, v = packed_kv("sbhd", "h2d", skv, 2, 2, d, torch.bfloat16, gen)
+        q = torch.randn(sq, 2, 2, d, generator=gen).to(torch.bfloat16).to(DEVICE).requires_grad_(True)
+        layout, first = pk.KV[("sbhd", "h2d")], 1
     r = recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)
-    dpa = te.DotProductAttention(2, d, qkv_format="sbhd", attn_mask_type="no_mask", attention_dropout=0.0)
+    dpa = te.DotProductAttention(2, d, qkv_format="sbhd", attn_mask_type="causal" if packed == "qkv" else "no_mask",
+                                 attention_dropout=0.0)
     twin = copy.deepcopy(dpa)
-    seen = []
-    real = fa8.FusedAttnFP8Func.apply
-    monkeypatch.setattr(fa8.FusedAttnFP8Func, "apply", lambda *a: seen.append(a[-1][5]) or real(*a))
+    seen = spy_layouts(monkeypatch, fa8.FusedAttnFP8Func)
     for step in range(2):
         dy = torch.randn(sq, 2, 2 * d, generator=gen).to(torch.bfloat16).to(DEVICE)
-        q.grad = mixed.grad = None
+        mixed.grad = q.grad = None
         with te.fp8_autocast(fp8_recipe=r):
             y = dpa(q, k, v)
         y.backward(dy, retain_graph=True)
@@ -281,11 +244,14 @@ def _fp8_kv_packed_vs_copies(monkeypatch, sq, skv, d):
         with te.fp8_autocast(fp8_recipe=r):
             y_ref = twin(*ref_in)
         y_ref.backward(dy)
-        assert seen[-2:] == [pk.KV[("sbhd", "h2d")], fa.LAYOUTS["sbhd"]]
-        assert torch.equal(y, y_ref) and torch.equal(q.grad, ref_in[0].grad), step
-        want = torch.stack([t.grad for t in ref_in[1:]], dim=-2)
+        assert seen[-2:] == [layout, fa.LAYOUTS["sbhd"]]
+        assert torch.equal(y, y_ref), step
+        if packed == "kv":
+            assert torch.equal(q.grad, ref_in[0].grad), step
+        want = torch.stack([t.grad for t in ref_in[first:]], dim=-2)
         assert torch.equal(mixed.grad.view(want.shape), want), step
         for key in ("fwd", "bwd"):
+            assert torch.equal(dpa.fp8_meta.scale[key], twin.fp8_meta.scale[key])
             assert torch.equal(dpa.fp8_meta.amax_history[key], twin.fp8_meta.amax_history[key])
 
 
@@ -301,9 +267,7 @@ def test_multihead_cross_attention_fused_packed_kv_matches_unfused(interleaved, 
     x = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
     enc = torch.randn(24, 2, 128, dtype=dtype, device=DEVICE)
     dy = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
-    taken = []
-    real = pk._in_place
-    monkeypatch.setattr(pk, "_in_place", lambda *a: taken.append(real(*a)) or taken[-1])
+    taken = spy_in_place(monkeypatch)
     outs = []
     for m, fused in ((mha, "1"), (other, "0")):
         monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
