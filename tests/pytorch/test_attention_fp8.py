@@ -432,7 +432,8 @@ def test_fp8_dpa_cuda_as_accurate_as_the_cpu_backend(mask, fp8_bwd, monkeypatch)
 # ------------------------------------------------------------------ torch.compile / op registration
 @cpu_only
 def test_compile_fullgraph_aot_eager():
-    """torch.compile(fullgraph=True) of DotProductAttention with fp8_dpa: the casts, the recipe step
+    """torch.compile(fullgraph=True) of DotProductAttention with fp8_dpa: the casts (Q, K, V in one
+    quantize_many, dO in a quantize), the recipe step
     and both FP8 attention ops are graph nodes, and 3 steps match eager (outputs, grads, recipe state).
     The module runs one eager step first: FP8 metadata is adopted eagerly (fp8.FP8Meta.prepare)."""
     from test_compile import GraphRecorder
@@ -459,8 +460,8 @@ def test_compile_fullgraph_aot_eager():
                 assert torch.equal(src.fp8_meta.scale[key], eager.fp8_meta.scale[key])
     finally:
         torch._dynamo.reset()
-    assert OPS.fused_attn_fp8_fwd.default in rec.targets["fw"] and OPS.quantize.default in rec.targets["fw"]
-    assert OPS.fused_attn_fp8_bwd.default in rec.targets["bw"]
+    assert OPS.fused_attn_fp8_fwd.default in rec.targets["fw"] and OPS.quantize_many.default in rec.targets["fw"]
+    assert OPS.fused_attn_fp8_bwd.default in rec.targets["bw"] and OPS.quantize.default in rec.targets["bw"]
     assert OPS.delayed_scaling_update.default in rec.targets["bw"]
 
 

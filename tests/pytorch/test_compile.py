@@ -187,6 +187,7 @@ def _opcheck_cases():
     return [
         ("quantize_delayed", OPS.quantize, (x, scale, hist, 1, e4, True, True, True, False, 0.0)),
         ("quantize_current", OPS.quantize, (x, None, None, 0, e4, False, True, False, True, 0.0)),
+        ("quantize_many", OPS.quantize_many, ([x, w[:, :5], torch.randn(3, 7, generator=g)], scale, hist, 2, e4)),
         ("delayed_scaling_update", OPS.delayed_scaling_update, (hist.clone() + 1, scale.clone(), "max", e4, 0.0)),
         ("gemm_hp_bias_gelu", OPS.gemm, (w, None, None, hp, x, None, None, hp, torch.float32, True, False,
                                          torch.randn(8, generator=g), True, False)),

@@ -39,6 +39,35 @@ def test_quantize_slot_addresses_the_module_buffers(rng):
         _ops.quantize(x, scale, hist[0], _ops.DType.kFloat8E4M3, slot=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_many_matches_separate_casts(rng, dtype):
+    """quantize_many: the casts of several tensors (odd sizes, an empty one) one after the other in
+    one buffer, byte for byte those of separate casts with the same scale, one scale_inv, and the
+    largest amax of all accumulated into the one history slot (above a larger value already there,
+    it stays)."""
+    g = seeded(rng)
+    xs = [(torch.randn(*shape, generator=g) * m).to(dtype) for shape, m in
+          (((3, 5, 7), 3.0), ((0, 4), 1.0), ((11, 2), 40.0), ((1, 13), 0.01))]
+    scale, hist = dev(torch.tensor([1.0, 4.0, 2.0])), dev(torch.zeros(2, 3))
+    buf, si = _ops.quantize_many([dev(x) for x in xs], scale, hist, _ops.DType.kFloat8E4M3, slot=1)
+    assert buf.dtype == torch.uint8 and buf.shape == (sum(x.numel() for x in xs),) and float(si) == 0.25
+    at = 0
+    for x in xs:
+        ref = _ops.quantize(dev(x), scale[1:2], dev(torch.zeros(1)), _ops.DType.kFloat8E4M3)
+        assert torch.equal(buf[at:at + x.numel()].view(x.shape), ref.data.view(x.shape))
+        at += x.numel()
+    assert float(hist[0, 1]) == max(float(x.float().abs().max()) for x in xs if x.numel())
+    assert float(hist.sum()) == float(hist[0, 1])  # no other slot or row touched
+    hist[0, 1] = 1000.0
+    _ops.quantize_many([dev(x) for x in xs], scale, hist, _ops.DType.kFloat8E4M3, slot=1)
+    assert float(hist[0, 1]) == 1000.0
+    with pytest.raises(ValueError, match="at least one"):
+        _ops.quantize_many([], scale, hist, _ops.DType.kFloat8E4M3, slot=1)
+    with pytest.raises(TypeError, match="xs\\[1\\]: dtype torch.int32"):
+        _ops.quantize_many([dev(xs[0]), dev(torch.zeros(3, dtype=torch.int32))], scale, hist,
+                           _ops.DType.kFloat8E4M3, slot=1)
+
+
 def test_linear_cfg_is_kept_per_configuration_and_follows_the_recipe():
     m = te.Linear(16, 16, device=DEVICE)  # FP8 GEMMs on cuBLASLt need 16-byte leading dimensions
     x = dev(torch.randn(16, 16))

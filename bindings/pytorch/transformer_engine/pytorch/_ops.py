@@ -197,6 +197,34 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, amax: Optional[torch.Tensor],
     return out
 
 
+def quantize_many(xs: Sequence[torch.Tensor], scale: torch.Tensor, amax: torch.Tensor, fp8_dtype,
+                  slot: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FP8 casts (rowwise) of several tensors with one scale and one amax, in one library call
+    (nvte_multi_cast_transpose: one launch for up to 24 tensors): (uint8 buffer holding the casts
+    one after the other, xs[i] at the sum of the earlier numels, the scale_inv float32 [1]).
+    scale / amax: a module's scales [n] and amax history [len, n], slot `slot` (the amax of all
+    the tensors is max-accumulated into one element). Every x is contiguous and on one device."""
+    if not xs:
+        raise ValueError("quantize_many needs at least one tensor")
+    device = xs[0].device
+    for i, x in enumerate(xs):
+        _check(x, f"xs[{i}]", HIGH_PRECISION, device)
+    scale_ptr, amax_ptr = _meta_ptrs(scale, amax, device, slot)
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be DType.kFloat8E4M3 or kFloat8E5M2, got {fp8_dtype}")
+    buf = torch.empty(sum(x.numel() for x in xs), dtype=torch.uint8, device=device)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=device)  # the same value from every cast
+    srcs, outs, at = [], [], 0
+    for x in xs:
+        rows, cols = _as2d_shape(x)
+        srcs.append(_tensor(x, (rows, cols)))
+        outs.append(_make(buf.data_ptr() + at, (rows, cols), fp8_dtype, scale_inv.data_ptr(), 0, None, scale_ptr,
+                          amax_ptr))
+        at += x.numel()
+    _nvte.multi_cast_transpose(srcs, outs, _stream(xs[0]))
+    return buf, scale_inv
+
+
 def _dbias_workspace(src, x: torch.Tensor, rows: int, cols: int):
     key = ("dbias", x.device, x.dtype, rows, cols)
     return _workspace(_workspace_bytes(key, lambda: _nvte.quantize_dbias_workspace_size(src)), x.device)

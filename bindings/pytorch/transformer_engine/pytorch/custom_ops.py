@@ -115,6 +115,20 @@ def _(x, scale, amax_history, index, fp8_dtype, rowwise, columnwise, with_dbias,
             x.new_empty((cols,) if with_dbias else (0,)))
 
 
+@custom_op("transformer_engine::quantize_many", mutates_args=("amax_history",))
+def quantize_many(xs: List[Tensor], scale: Tensor, amax_history: Tensor, index: int,
+                  fp8_dtype: int) -> Tuple[Tensor, Tensor]:
+    """Delayed-scaling FP8 casts of several tensors with scale[index], max-accumulating all their
+    amaxes into amax_history[0, index], in one library call -> (uint8 [sum of numels]: the casts
+    one after the other, scale_inv [1])."""
+    return _ops.quantize_many([x.contiguous() for x in xs], scale, amax_history, _dtype(fp8_dtype), index)
+
+
+@quantize_many.register_fake
+def _(xs, scale, amax_history, index, fp8_dtype):
+    return xs[0].new_empty((sum(x.numel() for x in xs),), dtype=torch.uint8), scale.new_empty((1,))
+
+
 @custom_op("transformer_engine::dequantize", mutates_args=())
 def dequantize(data: Tensor, scale_inv: Tensor, fp8_dtype: int, out_dtype: torch.dtype) -> Tensor:
     """High-precision value of FP8 data (uint8 [rows, cols]) with its scale_inv, in out_dtype."""
@@ -410,7 +424,7 @@ def eager_or_op(op):
     return call
 
 
-for _name in ("quantize", "dequantize", "delayed_scaling_update", "gemm", "gemm_fp8_output", "transpose",
+for _name in ("quantize", "quantize_many", "dequantize", "delayed_scaling_update", "gemm", "gemm_fp8_output", "transpose",
               "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "norm_fwd_fp8", "rmsnorm_fwd", "rmsnorm_bwd", "activation", "dactivation", "softmax_forward",
               "softmax_backward"):
     globals()[_name] = eager_or_op(globals()[_name])

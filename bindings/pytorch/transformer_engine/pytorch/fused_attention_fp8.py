@@ -150,6 +150,28 @@ def _(qd, kd, vd, q_si, k_si, v_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state,
             q_si.new_empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=f32), qd.new_empty(2, dtype=torch.int64))
 
 
+def _new_grad_bytes(layout: int, qd: Tensor, kd: Tensor, vd: Tensor):
+    """(the bwd op's three outputs, (dq, dk, dv) FP8 bytes to write): attn_packing's buffers for a
+    packed layout; for separate Q, K, V one buffer holding dQ, dK, dV one after the other (they
+    share one scale, so one decode serves all three), returned as the first output."""
+    if _pk.group(layout):
+        return _pk.new_grads(layout, qd, kd, vd, torch.uint8)
+    buf = torch.empty(qd.numel() + kd.numel() + vd.numel(), dtype=torch.uint8, device=qd.device)
+    return (buf, buf.new_empty(0), buf.new_empty(0)), _split_flat(buf, (qd, kd, vd))
+
+
+def _split_flat(buf: Tensor, like) -> tuple:
+    """Views of a buffer holding tensors shaped like `like` one after the other."""
+    return tuple(x.view(t.shape) for x, t in zip(torch.split_with_sizes(buf, [t.numel() for t in like]), like))
+
+
+def _grad_bytes(layout: int, outs, like) -> tuple:
+    """(dQ, dK, dV) FP8 bytes from the bwd op's three outputs, shaped like `like`."""
+    if _pk.group(layout):
+        return _pk.grads_from(layout, outs, like)
+    return _split_flat(outs[0], like)
+
+
 @custom_op("transformer_engine::fused_attn_fp8_bwd", mutates_args=("bwd_scale", "bwd_hist"))
 def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: Tensor, v_si: Tensor, od: Tensor,
                        o_si: Tensor, dod: Tensor, do_si: Tensor, stats: Tensor, rng_copy: Tensor, s_scale: Tensor,
@@ -159,7 +181,8 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
                        bwd_dtype: int, seed: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dO bytes (format bwd_dtype) -> (dQ, dK, dV bytes in bwd_dtype, their scale_invs); dP and
     dQKV max-accumulate their amaxes into bwd_hist[0, 1] / [0, 2]. The gradients come in
-    attn_packing's three-output form (packed layouts: one packed buffer for what is packed).
+    attn_packing's three-output form for packed layouts (one packed buffer for what is packed);
+    for separate Q, K, V the first output holds dQ, dK, dV one after the other (_new_grad_bytes).
 
     seed (the first backward of the histories, see the module doc): the scales of dP and dQKV
     come from their own amaxes, which two extra runs measure, and every backward scale
@@ -172,7 +195,7 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
     do_h = _fp8(dod, bwd_dtype, do_si)
     s_h = _fp8(None, E4M3, scale=s_scale.data_ptr())
     dp_h = _fp8(None, bwd_dtype, scale=_ops._slot_ptr(bwd_scale, SLOT_DP), amax=_ops._slot_ptr(bwd_hist, SLOT_DP))
-    outs, grads = _pk.new_grads(layout, qd, kd, vd, torch.uint8)
+    outs, grads = _new_grad_bytes(layout, qd, kd, vd)
     sis = [torch.empty(1, dtype=torch.float32, device=dev) for _ in range(3)]
     g_scale, g_amax = _ops._slot_ptr(bwd_scale, SLOT_DQKV), _ops._slot_ptr(bwd_hist, SLOT_DQKV)
     G = [_fp8(g, bwd_dtype, si, g_scale, g_amax) for g, si in zip(grads, sis)]
@@ -195,6 +218,9 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
 def _(qd, kd, vd, q_si, k_si, v_si, od, o_si, dod, do_si, stats, rng_copy, s_scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad,
       bwd_scale, bwd_hist, max_sq, max_skv, scale, dropout, layout, mask, wl, wr, br, bwd_dtype, seed):
     sis = (q_si.new_empty(1), q_si.new_empty(1), q_si.new_empty(1))
+    if not _pk.group(layout):
+        n = qd.numel() + kd.numel() + vd.numel()
+        return (qd.new_empty(n), qd.new_empty(0), qd.new_empty(0)) + sis
     return _pk.fake_grads(layout, qd, kd, vd, torch.uint8) + sis
 
 
@@ -217,28 +243,32 @@ def _decode(data: Tensor, si: Tensor, fp8_dtype: int, dtype: torch.dtype) -> Ten
 
 
 def _cast_qkv(q: Tensor, k: Tensor, v: Tensor, layout: int, scale: Tensor, hist: Tensor):
-    """((qd, q_si), (kd, k_si), (vd, v_si)): Q, K, V in E4M3 (one scale, one amax: forward slot 0).
-    Tensors packed in one buffer (attn_packing) are cast as that buffer, in one call."""
+    """((qd, q_si), (kd, k_si), (vd, v_si)): Q, K, V in E4M3 (one scale, one amax: forward slot 0),
+    in one library call. Tensors packed in one buffer (attn_packing) are cast as that buffer."""
     g = _pk.group(layout)
     if g == 3:
         data, si = _cast(_pk.region(q, 3), scale, hist, SLOT_QKV, E4M3)
         return tuple((x, si) for x in _pk.views(data, (q, k, v)))
+    # otherwise one library call casts Q and the K/V buffer, or Q, K and V, into one buffer
+    parts = (q, _pk.region(k, 2)) if g == 2 else (q, k, v)
+    buf, si = ops.quantize_many(list(parts), scale, hist, SLOT_QKV, E4M3)
+    cast = _split_flat(buf, parts)
     if g == 2:
-        data, si = _cast(_pk.region(k, 2), scale, hist, SLOT_QKV, E4M3)
-        return (_cast(q, scale, hist, SLOT_QKV, E4M3),) + tuple((x, si) for x in _pk.views(data, (k, v)))
-    return tuple(_cast(x, scale, hist, SLOT_QKV, E4M3) for x in (q, k, v))
+        return ((cast[0], si),) + tuple((x, si) for x in _pk.views(cast[1], (k, v)))
+    return tuple((x, si) for x in cast)
 
 
 def _decode_grads(outs, sis, like, layout: int, fp8_dtype: int, dtype: torch.dtype):
-    """dQ, dK, dV in dtype from fused_attn_fp8_bwd's gradient outputs (one scale: backward slot 2);
-    a packed gradient buffer is decoded in one call and cut into views shaped like `like`."""
+    """dQ, dK, dV in dtype from fused_attn_fp8_bwd's gradient outputs (one scale: backward slot 2),
+    decoded in one call (two when only K and V are packed) and cut into views shaped like `like`."""
     g = _pk.group(layout)
     if g == 3:
         return _pk.grads_from(layout, (ops.dequantize(outs[0], sis[0], fp8_dtype, dtype),), like)
     if g == 2:
         dec = (_decode(outs[0], sis[0], fp8_dtype, dtype), ops.dequantize(outs[1], sis[1], fp8_dtype, dtype))
         return _pk.grads_from(layout, dec, like)
-    return tuple(_decode(x, si, fp8_dtype, dtype) for x, si in zip(outs, sis))
+    dec = ops.dequantize(outs[0].view(1, -1), sis[0], fp8_dtype, dtype)  # dQ, dK, dV one after the other
+    return _split_flat(dec.view(-1), like)
 
 
 class FusedAttnFP8Func(torch.autograd.Function):
@@ -391,10 +421,11 @@ class FusedAttnFP8MHAFunc(torch.autograd.Function):
         od, o_si = handoff_parts(o_h, rows, cols)
         dod, do_si = handoff_parts(do_h.contiguous(), rows, cols)
         o_shape = _o_shape(qd, vd)
-        dqd, dkd, dvd, dq_si, _, _ = fused_attn_fp8_bwd(
+        *outs, dq_si, _, _ = fused_attn_fp8_bwd(
             qd, kd, vd, q_si, k_si, k_si, od.view(o_shape), o_si, dod.view(o_shape), do_si, stats, rng_copy,
             s_scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad, ctx.bwd_scale, ctx.bwd_hist, max_sq, max_skv, scale, dropout,
             layout, mask, wl, wr, br, bwd_dtype, seed)
+        dqd, dkd, dvd = _grad_bytes(layout, outs, (qd, kd, vd))
         # dQ, dK, dV share one scale (backward slot 2): one scale_inv serves the merged gradient
         rows_q = _rows(lead_q)
         if not ctx.cross:
