@@ -211,6 +211,42 @@ def test_left_padded_mask_falls_back_to_unfused(spy):
     assert spy.fwd == 0
 
 
+def test_padding_mask_conversion_is_remembered_per_mask(spy, monkeypatch):
+    """One padding mask object passed to several layers is converted (and checked on the host: a
+    device sync on the GPU) once, for query and key/value alike; an in-place change of that mask, or
+    another mask object, is converted anew, and every call's output is that of its own mask (a
+    right-padded mask runs fused, the changed left-padded one unfused)."""
+    calls = []
+    real = fa.padding_to_cu_seqlens
+    monkeypatch.setattr(fa, "padding_to_cu_seqlens", lambda *a: calls.append(1) or real(*a))
+    b, s, h, d = 3, 6, 2, 8
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="padding")
+    q, k, v = make_qkv("bshd", b, s, s, h, h, d, dtype=DT)
+    mask = (torch.arange(s).view(1, s) >= torch.tensor([6, 4, 2]).view(b, 1)).view(b, 1, 1, s)
+    dm = dev(mask)  # (the same object on the CPU)
+
+    def check(m, fused_calls):
+        out = dpa(dev(q), dev(k), dev(v), attention_mask=dm)
+        valid = ~m.reshape(b, s)  # (padded queries' rows differ between the paths: 0 fused, TE's fill unfused)
+        ref = ref_fused(*(t.double() for t in (q, k, v)), "bshd", 1.0 / math.sqrt(d),
+                        ref_mask("padding", b, s, s, m), q_valid=valid)
+        assert rel_err(out.cpu()[valid], ref[valid]) < (2e-2 if ON_GPU else TOL)
+        assert spy.fwd == fused_calls
+
+    for layer in range(3):
+        check(mask, layer + 1)
+    assert len(calls) == 1
+    mask[1, ..., 0] = True  # sequence 1 is no longer right-padded: changed in place
+    dm[1, ..., 0] = True
+    check(mask, 3)
+    assert len(calls) == 2
+    check(mask, 3)
+    assert len(calls) == 2
+    dm = dev(padding_masks(b, s, s, seed=5)[0])  # a new mask object
+    check(dm.cpu(), 4)
+    assert len(calls) == 3
+
+
 def test_disabled_fused_with_bias_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="no_mask")

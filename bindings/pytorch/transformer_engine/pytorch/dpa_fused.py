@@ -294,8 +294,8 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
                           torch.arange(b + 1, dtype=torch.int32, device=q.device) * sk, None, None)
                 else:
                     qm, km = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,) * 2
-                    cu = (_fa.padding_to_cu_seqlens(qm.to(q.device), b, sq, "query"),
-                          _fa.padding_to_cu_seqlens(km.to(q.device), b, sk, "key/value"), None, None)
+                    cu = (_fa.padding_to_cu_seqlens_cached(qm, q.device, b, sq, "query"),
+                          _fa.padding_to_cu_seqlens_cached(km, q.device, b, sk, "key/value"), None, None)
                     if cu[0] is None or cu[1] is None:
                         why = "the padding mask is not right-padded (valid tokens first)"
         grads = torch.is_grad_enabled() and any(

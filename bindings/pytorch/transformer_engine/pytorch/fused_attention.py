@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -312,6 +313,33 @@ def padding_to_cu_seqlens(attention_mask: Tensor, b: int, s: int, what: str) -> 
         return None
     cu = torch.zeros(b + 1, dtype=torch.int32, device=m.device)
     cu[1:] = torch.cumsum(lens, 0).to(torch.int32)
+    return cu
+
+
+# The last few masks' answers: a model passes one padding mask to all its layers, and each
+# conversion compares on the host (a device synchronization per call on the GPU). Keyed on the
+# mask object itself (a weak reference: a freed mask's entry never matches a new tensor at the
+# same address) and its version counter (in-place writes bump it; writes through .data do not,
+# as for autograd).
+_MASK_CU_ENTRIES = 8
+_mask_cu: List[tuple] = []  # (weakref, _version, device, b, s, cu_seqlens or None), newest first
+
+
+def padding_to_cu_seqlens_cached(attention_mask: Tensor, device, b: int, s: int, what: str) -> Optional[Tensor]:
+    """padding_to_cu_seqlens(attention_mask.to(device), ...), remembered for the same unchanged mask
+    (not while torch.compile traces: no host state there). The returned tensor is shared between
+    the calls that ask for it and must not be written."""
+    if torch.compiler.is_compiling():
+        return padding_to_cu_seqlens(attention_mask.to(device), b, s, what)
+    ver = attention_mask._version
+    for i, (ref, v, dev, eb, es, cu) in enumerate(_mask_cu):
+        if ref() is attention_mask and v == ver and dev == device and eb == b and es == s:
+            if i:
+                _mask_cu.insert(0, _mask_cu.pop(i))
+            return cu
+    cu = padding_to_cu_seqlens(attention_mask.to(device), b, s, what)
+    _mask_cu.insert(0, (weakref.ref(attention_mask), ver, device, b, s, cu))
+    del _mask_cu[_MASK_CU_ENTRIES:]
     return cu
 
 
