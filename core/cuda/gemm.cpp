@@ -6,7 +6,7 @@
 // epilogue, alignment classes, workspace size, device) forms a cache key; its entry
 // holds the matmul descriptor, the four layouts and the algorithm, so a repeated shape costs
 // only the pointer attributes and the launch. The algorithm is cuBLASLt's heuristic first
-// choice; for large shapes (NVTE_GEMM_AUTOTUNE, gemm_autotune.h) the plan's first calls time
+// choice; for large shapes (NVTE_GEMM_AUTOTUNE, gemm_autotune.h) the plan's early calls time
 // the heuristic's other candidates, check each against the first choice bit for bit, and keep
 // the fastest of those that agree (gemm_tuner.h); with NVTE_GEMM_AUTOTUNE_CACHE a plan takes a
 // choice recorded in that file (gemm_tune_cache.h) from its first call.

@@ -57,7 +57,8 @@ void release_slot(int slot) {
 }  // namespace
 
 GemmTuner::GemmTuner(std::vector<cublasLtMatmulAlgo_t> candidates, std::vector<int> index)
-    : cand_(std::move(candidates)), index_(std::move(index)), sched_((int)cand_.size(), kSamples, kMargin) {
+    : cand_(std::move(candidates)), index_(std::move(index)),
+      sched_((int)cand_.size(), kSamples, kMargin, kWarmupCalls) {
   if (cand_.size() < 2) done_ = true;
 }
 
@@ -115,6 +116,7 @@ GemmTuner::Call GemmTuner::begin(cudaStream_t stream) {
     return c;
   }
   if (cs != cudaStreamCaptureStatusNone) return c;
+  if (sched_.warming_up()) return c;  // (before any event or flag slot is taken)
   if (slot_ < 0 && !acquire_slot(&slot_, &flags_host_, &flags_dev_)) {
     slot_ = -1;
     abandon();

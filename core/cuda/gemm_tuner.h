@@ -1,16 +1,19 @@
 // gemm_tuner.h - picking among cuBLASLt's candidate algorithms for one GEMM plan by timing
-// the caller's own calls (on by default for large shapes, see gemm_autotune.h).
+// the caller's own calls (on by default for large shapes, see gemm_autotune.h), from the
+// plan's 17th call on (kWarmupCalls: shapes that do not recur are never timed).
 //
 // cuBLASLt's heuristic ranks its algorithms with a model; its first choice is what cuBLAS
 // and torch run. On the H100 another of its top candidates was 3-10% faster for several
-// Linear shapes (benchmarks/RESULTS.md, 2026-11-25). A plan with a tuner runs its first calls
-// over the other candidates. Such a call runs candidate c twice back to back between two CUDA
+// Linear shapes (benchmarks/RESULTS.md, 2026-11-25). A plan with a tuner runs its calls after
+// the warm-up over the other candidates. Such a call runs candidate c twice back to back between two CUDA
 // events, then the first choice twice between two more (paired timing: TunerSchedule; twice,
 // because a kernel timed alone ran at a different speed than in a stream of GEMMs, which is
 // how a model runs them). The tuner reads a call's events only once its last one has completed
 // (cudaEventQuery, never a wait) and, when every candidate has kSamples calls, keeps the choice
-// of TunerSchedule::decide. No synchronisation, and no timing on a stream that is being
-// captured into a CUDA graph.
+// of TunerSchedule::decide. The tuner never waits, and does not time on a stream that is being
+// captured into a CUDA graph; but a candidate's first run blocks the host until the device is
+// idle (cuBLASLt loads that kernel then; seen on an H100 with lazy and eager module loading
+// alike), so tuning costs a plan about one such wait per candidate, once per process.
 //
 // Tuning must not change results: some candidates round differently from the first choice
 // (seen on the H100 at small shapes). So the outputs are hashed after the candidate's runs and
@@ -35,6 +38,7 @@ class GemmTuner {
   static constexpr int kRepeats = 2;       // back-to-back runs of each algorithm in a timed call
   static constexpr int kCandidates = 8;    // heuristic results asked for
   static constexpr float kMargin = 0.01f;  // a candidate must be this much faster than the first
+  static constexpr int kWarmupCalls = 16;  // untimed calls before the first timed one (TunerSchedule)
 
   // candidates[0] is the heuristic's first choice, used until the tuner decides; index[i] is
   // candidate i's position in the heuristic's list (for the cache file and the log).

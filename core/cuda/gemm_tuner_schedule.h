@@ -20,10 +20,20 @@ namespace nvte::cuda {
 class TunerSchedule {
  public:
   // candidates: how many, the first choice (0) included; samples: timed calls of each other
-  // candidate; margin: how much faster (relative) a candidate must be to replace the first.
-  TunerSchedule(int candidates, int samples, float margin)
-      : k_(candidates), samples_(samples), margin_(margin), ratios_(candidates), queued_(candidates, 0),
-        state_(candidates, State::live) {}
+  // candidate; margin: how much faster (relative) a candidate must be to replace the first;
+  // warmup: the plan's calls that run untimed before the first timed one (warming_up()).
+  TunerSchedule(int candidates, int samples, float margin, int warmup = 0)
+      : k_(candidates), samples_(samples), warmup_(warmup), margin_(margin), ratios_(candidates),
+        queued_(candidates, 0), state_(candidates, State::live) {}
+
+  // Counts one call of the plan; true while it is one of the first `warmup`. A timed call runs
+  // the GEMM 2 x kRepeats times, so a shape is timed only once it has recurred: one seen a few
+  // times (a varying token count, a last partial batch) never pays for timing it cannot use.
+  bool warming_up() {
+    if (seen_ >= warmup_) return false;
+    ++seen_;
+    return true;
+  }
 
   // The candidate (>= 1) the next timed call runs, or -1 when every live candidate has all its
   // timed calls queued. Among those with the fewest queued calls, each round starts one
@@ -104,7 +114,7 @@ class TunerSchedule {
     return s[s.size() / 2];
   }
 
-  int k_, samples_;
+  int k_, samples_, warmup_, seen_ = 0;
   float margin_;
   std::vector<std::vector<float>> ratios_;  // finished samples per candidate (index 0 unused)
   std::vector<float> first_ms_;             // the first choice's paired times, all calls

@@ -48,7 +48,7 @@ def test_autotune_decides_and_keeps_the_result(kind, monkeypatch, capfd):
             for o in outs:
                 assert_bits_equal(o, ref)
 
-    run_repeatedly(8 * 8, call)  # 7 candidates x 5 timed calls, plus the calls after the choice
+    run_repeatedly(8 * 10, call)  # 16 warm-up calls, 7 candidates x 5 timed calls, calls after the choice
     log = capfd.readouterr().err
     print(log)
     assert "[nvte gemm autotune]" in log and f"m={m} n={n} k={k}" in log, log
@@ -72,8 +72,8 @@ _EPILOGUE_CASES = [
 @pytest.mark.parametrize("case", _EPILOGUE_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{c[5]}")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_autotune_every_call_matches_the_first_choice(case, dtype, monkeypatch, capfd):
-    """NVTE_GEMM_AUTOTUNE=1 (every shape): 64 calls, covering the tuning and the calls after the
-    choice; each call's D, GELU aux and bias gradient are bit-identical to those of
+    """NVTE_GEMM_AUTOTUNE=1 (every shape): 80 calls, covering the warm-up, the tuning and the calls
+    after the choice; each call's D, GELU aux and bias gradient are bit-identical to those of
     NVTE_GEMM_AUTOTUNE=0. The log names the candidates the check dropped ("differs")."""
     n, m, k, transa, transb, what = case
     torch_dt = getattr(torch, dtype)
@@ -101,7 +101,7 @@ def test_autotune_every_call_matches_the_first_choice(case, dtype, monkeypatch, 
     monkeypatch.setenv("NVTE_GEMM_AUTOTUNE", "1")
     monkeypatch.setenv("NVTE_GEMM_AUTOTUNE_LOG", "1")
     got = []
-    run_repeatedly(64, lambda: got.append(run_once()))
+    run_repeatedly(80, lambda: got.append(run_once()))
     for outs in got:
         for o, r in zip(outs, ref):
             assert_bits_equal(o, r)
@@ -167,7 +167,7 @@ def test_autotune_under_graph_capture(monkeypatch):
     sync()
     assert_bits_equal(d, ref)
     eager = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device=DEV)
-    run_repeatedly(48, lambda: nvte.gemm(a.tg.t, b.tg.t, T(eager).t, transa=True, transb=False, workspace=ws.t))
+    run_repeatedly(72, lambda: nvte.gemm(a.tg.t, b.tg.t, T(eager).t, transa=True, transb=False, workspace=ws.t))
     assert_bits_equal(eager, ref)
     _, S = product_ref(a, b, True, False)
     check_close(eager, cpu, acc_tol(S, k), torch.bfloat16)
@@ -207,7 +207,7 @@ def test_autotune_cache_file(tmp_path, monkeypatch, capfd):
     b = torch.randn(8192, 4096, device=DEV, generator=g, dtype=torch.bfloat16)
     d = torch.empty(8192, 4096, dtype=torch.bfloat16, device=DEV)
     ws = workspace()
-    run_repeatedly(64, lambda: nvte.gemm(T(a).t, T(b).t, T(d).t, transa=True, transb=False, workspace=ws.t))
+    run_repeatedly(80, lambda: nvte.gemm(T(a).t, T(b).t, T(d).t, transa=True, transb=False, workspace=ws.t))
     assert "[nvte gemm autotune]" in capfd.readouterr().err
     lines = cache.read_text().splitlines()
     assert len(lines) == 1 and " -> " in lines[0], lines
@@ -219,3 +219,39 @@ def test_autotune_cache_file(tmp_path, monkeypatch, capfd):
     assert child.returncode == 0, child.stderr
     assert f"from NVTE_GEMM_AUTOTUNE_CACHE -> #{chosen}" in child.stderr, child.stderr
     assert cache.read_text().splitlines() == lines  # reading does not write
+
+
+_WARMUP_CHILD = r"""
+import os, sys, torch
+sys.path.insert(0, os.path.join({root!r}, "tests", "gpu"))
+from gpu_util import T
+from transformer_engine import _nvte as nvte
+g = torch.Generator(device="cuda"); g.manual_seed(47)
+a = torch.randn(2048, 1024, device="cuda", generator=g, dtype=torch.bfloat16)
+b = torch.randn(4096, 1024, device="cuda", generator=g, dtype=torch.bfloat16)
+d = torch.empty(4096, 2048, dtype=torch.bfloat16, device="cuda")
+ws = T(torch.empty(nvte.gemm_workspace_size(nvte.Backend.CUDA), dtype=torch.uint8, device="cuda"))
+for i in range(int(sys.argv[1])):
+    nvte.gemm(T(a).t, T(b).t, T(d).t, transa=True, transb=False, workspace=ws.t)
+torch.cuda.synchronize()
+"""
+
+
+def test_autotune_warmup_calls_run_untimed(tmp_path):
+    """A tuned plan's first 16 calls run the first choice once each, untimed (a shape that does
+    not recur never pays a timed call's extra runs); its 17th call is the first timed one, which
+    runs a candidate and the first choice twice each. Counted in cuBLASLt's own trace of its
+    matmul calls (CUBLASLT_LOG_LEVEL=2), in a child process (the log level is read at load)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    counts = {}
+    for calls in (16, 17):
+        log = tmp_path / f"lt_{calls}.log"
+        env = dict(os.environ, NVTE_GEMM_AUTOTUNE="1", CUBLASLT_LOG_LEVEL="2", CUBLASLT_LOG_FILE=str(log))
+        env.pop("NVTE_GEMM_AUTOTUNE_CACHE", None)
+        child = subprocess.run([sys.executable, "-c", _WARMUP_CHILD.format(root=root), str(calls)], env=env,
+                               capture_output=True, text=True, timeout=300)
+        assert child.returncode == 0, child.stderr
+        counts[calls] = sum("[cublasLtMatmul]" in line for line in log.read_text().splitlines())
+    assert counts == {16: 16, 17: 16 + 2 * 2}, counts

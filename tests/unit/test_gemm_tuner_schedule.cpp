@@ -116,7 +116,17 @@ static void differing_candidate_is_never_chosen() {
   EXPECT_EQ(t.next(), -1);
 }
 
+static void warmup_calls_come_first() {
+  TunerSchedule s(3, 2, 0.01f, 3);  // three untimed calls, then the timed ones
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(s.warming_up(), true);
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(s.warming_up(), false);  // and never again
+  EXPECT_EQ(drain(s).size(), (size_t)4);  // the timed calls themselves are unchanged
+  TunerSchedule none(3, 2, 0.01f);  // default: no warm-up
+  EXPECT_EQ(none.warming_up(), false);
+}
+
 int main() {
+  warmup_calls_come_first();
   rounds_rotate();
   lowest_median_ratio_wins();
   first_choice_kept_within_margin();
