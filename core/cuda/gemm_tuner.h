@@ -5,10 +5,10 @@
 // cuBLASLt's heuristic ranks its algorithms with a model; its first choice is what cuBLAS
 // and torch run. On the H100 another of its top candidates was 3-10% faster for several
 // Linear shapes (benchmarks/RESULTS.md, 2026-11-25). A plan with a tuner runs its calls after
-// the warm-up over the other candidates. Such a call runs candidate c twice back to back between two CUDA
-// events, then the first choice twice between two more (paired timing: TunerSchedule; twice,
-// because a kernel timed alone ran at a different speed than in a stream of GEMMs, which is
-// how a model runs them). The tuner reads a call's events only once its last one has completed
+// the warm-up over the other candidates. Such a call runs candidate c twice back to back
+// between two CUDA events, then the first choice twice between two more (paired timing:
+// TunerSchedule; twice, because a kernel timed alone ran at a different speed than in a stream
+// of GEMMs, which is how a model runs them). The tuner reads a call's events only once its last one has completed
 // (cudaEventQuery, never a wait) and, when every candidate has kSamples calls, keeps the choice
 // of TunerSchedule::decide. The tuner never waits, and does not time on a stream that is being
 // captured into a CUDA graph; but a candidate's first run blocks the host until the device is

@@ -247,6 +247,21 @@ def test_padding_mask_conversion_is_remembered_per_mask(spy, monkeypatch):
     assert len(calls) == 3
 
 
+def test_padding_mask_made_in_inference_mode(spy):
+    """A padding mask created under torch.inference_mode (no version counter) is converted on each
+    call, not remembered, and the fused call's result is that mask's."""
+    b, s, h, d = 2, 5, 2, 8
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="padding")
+    q, k, v = make_qkv("bshd", b, s, s, h, h, d, dtype=DT)
+    with torch.inference_mode():
+        m = torch.arange(s).view(1, 1, 1, s) >= torch.tensor([5, 3]).view(b, 1, 1, 1)
+        out = dpa(dev(q), dev(k), dev(v), attention_mask=dev(m))
+    valid = ~m.reshape(b, s)
+    ref = ref_fused(*(t.double() for t in (q, k, v)), "bshd", 1.0 / math.sqrt(d), ref_mask("padding", b, s, s, m),
+                    q_valid=valid)
+    assert spy.fwd == 1 and rel_err(out.cpu()[valid], ref[valid]) < (2e-2 if ON_GPU else TOL)
+
+
 def test_disabled_fused_with_bias_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="no_mask")

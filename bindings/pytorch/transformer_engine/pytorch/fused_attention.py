@@ -327,9 +327,10 @@ _mask_cu: List[tuple] = []  # (weakref, _version, device, b, s, cu_seqlens or No
 
 def padding_to_cu_seqlens_cached(attention_mask: Tensor, device, b: int, s: int, what: str) -> Optional[Tensor]:
     """padding_to_cu_seqlens(attention_mask.to(device), ...), remembered for the same unchanged mask
-    (not while torch.compile traces: no host state there). The returned tensor is shared between
-    the calls that ask for it and must not be written."""
-    if torch.compiler.is_compiling():
+    (not while torch.compile traces: no host state there; not for inference tensors, which have no
+    version counter). The returned tensor is shared between the calls that ask for it and must not
+    be written."""
+    if torch.compiler.is_compiling() or attention_mask.is_inference():
         return padding_to_cu_seqlens(attention_mask.to(device), b, s, what)
     ver = attention_mask._version
     for i, (ref, v, dev, eb, es, cu) in enumerate(_mask_cu):
