@@ -44,6 +44,13 @@ def test_head_dims_and_odd_lengths(d):
     check(Case(d=d, sq=77, skv=77, b=3))
 
 
+@pytest.mark.parametrize("d,dv", [(128, 64), (64, 128), (192, 128)])
+def test_head_dim_v_differs(d, dv):
+    """head_dim_qk != head_dim_v (V, O and dO have d_v; MLA-style 192 / 128 included), forward and
+    backward, with GQA and a causal mask."""
+    check(Case(d=d, dv=dv, hq=4, hkv=2, sq=72, skv=72, mask="causal"))
+
+
 @pytest.mark.parametrize("mask,wl", [("causal", 20), ("no_mask", 33), ("padding_causal", 9)])
 def test_sliding_window(mask, wl):
     """Left (sliding) windows, top-left aligned (cuDNN's diagonal band)."""
