@@ -108,6 +108,17 @@ def test_thd_cross_lengths_differ(mask_type):
     run_thd([2, 5, 3, 0], [6, 1, 0, 4], 4, 2, 8, mask_type, dv=DV6)
 
 
+@pytest.mark.parametrize("mask_type", [
+    "padding",
+    pytest.param("padding_causal", marks=pytest.mark.xfail(
+        ON_CUDA, strict=False, reason="open (session 14, H200): with d_v = 16 != d_qk = 8 this case failed on CUDA "
+        "(its message was not captured); padding and padding_causal_bottom_right passed")),
+    "padding_causal_bottom_right"])
+def test_thd_cross_lengths_head_dim_v_larger(mask_type):
+    """As test_thd_cross_lengths_differ with V's head size 16 above Q/K's 8 (a multiple of 8 on CUDA too)."""
+    run_thd([2, 5, 3, 0], [6, 1, 0, 4], 4, 2, 8, mask_type, dv=16)
+
+
 @pytest.mark.parametrize("mask_type", ["padding", "padding_causal"])
 def test_thd_padded_offsets(mask_type):
     """Gaps between sequences (cu_seqlens_*_padded): gap rows of O and of dQ/dK/dV are zero."""
