@@ -177,26 +177,37 @@ def test_autotune_under_graph_capture(monkeypatch):
     assert_bits_equal(d, ref)
 
 
-_CACHE_CHILD = r"""
+# A GEMM in a fresh process (settings read at load: the cache file, cuBLASLt's log level):
+# argv m n k seed calls; D [n, m] = B [n, k] A [m, k]^T, bf16.
+_GEMM_CHILD = r"""
 import os, sys, torch
 sys.path.insert(0, os.path.join({root!r}, "tests", "gpu"))
-from gpu_util import DT, T
+from gpu_util import T
 from transformer_engine import _nvte as nvte
-g = torch.Generator(device="cuda"); g.manual_seed(44)
-a = torch.randn(4096, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
-b = torch.randn(8192, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
-d = torch.empty(8192, 4096, dtype=torch.bfloat16, device="cuda")
+m, n, k, seed, calls = map(int, sys.argv[1:6])
+g = torch.Generator(device="cuda"); g.manual_seed(seed)
+a = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+b = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16)
+d = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
 ws = T(torch.empty(nvte.gemm_workspace_size(nvte.Backend.CUDA), dtype=torch.uint8, device="cuda"))
-nvte.gemm(T(a).t, T(b).t, T(d).t, transa=True, transb=False, workspace=ws.t)
+for _ in range(calls):
+    nvte.gemm(T(a).t, T(b).t, T(d).t, transa=True, transb=False, workspace=ws.t)
 torch.cuda.synchronize()
 """
+
+
+def _run_gemm_child(m, n, k, seed, calls, env=None):
+    """_GEMM_CHILD in a new interpreter (env None: this process's environment)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run([sys.executable, "-c", _GEMM_CHILD.format(root=root), *map(str, (m, n, k, seed, calls))],
+                          env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_autotune_cache_file(tmp_path, monkeypatch, capfd):
     """NVTE_GEMM_AUTOTUNE_CACHE: a tuning process appends its choice to the file; a later process
     with the file (and tuning off) runs that choice from its first call."""
-    import subprocess
-    import sys
     cache = tmp_path / "gemm_tune.txt"
     monkeypatch.setenv("NVTE_GEMM_AUTOTUNE", "1")
     monkeypatch.setenv("NVTE_GEMM_AUTOTUNE_CACHE", str(cache))
@@ -213,28 +224,10 @@ def test_autotune_cache_file(tmp_path, monkeypatch, capfd):
     assert len(lines) == 1 and " -> " in lines[0], lines
     chosen = int(lines[0].split(" -> ")[1].split()[0])
     monkeypatch.delenv("NVTE_GEMM_AUTOTUNE")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child = subprocess.run([sys.executable, "-c", _CACHE_CHILD.format(root=root)], capture_output=True, text=True,
-                           timeout=300)
+    child = _run_gemm_child(4096, 8192, 4096, 44, 1)
     assert child.returncode == 0, child.stderr
     assert f"from NVTE_GEMM_AUTOTUNE_CACHE -> #{chosen}" in child.stderr, child.stderr
     assert cache.read_text().splitlines() == lines  # reading does not write
-
-
-_WARMUP_CHILD = r"""
-import os, sys, torch
-sys.path.insert(0, os.path.join({root!r}, "tests", "gpu"))
-from gpu_util import T
-from transformer_engine import _nvte as nvte
-g = torch.Generator(device="cuda"); g.manual_seed(47)
-a = torch.randn(2048, 1024, device="cuda", generator=g, dtype=torch.bfloat16)
-b = torch.randn(4096, 1024, device="cuda", generator=g, dtype=torch.bfloat16)
-d = torch.empty(4096, 2048, dtype=torch.bfloat16, device="cuda")
-ws = T(torch.empty(nvte.gemm_workspace_size(nvte.Backend.CUDA), dtype=torch.uint8, device="cuda"))
-for i in range(int(sys.argv[1])):
-    nvte.gemm(T(a).t, T(b).t, T(d).t, transa=True, transb=False, workspace=ws.t)
-torch.cuda.synchronize()
-"""
 
 
 def test_autotune_warmup_calls_run_untimed(tmp_path):
@@ -242,16 +235,12 @@ def test_autotune_warmup_calls_run_untimed(tmp_path):
     not recur never pays a timed call's extra runs); its 17th call is the first timed one, which
     runs a candidate and the first choice twice each. Counted in cuBLASLt's own trace of its
     matmul calls (CUBLASLT_LOG_LEVEL=2), in a child process (the log level is read at load)."""
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     counts = {}
     for calls in (16, 17):
         log = tmp_path / f"lt_{calls}.log"
         env = dict(os.environ, NVTE_GEMM_AUTOTUNE="1", CUBLASLT_LOG_LEVEL="2", CUBLASLT_LOG_FILE=str(log))
         env.pop("NVTE_GEMM_AUTOTUNE_CACHE", None)
-        child = subprocess.run([sys.executable, "-c", _WARMUP_CHILD.format(root=root), str(calls)], env=env,
-                               capture_output=True, text=True, timeout=300)
+        child = _run_gemm_child(2048, 4096, 1024, 47, calls, env)
         assert child.returncode == 0, child.stderr
         counts[calls] = sum("[cublasLtMatmul]" in line for line in log.read_text().splitlines())
     assert counts == {16: 16, 17: 16 + 2 * 2}, counts

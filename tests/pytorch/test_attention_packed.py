@@ -140,22 +140,28 @@ def test_multihead_attention_fused_packed_matches_unfused(interleaved, monkeypat
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     mha = te.MultiheadAttention(128, 2, attention_dropout=0.0, attn_mask_type="causal", params_dtype=dtype,
                                 qkv_weight_interleaved=interleaved, fuse_qkv_params=True, device=DEVICE)
-    other = copy.deepcopy(mha)
     x = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
     dy = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
+    assert_fused_packed_matches_unfused(monkeypatch, mha, (x,), dy, lambda m, xi: m(xi))
+
+
+def assert_fused_packed_matches_unfused(monkeypatch, mha, inputs, dy, call):
+    """call(mha, *inputs) on the fused path (Q/K/V or K/V packed) against a copy of mha on the
+    unfused path: the fused run's packed gradient became the projection output's gradient as it
+    was (no copy), and the outputs, the inputs' gradients and every parameter gradient agree."""
+    other = copy.deepcopy(mha)
     taken = spy_in_place(monkeypatch)
     outs = []
     for m, fused in ((mha, "1"), (other, "0")):
         monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
-        xi = x.clone().requires_grad_(True)
-        y = m(xi)
+        xs = [t.clone().requires_grad_(True) for t in inputs]
+        y = call(m, *xs)
         y.backward(dy)
-        outs.append((y.detach().float(), xi.grad.float(), [p.grad.float() for p in m.parameters()]))
-    assert taken[0] is True  # the fused run's dQKV became the projection output's gradient as it was
+        outs.append([y.detach().float()] + [t.grad.float() for t in xs] + [p.grad.float() for p in m.parameters()])
+    assert taken[0] is True
     tol = dict(rtol=2e-2, atol=2e-2) if ON_CUDA else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outs[0][0], outs[1][0], **tol)
-    torch.testing.assert_close(outs[0][1], outs[1][1], **tol)
-    for a, b in zip(outs[0][2], outs[1][2]):
+    assert len(outs[0]) == len(outs[1])
+    for a, b in zip(outs[0], outs[1]):
         torch.testing.assert_close(a, b, **tol)
 
 
@@ -263,22 +269,10 @@ def test_multihead_cross_attention_fused_packed_kv_matches_unfused(interleaved, 
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     mha = te.MultiheadAttention(128, 2, attention_dropout=0.0, attention_type="cross", params_dtype=dtype,
                                 qkv_weight_interleaved=interleaved, device=DEVICE)
-    other = copy.deepcopy(mha)
     x = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
     enc = torch.randn(24, 2, 128, dtype=dtype, device=DEVICE)
     dy = torch.randn(16, 2, 128, dtype=dtype, device=DEVICE)
-    taken = spy_in_place(monkeypatch)
-    outs = []
-    for m, fused in ((mha, "1"), (other, "0")):
-        monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
-        xi, ei = x.clone().requires_grad_(True), enc.clone().requires_grad_(True)
-        y = m(xi, encoder_output=ei)
-        y.backward(dy)
-        outs.append([y.detach().float(), xi.grad.float(), ei.grad.float()] + [p.grad.float() for p in m.parameters()])
-    assert taken[0] is True
-    tol = dict(rtol=2e-2, atol=2e-2) if ON_CUDA else dict(rtol=1e-5, atol=1e-5)
-    for a, b in zip(outs[0], outs[1]):
-        torch.testing.assert_close(a, b, **tol)
+    assert_fused_packed_matches_unfused(monkeypatch, mha, (x, enc), dy, lambda m, xi, ei: m(xi, encoder_output=ei))
 
 
 def test_cat_rows_of_back_to_back_parameters_is_a_view():
