@@ -6,8 +6,14 @@ THD runs only on the fused path: on the CPU the library's reference backend (flo
 to rel_err < 2e-5, grads 1e-4). With NVTE_TEST_DEVICE=cuda the CUDA backend (cuDNN, ragged
 offsets) runs them on bfloat16 inputs (cuDNN takes bfloat16/float16 only) and each result is held
 to flash-attention's rule, as in test_fused_attention.py: its largest error against the float64
-reference is at most 2x that of a naive bfloat16 torch implementation on the device; the head
-size 6 of the cross-length case becomes 8 there (cuDNN's multiple of 8).
+reference is at most 2x that of a naive bfloat16 torch implementation on the device. That rule
+compares two maxima, so it needs enough elements: on CUDA the head size is 64 (V's 128 where it
+differs) and the cross-length sequences are 8x longer. At the CPU's sizes (head size 8, sequences
+of 0-7 tokens) a top-left causal mask with more queries than keys leaves many rows that see one
+key; their true dS is 0, and cuDNN's, computed from the bfloat16 O (D = dO . O, as every
+flash-style backward does), is a rounding residue that the naive float32 softmax backward lacks.
+On an H100 that made 8-16 of 40 seeds exceed 2x for dQ/dK whatever V's head size; at the CUDA
+sizes 0 of 40 did, for all three padding masks (session 15).
 THD calls the GPU refuses (FP8 THD, THD with a bias) run as zero-padded bshd: checked against the
 CPU's native THD (test_thd_as_padded_bshd_matches_native) and, on the GPU, against the test's own
 padding; the bshd-with-cu_seqlens checks run on either device."""
@@ -26,7 +32,14 @@ from test_fused_attention import assert_close_fused
 
 TOL = 2e-5
 DT = torch.bfloat16 if ON_CUDA else torch.float32  # Q, K, V dtype of the THD checks
-DV6 = 8 if ON_CUDA else 6  # cuDNN takes head sizes that are multiples of 8
+D = 64 if ON_CUDA else 8  # head size of the run_thd checks (see the docstring for CUDA's)
+DV_OTHER = 64 if ON_CUDA else 6  # cross-length case's V head size (cuDNN: multiples of 8)
+DV_LARGER = 128 if ON_CUDA else 16  # V's head size above Q/K's
+LEN = 8 if ON_CUDA else 1  # cross-length sequences' length factor
+
+
+def lens(*ns):
+    return [n * LEN for n in ns]
 
 
 def cu_of(lens):
@@ -99,30 +112,25 @@ def run_thd(lens_q, lens_kv, h, g, d, mask_type, gaps_q=None, gaps_kv=None, dv=N
                                        "no_mask", "causal", "causal_bottom_right"])
 @pytest.mark.parametrize("h,g", [(2, 2), (4, 2), (4, 1)])
 def test_thd_self_attention(mask_type, h, g):
-    run_thd([3, 7, 1, 5], [3, 7, 1, 5], h, g, 8, mask_type)
+    run_thd([3, 7, 1, 5], [3, 7, 1, 5], h, g, D, mask_type)
 
 
 @pytest.mark.parametrize("mask_type", ["padding", "padding_causal", "padding_causal_bottom_right"])
 def test_thd_cross_lengths_differ(mask_type):
     # q and kv lengths differ per sequence, including an empty kv and an empty q sequence
-    run_thd([2, 5, 3, 0], [6, 1, 0, 4], 4, 2, 8, mask_type, dv=DV6)
+    run_thd(lens(2, 5, 3, 0), lens(6, 1, 0, 4), 4, 2, D, mask_type, dv=DV_OTHER)
 
 
-@pytest.mark.parametrize("mask_type", [
-    "padding",
-    pytest.param("padding_causal", marks=pytest.mark.xfail(
-        ON_CUDA, strict=False, reason="open (session 14, H200): with d_v = 16 != d_qk = 8 this case failed on CUDA "
-        "(its message was not captured); padding and padding_causal_bottom_right passed")),
-    "padding_causal_bottom_right"])
+@pytest.mark.parametrize("mask_type", ["padding", "padding_causal", "padding_causal_bottom_right"])
 def test_thd_cross_lengths_head_dim_v_larger(mask_type):
-    """As test_thd_cross_lengths_differ with V's head size 16 above Q/K's 8 (a multiple of 8 on CUDA too)."""
-    run_thd([2, 5, 3, 0], [6, 1, 0, 4], 4, 2, 8, mask_type, dv=16)
+    """As test_thd_cross_lengths_differ with V's head size twice Q/K's."""
+    run_thd(lens(2, 5, 3, 0), lens(6, 1, 0, 4), 4, 2, D, mask_type, dv=DV_LARGER)
 
 
 @pytest.mark.parametrize("mask_type", ["padding", "padding_causal"])
 def test_thd_padded_offsets(mask_type):
     """Gaps between sequences (cu_seqlens_*_padded): gap rows of O and of dQ/dK/dV are zero."""
-    out, (q, k, v), seqs = run_thd([3, 4, 2], [3, 4, 2], 4, 2, 8, mask_type, gaps_q=[0, 2, 1], gaps_kv=[0, 2, 1])
+    out, (q, k, v), seqs = run_thd([3, 4, 2], [3, 4, 2], 4, 2, D, mask_type, gaps_q=[0, 2, 1], gaps_kv=[0, 2, 1])
     used = torch.zeros(out.shape[0], dtype=torch.bool)
     for oq, lq, _, _ in seqs:
         used[oq:oq + lq] = True
@@ -133,7 +141,7 @@ def test_thd_padded_offsets(mask_type):
 
 
 def test_thd_padded_offsets_cross_and_explicit_max_seqlen():
-    run_thd([2, 5], [4, 3], 2, 1, 8, "padding_causal_bottom_right", gaps_q=[1, 0], gaps_kv=[0, 3],
+    run_thd([2, 5], [4, 3], 2, 1, D, "padding_causal_bottom_right", gaps_q=[1, 0], gaps_kv=[0, 3],
             max_seqlen=(9, 11))
 
 
