@@ -93,6 +93,39 @@ void check_packing(const Tensor *const t[3], const char *const names[3], const A
   }
 }
 
+// Paged layouts: K and V are page caches (token dims: pages and page size) read through the
+// page tables, int32 [b, pages_per_seq] each; the K/V lengths come from cu_seqlens_kv.
+void describe_pages(attn::AttnParams &p, const AttnScalars &s, const TokenDims &tk,
+                    const AttnSideTensors &side, bool with_cu) {
+  const LayoutInfo &l = p.layout;
+  p.num_pages = tk.b;
+  p.page_size = tk.s;
+  NVTE_CHECK(p.page_size >= 1, "K has shape ", p.num_pages, " pages of ", p.page_size,
+             " tokens; paged layout ", l.name, " needs pages of at least one token");
+  if (!with_cu) {  // workspace queries: the tables' width is not known, the lengths bound it
+    p.pages_per_seq = (s.max_skv + p.page_size - 1) / p.page_size;
+    return;
+  }
+  const Tensor *tables[2] = {side.page_k, side.page_v};
+  const char *names[2] = {"page_table_k", "page_table_v"};
+  for (int i = 0; i < 2; ++i) {
+    NVTE_CHECK(given(tables[i]), "paged layout ", l.name, " needs ", names[i],
+               ": int32 [batch, pages per sequence]");
+    NVTE_CHECK(logical_dtype(*tables[i]) == kNVTEInt32, names[i], " must be int32, got ",
+               dtype_name(logical_dtype(*tables[i])));
+    NVTE_CHECK(buffer_set(tables[i]->params[kNVTERowwiseData]), names[i], " needs rowwise data");
+    const NVTEShape ts = logical_shape(*tables[i]);
+    NVTE_CHECK(ts.ndim == 2 && ts.data[0] == p.batch, names[i], " has shape ", shape_str(ts),
+               "; expected [", p.batch, " (batch), pages per sequence]");
+    NVTE_CHECK(i == 0 || ts.data[1] == p.pages_per_seq, "page_table_v has ", ts.data[1],
+               " pages per sequence but page_table_k ", p.pages_per_seq, "; they must be equal");
+    p.pages_per_seq = ts.data[1];
+  }
+  NVTE_CHECK(p.pages_per_seq * p.page_size >= s.max_skv, "max_seqlen_kv ", s.max_skv, " exceeds what ",
+             p.pages_per_seq, " pages of ", p.page_size, " tokens per sequence hold (",
+             p.pages_per_seq * p.page_size, ")");
+}
+
 }  // namespace
 
 bool is_padding(NVTE_Mask_Type m) {
@@ -133,8 +166,6 @@ LayoutInfo check_config(const AttnScalars &s, const AttnDims &d) {
   NVTE_CHECK(pl.valid, "qkv_layout ", static_cast<int>(s.layout),
              " is not an NVTE_QKV_Layout value (0..24)");
   const LayoutInfo &l = pl.info;
-  NVTE_CHECK_SUPPORTED(!l.paged, "qkv_layout ", l.name,
-                       " (paged KV cache) is not supported by this library's fused attention");
   NVTE_CHECK(s.mask_type >= NVTE_NO_MASK && s.mask_type <= NVTE_ARBITRARY_MASK, "attn_mask_type ",
              static_cast<int>(s.mask_type), " is not an NVTE_Mask_Type value");
   NVTE_CHECK_SUPPORTED(s.mask_type != NVTE_ARBITRARY_MASK,
@@ -145,6 +176,13 @@ LayoutInfo check_config(const AttnScalars &s, const AttnDims &d) {
              static_cast<int>(s.bias_type), " is not an NVTE_Bias_Type value");
   NVTE_CHECK(s.softmax_type >= NVTE_VANILLA_SOFTMAX && s.softmax_type <= NVTE_LEARNABLE_SOFTMAX,
              "softmax_type ", static_cast<int>(s.softmax_type), " is not an NVTE_Softmax_Type value");
+  if (l.paged) {
+    NVTE_CHECK(is_padding(s.mask_type), "paged layout ", l.name, " takes each sequence's K/V length from "
+               "cu_seqlens_kv: use a padding mask type (padding, padding_causal, "
+               "padding_causal_bottom_right), got ", attn::mask_name(s.mask_type));
+    NVTE_CHECK_SUPPORTED(!is_fp8(d.q_dtype), "FP8 attention with paged K/V caches (", l.name,
+                         ") is not supported");
+  }
   NVTE_CHECK(d.q_dtype == d.kv_dtype, "Q has dtype ", dtype_name(d.q_dtype), " but K/V have ",
              dtype_name(d.kv_dtype), "; fused attention takes one dtype for Q, K and V");
   if (is_fp8(d.q_dtype)) {
@@ -231,14 +269,18 @@ AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, cons
     NVTE_CHECK(tq.rows == tk.rows, "packed layout ", l.name, " shares token rows between Q (",
                tq.rows, ") and K/V (", tk.rows, "); they must be equal");
   }
-  // Batch: from a BSHD/SBHD tensor when there is one, else from cu_seqlens_q.
-  const bool batch_known = with_cu || !(q_thd && kv_thd);
-  p.batch = !q_thd ? tq.b : (!kv_thd ? tk.b : (with_cu ? cu_batch(side.cu_q, "cu_seqlens_q") : 0));
+  // Batch: from a BSHD/SBHD tensor when there is one, else from cu_seqlens_q (a paged K/V
+  // cache's first dimension counts pages, not sequences).
+  const bool kv_batch = !kv_thd && !l.paged;
+  const bool batch_known = with_cu || !q_thd || kv_batch;
+  p.batch = !q_thd ? tq.b : (kv_batch ? tk.b : (with_cu ? cu_batch(side.cu_q, "cu_seqlens_q") : 0));
   if (!q_thd) {
     NVTE_CHECK(tq.s == s.max_sq, "Q has shape ", shape_str(logical_shape(q)), ": its sequence dim ",
                tq.s, " must equal max_seqlen_q = ", s.max_sq);
   }
-  if (!kv_thd) {
+  if (l.paged) {
+    describe_pages(p, s, tk, side, with_cu);
+  } else if (!kv_thd) {
     NVTE_CHECK(tk.b == p.batch, "K has batch ", tk.b, " but Q has batch ", p.batch);
     NVTE_CHECK(tk.s == s.max_skv, "K has shape ", shape_str(logical_shape(k)),
                ": its sequence dim ", tk.s, " must equal max_seqlen_kv = ", s.max_skv);

@@ -47,6 +47,7 @@ struct AttnSideTensors {
   const Tensor *bias = nullptr;  // bias (PRE/POST_SCALE_BIAS) or ALiBi slopes
   const Tensor *softmax_offset = nullptr;
   const Tensor *cu_q = nullptr, *cu_kv = nullptr, *cu_q_padded = nullptr, *cu_kv_padded = nullptr;
+  const Tensor *page_k = nullptr, *page_v = nullptr;  // paged layouts (forward only)
 };
 
 // Full check of Q, K, V and the side tensors. Q/K/V of packed layouts must be views at the

@@ -122,10 +122,12 @@ void run_fwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
              const NVTETensor page_v, const NVTETensor rng_state, const AttnScalars &s,
              NVTETensor workspace, cudaStream_t stream) {
   const Tensor &q = require(Q, "Q"), &k = require(K, "K"), &v = require(V, "V");
-  NVTE_CHECK_SUPPORTED(!present(page_k) && !present(page_v),
-                       "page tables were given, but paged KV caches are not supported by this "
-                       "library's fused attention");
+  const attn::ParsedLayout pl = attn::parse_layout(s.layout);
+  NVTE_CHECK(!pl.valid || pl.info.paged || (!present(page_k) && !present(page_v)), "page tables were "
+             "given, but qkv_layout ", pl.info.name, " is not a paged layout (paged_kv_*)");
   api::AttnSideTensors side;
+  side.page_k = opt(page_k, "page_table_k");
+  side.page_v = opt(page_v, "page_table_v");
   side.bias = opt(Bias, "Bias");
   side.softmax_offset = opt(SoftmaxOffset, "SoftmaxOffset");
   side.cu_q = opt(cu_q, "cu_seqlens_q");
@@ -158,13 +160,16 @@ void run_fwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
   t.cu_q_padded = side.cu_q_padded;
   t.cu_kv_padded = side.cu_kv_padded;
   t.rng_state = rng;
+  t.page_k = p.layout.paged ? side.page_k : nullptr;
+  t.page_v = p.layout.paged ? side.page_v : nullptr;
   t.o = &o;
   t.s = fp8 ? S : nullptr;
 
   std::vector<NamedTensor> all = {
       {"Q", Q}, {"K", K}, {"V", V}, {"Bias", Bias}, {"SoftmaxOffset", SoftmaxOffset}, {"O", O},
       {"cu_seqlens_q", cu_q}, {"cu_seqlens_kv", cu_kv}, {"cu_seqlens_q_padded", cu_q_pad},
-      {"cu_seqlens_kv_padded", cu_kv_pad}, {"rng_state", rng_state}};
+      {"cu_seqlens_kv_padded", cu_kv_pad}, {"rng_state", rng_state}, {"page_table_k", page_k},
+      {"page_table_v", page_v}};
   if (fp8) all.push_back({"S", S});
   AuxSlots a;
   if (aux == nullptr) {
@@ -227,6 +232,14 @@ void run_fwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
 
 // ------------------------------------------------------------------ aux pack of the backward
 
+// Paged K/V caches serve inference: the backward takes no page tables (TE's signature), and
+// cuDNN's paged attention is forward-only.
+void reject_paged_backward(const AttnScalars &s) {
+  const attn::ParsedLayout pl = attn::parse_layout(s.layout);
+  NVTE_CHECK_SUPPORTED(!pl.valid || !pl.info.paged, "qkv_layout ", pl.info.name, " (paged KV cache) has "
+                       "no backward: paged caches are for inference (the backward takes no page tables)");
+}
+
 struct BwdAux {
   const Tensor *stats = nullptr, *rng = nullptr, *bias = nullptr, *offset = nullptr;
 };
@@ -280,6 +293,7 @@ void run_bwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
              const NVTETensor cu_kv_pad, const AttnScalars &s, NVTETensor workspace,
              cudaStream_t stream) {
   const Tensor &q = require(Q, "Q"), &k = require(K, "K"), &v = require(V, "V");
+  reject_paged_backward(s);
   const BwdAux ax = parse_bwd_aux(aux, s);
   api::AttnSideTensors side;
   side.bias = ax.bias;
@@ -369,6 +383,7 @@ void run_bwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
 size_t workspace_bytes(const char *op, const NVTETensor Q, const NVTETensor K, const NVTETensor V,
                        const NVTETensor bias, const AttnScalars &s, bool backward) {
   const Tensor &q = require(Q, "Q"), &k = require(K, "K"), &v = require(V, "V");
+  if (backward) reject_paged_backward(s);
   api::check_config(s, api::qkv_dims(s, q, k, v));
   switch (backend_of({{"Q", Q}, {"K", K}, {"V", V}})) {
     case Backend::CPU: return 0;

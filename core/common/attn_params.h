@@ -34,6 +34,10 @@ struct AttnParams {
   bool return_max_logit = false;
   size_t bias_b = 0, bias_h = 0;  // PRE/POST_SCALE_BIAS: broadcast dims (1 or b, 1 or h_q)
   size_t slopes_b = 0;            // ALIBI slopes: 0 default, 1 for [h_q], b for [b, h_q]
+  // Paged layouts: K and V are caches of num_pages pages of page_size token rows ([num_pages,
+  // page_size, h, d] for BSHD, [page_size, num_pages, h, d] for SBHD); key j of sequence b sits
+  // at slot j % page_size of page page_table[b][j / page_size] (int32 [b, pages_per_seq]).
+  size_t page_size = 0, num_pages = 0, pages_per_seq = 0;
 };
 
 // Tensors of a forward call; optional ones are null. Aux slots that alias an input are
@@ -50,6 +54,7 @@ struct AttnFwdTensors {
   const Tensor *softmax_offset = nullptr; // learnable softmax
   const Tensor *cu_q = nullptr, *cu_kv = nullptr, *cu_q_padded = nullptr, *cu_kv_padded = nullptr;
   const Tensor *rng_state = nullptr;      // needed when dropout > 0
+  const Tensor *page_k = nullptr, *page_v = nullptr;  // paged layouts: the page tables
   Tensor *o = nullptr;
   Tensor *s = nullptr;                    // FP8 only: softmax-output quantization
   Tensor *stats = nullptr, *max_logit = nullptr;        // aux outputs (training)

@@ -81,14 +81,37 @@ void fill_side(const AttnParams &p, bool from_cu, bool thd, const Tensor *cu, co
 
 }  // namespace
 
+// A page table's entries for the keys each sequence has, checked to name a page of the cache.
+std::vector<int32_t> page_table(const AttnParams &p, const Tensor *t, const char *name,
+                                const std::vector<int64_t> &len_kv) {
+  NVTE_CHECK(t != nullptr, "paged layout ", p.layout.name, " needs ", name);
+  const int32_t *d = int32_data(t);
+  std::vector<int32_t> table(d, d + p.batch * p.pages_per_seq);
+  for (size_t b = 0; b < p.batch; ++b) {
+    const size_t used = (static_cast<size_t>(len_kv[b]) + p.page_size - 1) / p.page_size;
+    for (size_t i = 0; i < used; ++i) {
+      const int32_t pg = table[b * p.pages_per_seq + i];
+      NVTE_CHECK(pg >= 0 && static_cast<size_t>(pg) < p.num_pages, name, "[", b, "][", i, "] is ", pg,
+                 ", but the K/V caches hold pages 0..", p.num_pages - 1, " (sequence ", b, " has ",
+                 len_kv[b], " keys, so its first ", used, " entries are read)");
+    }
+  }
+  return table;
+}
+
 SeqBounds seq_bounds(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv,
-                     const Tensor *cu_q_padded, const Tensor *cu_kv_padded) {
+                     const Tensor *cu_q_padded, const Tensor *cu_kv_padded, const Tensor *page_k,
+                     const Tensor *page_v) {
   const bool q_thd = p.layout.q_format == NVTE_THD, kv_thd = p.layout.kv_format == NVTE_THD;
   SeqBounds s;
   fill_side(p, p.padding || q_thd, q_thd, cu_q, q_thd ? cu_q_padded : nullptr, p.max_sq, p.rows_q,
             "cu_seqlens_q", "cu_seqlens_q_padded", s.len_q, s.off_q);
   fill_side(p, p.padding || kv_thd, kv_thd, cu_kv, kv_thd ? cu_kv_padded : nullptr, p.max_skv,
             p.rows_kv, "cu_seqlens_kv", "cu_seqlens_kv_padded", s.len_kv, s.off_kv);
+  if (p.layout.paged) {
+    s.page_k = page_table(p, page_k, "page_table_k", s.len_kv);
+    s.page_v = page_table(p, page_v, "page_table_v", s.len_kv);
+  }
   return s;
 }
 
@@ -97,7 +120,13 @@ size_t RowContext::q_row(size_t b, int64_t i) const {
                          static_cast<size_t>(seq.off_q[b]));
 }
 
-size_t RowContext::kv_row(size_t b, int64_t j) const {
+size_t RowContext::kv_row(size_t b, int64_t j, int role) const {
+  if (p->layout.paged) {  // a cache is [pages, page_size] (BSHD) or [page_size, pages] (SBHD) rows
+    const std::vector<int32_t> &table = role == attn::kV ? seq.page_v : seq.page_k;
+    const size_t jj = static_cast<size_t>(j);
+    const size_t page = static_cast<size_t>(table[b * p->pages_per_seq + jj / p->page_size]);
+    return attn::token_row(p->layout.kv_format, page, jj % p->page_size, p->num_pages, p->page_size, 0);
+  }
   return attn::token_row(p->layout.kv_format, b, static_cast<size_t>(j), p->batch, p->max_skv,
                          static_cast<size_t>(seq.off_kv[b]));
 }
@@ -160,11 +189,11 @@ HeadKV load_head_kv(const RowContext &c, size_t b, size_t hk) {
   kv.k.resize(n * p.d_qk);
   kv.v.resize(n * p.d_v);
   for (size_t j = 0; j < n; ++j) {
-    const size_t row = c.kv_row(b, static_cast<int64_t>(j));
-    load_f64(c.k, p.dtype, attn::element_offset(p.qkv.t[attn::kK], row, hk), p.d_qk,
-             &kv.k[j * p.d_qk]);
-    load_f64(c.v, p.dtype, attn::element_offset(p.qkv.t[attn::kV], row, hk), p.d_v,
-             &kv.v[j * p.d_v]);
+    const int64_t jj = static_cast<int64_t>(j);
+    load_f64(c.k, p.dtype, attn::element_offset(p.qkv.t[attn::kK], c.kv_row(b, jj, attn::kK), hk),
+             p.d_qk, &kv.k[j * p.d_qk]);
+    load_f64(c.v, p.dtype, attn::element_offset(p.qkv.t[attn::kV], c.kv_row(b, jj, attn::kV), hk),
+             p.d_v, &kv.v[j * p.d_v]);
   }
   // Exact in float64: an FP8 value has at most 4 significant bits, a float32 scale_inv 24.
   if (c.descale_k != 1.0)

@@ -28,12 +28,15 @@ void copy_aux_slot(Tensor *dst, const Tensor *src);
 void zero_tensor(void *base, NVTEDType t, const attn::TensorPlacement &pl, size_t rows,
                  size_t heads, size_t d);
 
-// Per-sequence lengths and THD token offsets, checked against the tensors' sizes.
+// Per-sequence lengths and THD token offsets, checked against the tensors' sizes; for paged
+// layouts the page tables too (each sequence's used entries checked against the page count).
 struct SeqBounds {
   std::vector<int64_t> len_q, len_kv, off_q, off_kv;
+  std::vector<int32_t> page_k, page_v;  // paged layouts: [b][pages_per_seq]
 };
 SeqBounds seq_bounds(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv,
-                     const Tensor *cu_q_padded, const Tensor *cu_kv_padded);
+                     const Tensor *cu_q_padded, const Tensor *cu_kv_padded,
+                     const Tensor *page_k = nullptr, const Tensor *page_v = nullptr);
 
 // Everything a row computation reads, resolved once per call.
 struct RowContext {
@@ -51,7 +54,7 @@ struct RowContext {
 
   size_t kv_head(size_t h) const { return h / (p->h_q / p->h_kv); }
   size_t q_row(size_t b, int64_t i) const;   // token row of query i of sequence b
-  size_t kv_row(size_t b, int64_t j) const;  // token row of key j of sequence b
+  size_t kv_row(size_t b, int64_t j, int role = attn::kK) const;  // token row of key j of sequence b in K or V
   KeyRange keys(size_t b, int64_t i) const;
   bool dropout() const { return threshold != 0; }
   bool keep(size_t b, size_t h, int64_t i, int64_t j) const;

@@ -147,7 +147,8 @@ void bias_grad(const RowContext &c, const GradInputs &g, Tensor &dbias) {
 
 void fused_attn_fwd(const AttnParams &p, const attn::AttnFwdTensors &t) {
   if (is_fp8(p.dtype)) return fused_attn_fp8_fwd(p, t);
-  const SeqBounds seq = seq_bounds(p, t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded);
+  const SeqBounds seq =
+      seq_bounds(p, t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded, t.page_k, t.page_v);
   const RowContext c = make_context(p, *t.q, *t.k, *t.v, t.bias, t.softmax_offset, t.rng_state, seq);
   void *o = data(t.o);
   float *stats = static_cast<float *>(data(t.stats));

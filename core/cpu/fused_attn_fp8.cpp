@@ -81,7 +81,8 @@ double drop_factor(const RowContext &c, size_t b, size_t h, int64_t i, int64_t j
 }  // namespace
 
 void fused_attn_fp8_fwd(const AttnParams &p, const attn::AttnFwdTensors &t) {
-  const SeqBounds seq = seq_bounds(p, t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded);
+  const SeqBounds seq =
+      seq_bounds(p, t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded, t.page_k, t.page_v);
   const RowContext c = make_context(p, *t.q, *t.k, *t.v, nullptr, t.softmax_offset, t.rng_state, seq);
   Fp8Point s_point(*t.s, "S", p.dtype);  // P~ takes Q's format (E4M3), as in cuDNN
   ScaledOutput o(*t.o, "O");

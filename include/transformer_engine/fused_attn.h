@@ -82,6 +82,18 @@
  * are reported the same way). cuDNN's own amax of S is that of the normalized P; the CUDA backend
  * records the amax of U (1), the tensor it quantizes, as the CPU does.
  *
+ * Paged K/V caches (layouts NVTE_Paged_KV_*, forward only: the backward takes no page tables and
+ * returns NOT_SUPPORTED for them, as paged caches serve inference). K and V are caches of
+ * num_pages pages of page_size tokens, in the layout's K/V format: BSHD [num_pages, page_size,
+ * h_kv, d], SBHD [page_size, num_pages, h_kv, d] (K and V of equal page count and size). Q and O
+ * keep Q's format (BSHD, SBHD or THD). page_table_k and page_table_v (int32 [b, pages_per_seq],
+ * equal shapes, may differ in content) name the pages of each sequence: key j of sequence b is
+ * slot j % page_size of page page_table[b][j / page_size]. The K/V lengths come from
+ * cu_seqlens_kv, so the mask must be a padding type; max_seqlen_kv <= pages_per_seq * page_size.
+ * Only the entries a sequence's keys use matter; the CPU backend checks that they name a page of
+ * the cache, the CUDA backend (cuDNN's paged attention; BSHD/SBHD queries only) clamps them into
+ * the cache on the device, as it clamps cu_seqlens. Not with FP8 inputs.
+ *
  * Dropout (applied only when is_training in the forward, always in the backward when
  * dropout > 0) keeps element (b, h, i, j) when a counter-based Philox-4x32-10 draw keyed by
  * rng_state (seed, offset) is >= dropout; forward and backward regenerate the same mask. The CPU
@@ -102,7 +114,7 @@ extern "C" {
 
 /** Memory layouts of Q, K, V. Numbering as in TE. S, B, H, D, T: sequence, batch, heads, head
  *  size, total tokens. Mixed layouts give Q and K/V different formats. Paged layouts (19..24)
- *  are accepted by the enum functions but rejected by the compute entry points (NOT_SUPPORTED). */
+ *  hold K and V in page caches ("Paged K/V caches" above); forward only. */
 typedef enum NVTE_QKV_Layout {
   NVTE_SB3HD = 0,
   NVTE_SBH3D = 1,
@@ -253,7 +265,8 @@ NVTE_API NVTE_Fused_Attn_Backend nvte_get_fused_attn_backend(
  *                             THD and for padding masks; ignored for other BSHD/SBHD masks.
  *  \param[in]  cu_seqlens_q_padded, cu_seqlens_kv_padded  int32 [b + 1], THD only: token offset
  *                             of each sequence (NULL: same as cu_seqlens).
- *  \param[in]  page_table_k, page_table_v   paged layouts only (not supported: pass NULL).
+ *  \param[in]  page_table_k, page_table_v   paged layouts only ("Paged K/V caches"): int32
+ *                             [b, pages_per_seq]; NULL for other layouts.
  *  \param[in]  rng_state      int64 [2] (seed, offset); needed when is_training and dropout > 0.
  *  \param[in]  max_seqlen_q, max_seqlen_kv  padded lengths: the s dimension for BSHD/SBHD; for
  *                             THD at least the longest sequence.

@@ -14,6 +14,7 @@ from transformer_engine import _nvte as nvte
 L, M, BT, ST = nvte.NVTE_QKV_Layout, nvte.NVTE_Mask_Type, nvte.NVTE_Bias_Type, nvte.NVTE_Softmax_Type
 DTYPES = ["float32", "float16", "bfloat16"]
 LAYOUTS = [n for n in L.__members__ if not n.startswith("NVTE_Paged")]
+PAGED_LAYOUTS = [n for n in L.__members__ if n.startswith("NVTE_Paged")]
 # mask name -> (padding, causal, bottom-right diagonal)
 MASKS = {"no_mask": (False, False, False), "padding": (True, False, False),
          "causal": (False, True, False), "padding_causal": (True, True, False),
@@ -29,7 +30,11 @@ def mask_enum(name):
 
 
 def layout_info(name):
-    """(q_format, kv_format, group) from a layout name such as NVTE_BSHD_BS2HD."""
+    """(q_format, kv_format, group) from a layout name such as NVTE_BSHD_BS2HD (paged layouts:
+    the group is "paged", kv_format the caches' format)."""
+    if name.startswith("NVTE_Paged_KV_"):
+        q, kv = layout_info("NVTE_" + name[len("NVTE_Paged_KV_"):])[:2]
+        return q, kv, "paged"
     parts = name[5:].lower().split("_")
     fmt = [("thd" if p.startswith("t") else "sbhd" if p.startswith("sb") else "bshd") for p in parts]
     for g in ("3hd", "h3d", "2hd", "h2d"):
@@ -63,6 +68,8 @@ class Case:
     lens_q: Optional[list] = None
     lens_kv: Optional[list] = None
     thd_gaps: bool = True
+    page_size: int = 2          # paged layouts: tokens per page
+    spare_pages: int = 3        # paged layouts: pages no sequence uses (NaN)
     seed: int = 1234
     offset: int = 77
     scale: Optional[float] = None
@@ -202,6 +209,31 @@ class Run:
             self.ex.keep = dropout_keep(c.seed, c.offset, c.dropout, c.b, c.hq, c.sq, c.skv)
 
     # --- tensors
+    def page_tables(self):
+        """Paged layouts: K's and V's page tables [b, pages per sequence], each a random
+        placement of the sequences' pages among all pages; entries no key uses are -1."""
+        c = self.c
+        per = -(-c.skv // c.page_size)
+        n = c.b * per + c.spare_pages
+        tables = []
+        for _ in range(2):
+            t = self.rng.permutation(n)[:c.b * per].reshape(c.b, per).astype(np.int32)
+            for i in range(c.b):
+                t[i, -(-self.lens_kv[i] // c.page_size):] = -1
+            tables.append(t)
+        return n, tables
+
+    def paged_cache(self, canon, table, n, pad):
+        """A K or V cache [n pages, page_size] (bshd) or [page_size, n] (sbhd) rows holding each
+        sequence's keys at the pages its table names; every other slot holds `pad`."""
+        c = self.c
+        b, _, h, d = canon.shape
+        cache = np.full((n, c.page_size, h, d), pad, np.float64)
+        for i in range(b):
+            for j in range(self.lens_kv[i]):
+                cache[table[i, j // c.page_size], j % c.page_size] = canon[i, j]
+        return cache if self.kvf == "bshd" else np.ascontiguousarray(cache.transpose(1, 0, 2, 3))
+
     def qkv_rows(self, q, k, v, pad):
         return [to_rows(q, self.qf, self.lens_q, self.offs_q, self.rows_q, pad),
                 to_rows(k, self.kvf, self.lens_kv, self.offs_kv, self.rows_kv, pad),
@@ -209,6 +241,10 @@ class Run:
 
     def qkv_tensors(self, rows3):
         c = self.c
+        if self.group == "paged":  # rows3: Q rows and the K, V caches
+            arrs = [np.ascontiguousarray(r.astype(self.npdt)) for r in rows3]
+            shapes = [logical_shape(self.qf, c.b, c.sq, self.rows_q, c.hq, c.dqk)] + [a.shape for a in arrs[1:]]
+            return [view(a, s, self.nvdt) for a, s in zip(arrs, shapes)], arrs
         bufs, views = pack(self.group, [r.astype(self.npdt) for r in rows3])
         shapes = [logical_shape(self.qf, c.b, c.sq, self.rows_q, c.hq, c.dqk),
                   logical_shape(self.kvf, c.b, c.skv, self.rows_kv, c.hkv, c.dqk),
@@ -239,9 +275,15 @@ class Run:
     def forward(self, aux="alloc"):
         c = self.c
         side = self.side()
-        self.tq, _ = self.qkv_tensors(self.qkv_rows(self.q, self.k, self.v, np.nan))
+        rows3 = self.qkv_rows(self.q, self.k, self.v, np.nan)
+        self.tables = [None, None]
+        if self.group == "paged":
+            n, self.tables = self.page_tables()
+            rows3 = [rows3[0], self.paged_cache(self.k, self.tables[0], n, np.nan),
+                     self.paged_cache(self.v, self.tables[1], n, np.nan)]
+        self.tq, _ = self.qkv_tensors(rows3)
         self.o_t, self.o_arr = self.out_tensor(np.full((self.rows_q, c.hq, c.dv), np.nan))
-        kw = dict(**side, S=None, page_table_k=None, page_table_v=None,
+        kw = dict(**side, S=None, page_table_k=T(self.tables[0]), page_table_v=T(self.tables[1]),
                   rng_state=T(self.rng_state), is_training=c.is_training,
                   return_max_logit=c.return_max_logit, cuda_graph=False, **self.scalars())
         call = lambda a: nvte.fused_attn_fwd(*self.tq, O=self.o_t, aux=a, **kw)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fused_attn_case import (BT, DTYPES, LAYOUTS, MASKS, Case, L, M, Run, ST, T, layout_info, run_case,
+from fused_attn_case import (BT, DTYPES, LAYOUTS, MASKS, PAGED_LAYOUTS, Case, L, M, Run, ST, T, layout_info, run_case,
                              view)
 from fused_attn_ref import AttnCfg, AttnExtras, dropout_keep, fused_attn_bwd_ref, fused_attn_ref, logits
 from util import assert_close
@@ -322,9 +322,9 @@ def test_backend_query():
     # FP8 (E4M3 Q/K/V) is answered in test_fused_attn_fp8.py; E5M2 inputs are not TE's format.
     assert nvte.get_fused_attn_backend(q_dtype=DT.kFloat8E5M2, kv_dtype=DT.kFloat8E5M2, **args) == no
     assert "FP8" in nvte.get_last_error()
-    args["qkv_layout"] = L.NVTE_Paged_KV_BSHD_BSHD_BSHD
+    args["qkv_layout"] = L.NVTE_Paged_KV_BSHD_BSHD_BSHD  # paged caches take their lengths from cu_seqlens_kv
     assert nvte.get_fused_attn_backend(q_dtype=DT.kBFloat16, kv_dtype=DT.kBFloat16, **args) == no
-    assert "paged" in nvte.get_last_error()
+    assert "use a padding mask type" in nvte.get_last_error()
     args.update(qkv_layout=L.NVTE_BSHD_BSHD_BSHD, num_gqa_groups=3)
     assert nvte.get_fused_attn_backend(q_dtype=DT.kBFloat16, kv_dtype=DT.kBFloat16, **args) == no
     assert "divide" in nvte.get_last_error()
@@ -359,7 +359,10 @@ def separate_bs3hd(r):
 Status = nvte.Status
 FWD_ERRORS = [
     ("bad layout", dict(qkv_layout=L(99)), "not an NVTE_QKV_Layout value", Status.INVALID_ARGUMENT),
-    ("paged", dict(qkv_layout=L.NVTE_Paged_KV_BSHD_BSHD_BSHD), "paged KV cache", Status.NOT_SUPPORTED),
+    ("paged mask", dict(qkv_layout=L.NVTE_Paged_KV_BSHD_BSHD_BSHD), "use a padding mask type",
+     Status.INVALID_ARGUMENT),
+    ("tables, not paged", dict(page_table_k=T(np.zeros((2, 3), np.int32))), "is not a paged layout",
+     Status.INVALID_ARGUMENT),
     ("arbitrary", dict(attn_mask_type=M.NVTE_ARBITRARY_MASK), "post_scale_bias", Status.NOT_SUPPORTED),
     ("dropout 1", dict(dropout=1.0), r"dropout probability must be in \[0, 1\)", Status.INVALID_ARGUMENT),
     ("window", dict(window_size_left=-2), "window sizes must be >= -1", Status.INVALID_ARGUMENT),
@@ -461,3 +464,62 @@ def test_backward_errors(rng):
         r.backward(aux=bad)
     r.backward()
     r.check_backward()
+
+
+# ------------------------------------------------------------------ paged K/V caches (forward only)
+
+
+@pytest.mark.parametrize("layout", PAGED_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_layouts(layout, dtype, rng):
+    """K, V as page caches read through separate, shuffled page tables (unused entries -1, unused
+    slots NaN) against the float64 reference over the contiguous K, V."""
+    run_case(Case(layout=layout, dtype=dtype, mask="padding_causal_bottom_right", b=3, sq=4, skv=7, hq=4,
+                  hkv=2, page_size=3), rng, backward=False)
+
+
+@pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("page_size,skv", [(1, 5), (4, 8), (5, 3)])
+def test_paged_masks_and_page_sizes(mask, page_size, skv, rng):
+    run_case(Case(layout="NVTE_Paged_KV_BSHD_BSHD_BSHD", mask=mask, sq=6, skv=skv, hq=2, hkv=1,
+                  dqk=8, dv=6, page_size=page_size, bias="post", is_training=True), rng, backward=False)
+
+
+def test_paged_decode_step(rng):
+    """One new query per sequence against cached keys of different lengths (the decode step)."""
+    run_case(Case(layout="NVTE_Paged_KV_BSHD_BSHD_BSHD", mask="padding_causal_bottom_right", b=4, sq=1,
+                  skv=16, hq=4, hkv=1, page_size=4, lens_q=[1, 1, 0, 1], lens_kv=[16, 3, 0, 9],
+                  is_training=False), rng, backward=False)
+
+
+def test_paged_errors(rng):
+    r = Run(Case(layout="NVTE_Paged_KV_SBHD_BSHD_BSHD", mask="padding", sq=4, skv=6, page_size=2,
+                 lens_kv=[6, 3]), rng)
+    r.forward()
+    r.check_forward()
+    tk, tv = r.tables
+    cases = [
+        (dict(page_table_v=None), "needs page_table_v: int32 \\[batch, pages per sequence\\]"),
+        (dict(page_table_k=T(tk.astype(np.int64))), "page_table_k must be int32"),
+        (dict(page_table_k=T(tk[:1])), r"page_table_k has shape \[1, 3\]; expected \[2 \(batch\)"),
+        (dict(page_table_v=T(tv[:, :2])), "page_table_v has 2 pages per sequence but page_table_k 3"),
+        (dict(page_table_k=T(tk[:, :2]), page_table_v=T(tv[:, :2])),
+         r"max_seqlen_kv 6 exceeds what 2 pages of 2 tokens per sequence hold \(4\)"),
+    ]
+    bad = tk.copy()
+    bad[1, 1] = 9  # sequence 1 has 3 keys: entries 0 and 1 are read; the caches hold 9 pages
+    cases.append((dict(page_table_k=T(bad)), r"page_table_k\[1\]\[1\] is 9, but the K/V caches hold pages 0..8"))
+    bad = tk.copy()
+    bad[1, 2] = 99  # unread entry (sequence 1 uses 2 pages): ignored
+    for over, match in cases:
+        with pytest.raises(nvte.Error, match=match):
+            fwd_call(r, **{"page_table_k": T(tk), "page_table_v": T(tv), **over})
+    fwd_call(r, page_table_k=T(bad), page_table_v=T(tv))
+    r.check_forward()
+    with pytest.raises(nvte.Error, match=r"has no backward: paged caches are for inference") as e:
+        nvte.fused_attn_bwd(*r.tq, r.o_t, r.o_t, None, None, r.aux, *r.tq, None, None, r.side()["cu_seqlens_q"],
+                            r.side()["cu_seqlens_kv"], None, None, deterministic=True, cuda_graph=False,
+                            **r.scalars())
+    assert e.value.args[1] == int(Status.NOT_SUPPORTED)
+    with pytest.raises(nvte.Error, match="has no backward"):
+        nvte.fused_attn_bwd_workspace_size(*r.tq, None, **{k: v for k, v in r.scalars().items() if k != "attn_scale"})

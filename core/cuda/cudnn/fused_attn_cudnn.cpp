@@ -15,9 +15,15 @@
 // causal_bottom_right / padding / padding_causal(_bottom_right) (padding from cu_seqlens),
 // no bias or post-scale bias, ALiBi with the default slopes, GQA/MQA, head_dim_qk != head_dim_v
 // where cuDNN accepts it, dropout from rng_state (seed, offset) on the device, windows with
-// an unbounded right side or the causal one. Anything else (mixed THD/BSHD or paged layouts,
-// pre-scale bias, custom ALiBi slopes, float32, learnable softmax) reports
-// NVTE_ERROR_NOT_SUPPORTED with the reason.
+// an unbounded right side or the causal one, paged K/V caches with BSHD/SBHD queries (below).
+// Anything else (mixed THD/BSHD layouts, paged caches with THD queries, pre-scale bias, custom
+// ALiBi slopes, float32, learnable softmax) reports NVTE_ERROR_NOT_SUPPORTED with the reason.
+//
+// Paged K/V caches (forward): cuDNN's paged attention. K and V are its containers [pages, h,
+// page_size, d] (strides of the cache's BSHD/SBHD form) and the page tables [b, 1, pages, 1] with
+// pages = ceil(max_seqlen_kv / page_size), the ones a graph reads: the caller's tables (any width)
+// are copied into the workspace with entries clamped into the cache, so neither the graph nor
+// the workspace depends on the tables' width.
 //
 // THD (Q, K, V all THD; float16/bfloat16; no bias or ALiBi): cuDNN's ragged tensors. Each tensor
 // is [n, h, max_s, d] with its packed token and head strides plus an int32 [n + 1] ragged offset
@@ -144,7 +150,7 @@ Key key_of(const AttnParams &p, bool bwd, bool has_dbias, const Fp8Types *fp8) {
        (int64_t)p.max_sq, (int64_t)p.max_skv, (int64_t)p.bias_type, (int64_t)p.padding, (int64_t)p.rule.causal,
        (int64_t)p.rule.bottom_right, p.rule.window_left, p.rule.window_right, (int64_t)(p.dropout > 0.0f),
        (int64_t)p.is_training, (int64_t)p.return_max_logit, (int64_t)p.bias_b, (int64_t)p.bias_h,
-       (int64_t)has_dbias});
+       (int64_t)has_dbias, (int64_t)p.page_size, (int64_t)p.num_pages});
   for (const auto &t : p.qkv.t) add({(int64_t)t.format, (int64_t)t.row_stride, (int64_t)t.head_stride});
   add({(int64_t)p.out.format, (int64_t)p.out.row_stride, (int64_t)p.out.head_stride});
   int32_t sb;  // the scale and dropout probability are baked into the graph
@@ -223,6 +229,13 @@ std::string build_fwd(const AttnParams &p, cudnnHandle_t h, Built &b) {
   set_ragged(k, r.off[1]);
   set_ragged(v, r.off[2]);
   fe::graph::SDPA_attributes a;
+  if (p.layout.paged) {
+    const int64_t n = (int64_t)graph_pages(p);
+    const std::vector<int64_t> dim{(int64_t)p.batch, 1, n, 1}, stride{n, n, 1, 1};
+    a.set_paged_attention_k_table(input_tensor(g, "page_table_k", kUPageK, dim, stride, fe::DataType_t::INT32))
+        .set_paged_attention_v_table(input_tensor(g, "page_table_v", kUPageV, dim, stride, fe::DataType_t::INT32))
+        .set_paged_attention_max_seq_len_kv((int)p.max_skv);
+  }
   // return_max_logit: cuDNN before 9.21 gives either Stats or Max and Sum_exp (not both), so such a
   // graph outputs Max and Sum_exp and the statistics are computed from them (logit_stats).
   a.set_name("nvte_sdpa_fwd").set_generate_stats(p.is_training && !p.return_max_logit);
@@ -307,13 +320,15 @@ std::shared_ptr<Built> graph_for(const AttnParams &call, bool bwd, bool has_dbia
 // Workspace: cuDNN's, then (padding masks, THD) two int32 [b] sequence-length arrays, then (THD)
 // the ragged offsets of Q, K, V, O (int32 [b + 1] each), the run's (seed, offset) and the
 // statistics scratch [b, h_q, max_sq] (b: the graph's batch; with return_max_logit two of them,
-// cuDNN's Sum_exp and Max), then (FP8) a block of float32 scalars (descales the graph reads, amax
+// cuDNN's Sum_exp and Max), then (paged caches) the clamped page tables of K and V (int32
+// [b, pages] each), then (FP8) a block of float32 scalars (descales the graph reads, amax
 // values it writes).
 size_t seqlen_bytes(const AttnParams &p) {
   const AttnParams g = graph_params(p);
   return g.padding ? 2 * align256(g.batch * 4) : 0;
 }
 namespace {
+size_t page_bytes(const AttnParams &p) { return 2 * align256(p.batch * graph_pages(p) * 4); }
 size_t ragged_bytes(const AttnParams &p) {
   if (!thd(p)) return 0;
   const AttnParams g = graph_params(p);
@@ -325,10 +340,10 @@ size_t fp8_scalar_bytes(const AttnParams &p) { return is_fp8(p.dtype) ? kFp8Scal
 }  // namespace
 size_t cudnn_bytes(const Built &b) { return align256((size_t)b.workspace); }
 size_t total_bytes(const AttnParams &p, const Built &b) {
-  return cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + fp8_scalar_bytes(p);
+  return cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + page_bytes(p) + fp8_scalar_bytes(p);
 }
 float *fp8_scalars(const AttnParams &p, const Built &b, char *ws) {
-  return reinterpret_cast<float *>(ws + cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p));
+  return reinterpret_cast<float *>(ws + cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + page_bytes(p));
 }
 
 char *workspace_ptr(Tensor *ws, size_t need) {
@@ -467,6 +482,15 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
     return run_thd(p, *b, in, pack, ws, stream);
   }
   bind_seqlens(p, t.cu_q, t.cu_kv, ws ? ws + cudnn_bytes(*b) : nullptr, pack, stream);
+  if (p.layout.paged) {
+    const auto table = [](const Tensor *x) { return static_cast<const int32_t *>(data(x)); };
+    int32_t *pk = reinterpret_cast<int32_t *>(ws + cudnn_bytes(*b) + seqlen_bytes(p) + ragged_bytes(p));
+    int32_t *pv = pk + align256(p.batch * graph_pages(p) * 4) / 4;
+    clamped_page_tables(table(t.page_k), table(t.page_v), pk, pv, p.batch, p.pages_per_seq, graph_pages(p),
+                        p.num_pages, stream);
+    pack[kUPageK] = pk;
+    pack[kUPageV] = pv;
+  }
   execute(*b, pack, ws, stream);
   if (p.return_max_logit) {
     const auto seq = [&](int64_t uid) { return p.padding ? static_cast<const int32_t *>(pack.at(uid)) : nullptr; };

@@ -30,7 +30,8 @@ enum Uid : int64_t {
   kUScaleS, kUScaleO, kUScaledQ, kUScaledK, kUScaledV, kUScaledP,
   kUAmaxS, kUAmaxO, kUAmaxdQ, kUAmaxdK, kUAmaxdV, kUAmaxdP,
   kURaggedQ, kURaggedK, kURaggedV, kURaggedO,  // THD: ragged offsets of Q/dQ, K/dK, V/dV, O/dO
-  kUMax, kUSumExp                               // return_max_logit: cuDNN's row max and sum of exp
+  kUMax, kUSumExp,                              // return_max_logit: cuDNN's row max and sum of exp
+  kUPageK, kUPageV                              // paged K/V caches: the (clamped) page tables
 };
 
 // Element types of an FP8 call beyond Q/K/V (always E4M3): O (E4M3/E5M2, or float16/bfloat16),
@@ -71,14 +72,22 @@ inline std::vector<int64_t> strides_of(const attn::TensorPlacement &t, size_t ba
   return {rs, hs, (int64_t)batch * rs, 1};  // SBHD
 }
 
+// Q, K or V as cuDNN's [b, h, s, d]; a paged K/V cache as [num_pages, h, page_size, d] (cuDNN's
+// paged container, read through the page tables).
 inline TensorPtr qkv_tensor(fe::graph::Graph &g, const AttnParams &p, int role, int64_t uid, const char *name) {
-  const bool q = role == attn::kQ;
-  const size_t h = q ? p.h_q : p.h_kv, s = q ? p.max_sq : p.max_skv, d = role == attn::kV ? p.d_v : p.d_qk;
+  const bool q = role == attn::kQ, paged = !q && p.layout.paged;
+  const size_t h = q ? p.h_q : p.h_kv, d = role == attn::kV ? p.d_v : p.d_qk;
+  const size_t b = paged ? p.num_pages : p.batch, s = paged ? p.page_size : (q ? p.max_sq : p.max_skv);
   return g.tensor(fe::graph::Tensor_attributes()
                       .set_name(name)
                       .set_uid(uid)
-                      .set_dim({(int64_t)p.batch, (int64_t)h, (int64_t)s, (int64_t)d})
-                      .set_stride(strides_of(p.qkv.t[role], p.batch, s)));
+                      .set_dim({(int64_t)b, (int64_t)h, (int64_t)s, (int64_t)d})
+                      .set_stride(strides_of(p.qkv.t[role], b, s)));
+}
+
+// Paged K/V caches: the pages a graph reads per sequence (cuDNN's page tables are [b, 1, pages, 1]).
+inline size_t graph_pages(const AttnParams &p) {
+  return p.layout.paged ? (p.max_skv + p.page_size - 1) / p.page_size : 0;
 }
 
 // A fresh graph in b whose inputs/outputs default to io_type (float32 intermediates and compute).

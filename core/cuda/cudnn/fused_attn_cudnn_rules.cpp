@@ -83,7 +83,9 @@ std::string unsupported_reason(const AttnParams &p) {
   if (is_fp8(p.dtype)) return fp8_unsupported_reason(p);
   if (p.dtype != kNVTEBFloat16 && p.dtype != kNVTEFloat16)
     return concat("cuDNN attention takes bfloat16/float16 Q, K, V; got ", dtype_name(p.dtype));
-  if (p.layout.paged) return concat("layout ", p.layout.name, " (paged KV cache) is not supported by the CUDA backend");
+  if (p.layout.paged && thd(p))
+    return concat("layout ", p.layout.name, " (paged K/V caches with THD queries) is not supported by the CUDA "
+                  "backend; paged caches run with BSHD/SBHD queries");
   if ((p.layout.q_format == NVTE_THD) != (p.layout.kv_format == NVTE_THD))
     return concat("layout ", p.layout.name, " mixes THD with BSHD/SBHD, which the CUDA backend does not support "
                   "(THD runs with Q, K and V all THD)");

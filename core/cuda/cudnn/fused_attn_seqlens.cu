@@ -19,6 +19,16 @@ __global__ void seqlens_kernel(const int32_t *cu_q, const int32_t *cu_kv, int32_
 
 __device__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
+// One thread per entry of the [batch, used] copies of both page tables.
+__global__ void page_tables_kernel(const int32_t *k, const int32_t *v, int32_t *k_out, int32_t *v_out,
+                                   size_t batch, size_t width, size_t used, int32_t num_pages) {
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= batch * used) return;
+  const size_t src = (i / used) * width + i % used;
+  k_out[i] = (int32_t)clamp64(k[src], 0, (int64_t)num_pages - 1);
+  v_out[i] = (int32_t)clamp64(v[src], 0, (int64_t)num_pages - 1);
+}
+
 struct Span {
   int64_t start, len;  // first token row and length of one sequence
 };
@@ -157,6 +167,14 @@ void seqlens_from_cu(const int32_t *cu_q, const int32_t *cu_kv, int32_t *seq_q, 
   if (batch == 0) return;
   seqlens_kernel<<<(unsigned)((batch + 255) / 256), 256, 0, stream>>>(cu_q, cu_kv, seq_q, seq_kv, batch,
                                                                       (int32_t)max_q, (int32_t)max_kv);
+  NVTE_CHECK_LAUNCH();
+}
+
+void clamped_page_tables(const int32_t *k, const int32_t *v, int32_t *k_out, int32_t *v_out, size_t batch,
+                         size_t width, size_t used, size_t num_pages, cudaStream_t stream) {
+  if (batch * used == 0) return;
+  page_tables_kernel<<<(unsigned)((batch * used + 255) / 256), 256, 0, stream>>>(k, v, k_out, v_out, batch, width,
+                                                                                 used, (int32_t)num_pages);
   NVTE_CHECK_LAUNCH();
 }
 

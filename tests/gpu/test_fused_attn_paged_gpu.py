@@ -1,0 +1,167 @@
+"""Paged K/V caches (layouts NVTE_Paged_KV_*, forward only) on the CUDA backend (cuDNN's paged
+attention) against the CPU backend and float64, with the rule of test_fused_attn_gpu.py.
+
+K and V are caches of pages in a random order, read through separate page tables whose unused
+entries are -1 (the CUDA backend clamps table entries into the cache). Cache slots no sequence
+uses hold large finite values: cuDNN reads whole pages, so its masking must keep them out (NaN
+there would also poison P V with 0 x NaN, which real caches with stale data never hold)."""
+import pytest
+import torch
+
+from transformer_engine import _nvte as nvte
+
+from attn_gpu_util import DTYPES, Case, compare_rows, handle, inputs, lengths, nv_dtype, reference, \
+    scalars, zero_padding
+from gpu_util import T
+
+PAGED = ["NVTE_Paged_KV_BSHD_BSHD_BSHD", "NVTE_Paged_KV_BSHD_SBHD_SBHD", "NVTE_Paged_KV_SBHD_BSHD_BSHD",
+         "NVTE_Paged_KV_SBHD_SBHD_SBHD"]
+
+
+def formats(layout):
+    """(Q's format, the caches' format) of a paged layout name."""
+    parts = layout[len("NVTE_Paged_KV_"):].lower().split("_")
+    return parts[0], parts[1]
+
+
+def paged_caches(c, k, v, page_size, spare, seed):
+    """K and V caches (the layout's K/V format) holding each sequence's keys at the pages its
+    table names, and the int32 [b, pages] tables (entries no key uses: -1)."""
+    g = torch.Generator().manual_seed(seed)
+    _, kvf = formats(c.layout)
+    _, _, lkv, _, _ = lengths(c)
+    per = -(-c.skv // page_size)
+    n = c.b * per + spare
+    out = []
+    for x in (k, v):
+        table = torch.randperm(n, generator=g)[:c.b * per].view(c.b, per).to(torch.int32)
+        cache = 100.0 * torch.randn(n, page_size, x.shape[2], x.shape[3], generator=g, dtype=torch.float64)
+        for bi in range(c.b):
+            for j in range(lkv[bi]):
+                cache[table[bi, j // page_size], j % page_size] = x[bi, j]
+            table[bi, -(-lkv[bi] // page_size):] = -1
+        out.append((cache if kvf == "bshd" else cache.transpose(0, 1).contiguous(), table))
+    return out
+
+
+def run_paged(c, dev, q, kv_caches, training):
+    """One forward on dev: canonical float64 O [b, sq, h, dv] and (training) the statistics."""
+    nd, dt = nv_dtype(c), DTYPES[c.dtype]
+    qf, _ = formats(c.layout)
+    tq = (q if qf == "bshd" else q.transpose(0, 1)).to(dt).to(dev).contiguous()
+    (kc, tk), (vc, tv) = kv_caches
+    kk, vv = kc.to(dt).to(dev), vc.to(dt).to(dev)
+    _, _, _, cuq, cukv = lengths(c)
+    o = torch.full(tq.shape[:-1] + (c.dv,), float("nan"), dtype=dt, device=dev)
+    H = [handle(x, nd) for x in (tq, kk, vv)]
+    sc = scalars(c)
+    ws = nvte.fused_attn_fwd_workspace_size(*H, None, c.sq, c.skv, training, False, 0.0, sc["qkv_layout"],
+                                            sc["bias_type"], sc["attn_mask_type"], sc["softmax_type"])
+    wsf = torch.empty(max(ws, 1), dtype=torch.uint8, device=dev)
+    kw = dict(Bias=None, SoftmaxOffset=None, S=None, cu_seqlens_q=T(cuq.to(dev)).t,
+              cu_seqlens_kv=T(cukv.to(dev)).t, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+              page_table_k=T(tk.to(dev)).t, page_table_v=T(tv.to(dev)).t,
+              rng_state=T(torch.tensor([1, 0], dtype=torch.int64, device=dev)).t, is_training=training,
+              return_max_logit=False, cuda_graph=False, workspace=T(wsf).t, **sc)
+    ot = handle(o, nd)
+    stats = None
+    if training:
+        described = nvte.fused_attn_fwd(*H, O=ot, aux=[], **kw)
+        bufs = [torch.full(shape, float("nan"), dtype=torch.float32, device=dev) if dtype == nvte.DType.kFloat32
+                else torch.zeros(shape, dtype=torch.int64, device=dev) for shape, dtype in described]
+        nvte.fused_attn_fwd(*H, O=ot, aux=[handle(b, dtype) for b, (_, dtype) in zip(bufs, described)], **kw)
+        stats = bufs[0].cpu()
+    else:
+        nvte.fused_attn_fwd(*H, O=ot, aux=None, **kw)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    return (o if qf == "bshd" else o.transpose(0, 1)).double().cpu(), stats
+
+
+def check_paged(c, page_size, spare=5, training=False):
+    q, k, v, do, _ = inputs(c)
+    caches = paged_caches(c, k, v, page_size, spare, c.seed + 1)
+    got, got_stats = run_paged(c, "cuda", q, caches, training)
+    cpu, cpu_stats = run_paged(c, "cpu", q, caches, training)
+    ref = zero_padding(c, reference(c, q, k, v, do, None))["o"]
+    naive = zero_padding(c, reference(c, q, k, v, do, None, DTYPES[c.dtype], "cuda"))["o"]
+    assert not torch.isnan(got).any(), "NaN in the CUDA result (unwritten element, or a cache slot leaked in)"
+    _, lq, _, _, _ = lengths(c)
+    for bi in range(c.b):
+        assert (got[bi, lq[bi]:] == 0).all(), f"padded query rows of sequence {bi} are not zero"
+    err = (got - ref).abs().max().item()
+    err_naive = (naive - ref).abs().max().item()
+    err_cpu = (cpu - ref).abs().max().item()
+    bound = 2.0 * err_naive + 1e-3 * ref.abs().max().item() + 1e-6
+    assert err <= bound, f"CUDA error {err:.3g} > 2 x naive {err_naive:.3g} (+floor); CPU {err_cpu:.3g}"
+    assert (got - cpu).abs().max().item() <= bound + err_cpu, "CUDA vs CPU backend beyond the bound"
+    if training:
+        compare_rows("statistics", got_stats, cpu_stats)
+
+
+@pytest.mark.parametrize("layout", PAGED)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_paged_layouts(layout, dtype):
+    check_paged(Case(layout=layout, dtype=dtype, b=3, sq=64, skv=200, hq=8, hkv=2, d=128,
+                     mask="padding_causal_bottom_right", lens_q=[64, 17, 40], lens_kv=[200, 90, 41]), page_size=16)
+
+
+@pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("page_size", [8, 64])
+def test_paged_masks_and_page_sizes(mask, page_size):
+    check_paged(Case(layout="NVTE_Paged_KV_BSHD_BSHD_BSHD", b=2, sq=48, skv=130, hq=4, hkv=4, d=64, mask=mask,
+                     lens_q=[48, 20], lens_kv=[130, 77]), page_size=page_size)
+
+
+def test_paged_decode_step():
+    """One new token per sequence against caches of different lengths (the decode step)."""
+    check_paged(Case(layout="NVTE_Paged_KV_BSHD_BSHD_BSHD", b=4, sq=1, skv=512, hq=8, hkv=1, d=128,
+                     mask="padding_causal_bottom_right", lens_q=[1, 1, 1, 1], lens_kv=[512, 3, 129, 64]),
+                page_size=32)
+
+
+def test_paged_training_forward_statistics():
+    check_paged(Case(layout="NVTE_Paged_KV_SBHD_BSHD_BSHD", b=2, sq=64, skv=128, hq=4, hkv=2, d=64,
+                     mask="padding_causal", lens_q=[64, 30], lens_kv=[128, 50]), page_size=16, training=True)
+
+
+def test_paged_out_of_range_entry_is_clamped():
+    """An entry naming no page reads a page of the cache (clamped), never memory outside it; the
+    CPU backend reports it instead (tests/core/test_fused_attn.py)."""
+    c = Case(layout="NVTE_Paged_KV_BSHD_BSHD_BSHD", b=2, sq=16, skv=64, hq=2, hkv=2, d=64, mask="padding",
+             lens_q=[16, 16], lens_kv=[64, 64])
+    q, k, v, _, _ = inputs(c)
+    (kc, tk), vcache = paged_caches(c, k, v, 16, 0, 3)
+    tk[1, 2] = 1 << 30
+    tk[0, 1] = -5
+    o, _ = run_paged(c, "cuda", q, [(kc, tk), vcache], False)
+    assert torch.isfinite(o).all()
+
+
+def test_paged_thd_queries_are_not_supported():
+    c = Case(layout="NVTE_Paged_KV_THD_BSHD_BSHD", b=2, sq=16, skv=32, hq=2, hkv=2, d=64, mask="padding")
+    q = torch.zeros(32, 2, 64, dtype=torch.bfloat16, device="cuda")
+    kc = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    nd = nvte.DType.kBFloat16
+    table = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32, device="cuda")
+    sc = scalars(c)
+    with pytest.raises(nvte.Error, match="paged K/V caches with THD queries") as e:
+        nvte.fused_attn_fwd(handle(q, nd), handle(kc, nd), handle(kc, nd), O=handle(q.clone(), nd), aux=None,
+                            Bias=None, SoftmaxOffset=None, S=None, cu_seqlens_q=T(cu).t, cu_seqlens_kv=T(cu).t,
+                            cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=T(table).t,
+                            page_table_v=T(table).t, rng_state=None, is_training=False, return_max_logit=False,
+                            cuda_graph=False, workspace=None, **sc)
+    assert e.value.args[1] == int(nvte.Status.NOT_SUPPORTED)
+
+
+def test_paged_backend_query():
+    args = dict(is_training=False, q_dtype=nvte.DType.kBFloat16, kv_dtype=nvte.DType.kBFloat16,
+                bias_type=nvte.NVTE_Bias_Type.NVTE_NO_BIAS, softmax_type=nvte.NVTE_Softmax_Type.NVTE_VANILLA_SOFTMAX,
+                attn_mask_type=nvte.NVTE_Mask_Type.NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK, dropout=0.0,
+                num_attn_heads=8, num_gqa_groups=2, max_seqlen_q=1, max_seqlen_kv=512, head_dim_qk=128, head_dim_v=128)
+    B = nvte.NVTE_Fused_Attn_Backend
+    L = nvte.NVTE_QKV_Layout
+    assert nvte.get_fused_attn_backend(qkv_layout=L.NVTE_Paged_KV_BSHD_BSHD_BSHD, **args) == B.NVTE_F16_arbitrary_seqlen
+    assert nvte.get_fused_attn_backend(qkv_layout=L.NVTE_Paged_KV_THD_BSHD_BSHD, **args) == B.NVTE_No_Backend
+    assert "THD queries" in nvte.get_last_error()
