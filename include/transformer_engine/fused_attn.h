@@ -91,8 +91,8 @@
  * slot j % page_size of page page_table[b][j / page_size]. The K/V lengths come from
  * cu_seqlens_kv, so the mask must be a padding type; max_seqlen_kv <= pages_per_seq * page_size.
  * Only the entries a sequence's keys use matter; the CPU backend checks that they name a page of
- * the cache, the CUDA backend (cuDNN's paged attention; BSHD/SBHD queries only) clamps them into
- * the cache on the device, as it clamps cu_seqlens. Not with FP8 inputs.
+ * the cache, the CUDA backend (cuDNN's paged attention) clamps them into the cache on the device,
+ * as it clamps cu_seqlens. Not with FP8 inputs.
  *
  * Dropout (applied only when is_training in the forward, always in the backward when
  * dropout > 0) keeps element (b, h, i, j) when a counter-based Philox-4x32-10 draw keyed by

@@ -308,9 +308,10 @@ def test_thd_dropout_deterministic_per_rng_state():
     assert not torch.equal(a["o"], d["o"]), "a different offset must draw a different dropout mask"
 
 
-def test_thd_mixed_layouts_and_bias_are_not_supported():
-    """What stays NOT_SUPPORTED on the GPU, with its reason: THD mixed with BSHD/SBHD, and THD with
-    a bias. (FP8 THD: test_fp8_thd_is_not_supported below.)"""
+def test_thd_mixed_layouts_training_and_bias_are_not_supported():
+    """What stays NOT_SUPPORTED on the GPU, with its reason: training (the backward) with THD
+    queries over BSHD/SBHD K/V (their forward: test_fused_attn_kv_cache_gpu.py), and THD with a
+    bias. (FP8 THD: test_fp8_thd_is_not_supported below.)"""
     BK = nvte.NVTE_Fused_Attn_Backend
     args = dict(is_training=True, q_dtype=nvte.DType.kBFloat16, kv_dtype=nvte.DType.kBFloat16,
                 bias_type=BT.NVTE_NO_BIAS, attn_mask_type=M.NVTE_PADDING_MASK, softmax_type=ST.NVTE_VANILLA_SOFTMAX,
@@ -321,13 +322,15 @@ def test_thd_mixed_layouts_and_bias_are_not_supported():
             (layout, nvte.get_last_error())
     for layout in ("NVTE_THD_BSHD_BSHD", "NVTE_THD_SBHD_SBHD"):
         assert nvte.get_fused_attn_backend(qkv_layout=getattr(L, layout), **args) == BK.NVTE_No_Backend
-        assert "mixes THD" in nvte.get_last_error()
+        assert "for inference only" in nvte.get_last_error()
+        assert nvte.get_fused_attn_backend(qkv_layout=getattr(L, layout), **dict(args, is_training=False)) == \
+            BK.NVTE_F16_arbitrary_seqlen, (layout, nvte.get_last_error())
     # the compute path says the same: Q THD [t, h, d], K/V BSHD [b, s, h, d]
     c = ThdCase()
     q = torch.zeros(c.tq, 4, 64, dtype=torch.bfloat16, device="cuda")
     kv = torch.zeros(c.b, 64, 4, 64, dtype=torch.bfloat16, device="cuda")
     H = [handle(x, nvte.DType.kBFloat16) for x in (q, kv, kv)]
-    with pytest.raises(nvte.Error, match="mixes THD") as e:
+    with pytest.raises(nvte.Error, match="for inference only") as e:
         nvte.fused_attn_fwd_workspace_size(*H, None, 64, 64, True, False, 0.0, L.NVTE_THD_BSHD_BSHD,
                                            BT.NVTE_NO_BIAS, M.NVTE_PADDING_MASK, ST.NVTE_VANILLA_SOFTMAX)
     assert e.value.args[1] == int(nvte.Status.NOT_SUPPORTED)

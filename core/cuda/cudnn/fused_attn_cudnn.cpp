@@ -11,21 +11,21 @@
 // are heavy to compile, so only this file and fused_attn_cudnn_fp8.cpp include them
 // (fused_attn_cudnn_internal.h).
 //
-// Supported here: BF16/FP16, BSHD/SBHD (all packed forms) and pure THD (below), no_mask / causal /
+// Supported here: BF16/FP16, BSHD/SBHD (all packed forms), THD (below), no_mask / causal /
 // causal_bottom_right / padding / padding_causal(_bottom_right) (padding from cu_seqlens),
 // no bias or post-scale bias, ALiBi with the default slopes, GQA/MQA, head_dim_qk != head_dim_v
 // where cuDNN accepts it, dropout from rng_state (seed, offset) on the device, windows with
-// an unbounded right side or the causal one, paged K/V caches with BSHD/SBHD queries (below).
-// Anything else (mixed THD/BSHD layouts, paged caches with THD queries, pre-scale bias, custom
-// ALiBi slopes, float32, learnable softmax) reports NVTE_ERROR_NOT_SUPPORTED with the reason.
+// an unbounded right side or the causal one, paged K/V caches (below). Anything else (the
+// backward of THD queries over BSHD/SBHD K/V, pre-scale bias, custom ALiBi slopes, float32,
+// learnable softmax) reports NVTE_ERROR_NOT_SUPPORTED with the reason.
 //
-// Paged K/V caches (forward): cuDNN's paged attention. K and V are its containers [pages, h,
-// page_size, d] (strides of the cache's BSHD/SBHD form) and the page tables [b, 1, pages, 1] with
-// pages = ceil(max_seqlen_kv / page_size), the ones a graph reads: the caller's tables (any width)
-// are copied into the workspace with entries clamped into the cache, so neither the graph nor
-// the workspace depends on the tables' width.
+// Paged K/V caches (forward): cuDNN's paged attention. K, V are its containers [pages, h,
+// page_size, d] (the cache's BSHD/SBHD strides); the page tables [b, 1, ceil(max_seqlen_kv /
+// page_size), 1] are the caller's (any width) copied into the workspace, entries clamped into
+// the cache, so neither graph nor workspace depends on the tables' width.
 //
-// THD (Q, K, V all THD; float16/bfloat16; no bias or ALiBi): cuDNN's ragged tensors. Each tensor
+// THD (float16/bfloat16; no bias or ALiBi): cuDNN's ragged tensors. With THD queries over
+// BSHD/SBHD K/V or paged caches (TE's inference layouts) only Q and O are ragged. Each tensor
 // is [n, h, max_s, d] with its packed token and head strides plus an int32 [n + 1] ragged offset
 // array (element offset of each sequence's first token: cu_seqlens_*_padded, else cu_seqlens,
 // times the token stride), written on the device into the workspace, and the padding mask with
@@ -201,7 +201,8 @@ void common_options(fe::graph::Graph &g, const AttnParams &p, Attr &a, bool has_
   }
 }
 
-// THD: the ragged offset tensors of Q, K, V, O (int32 [b + 1]); null pointers otherwise.
+// THD: the ragged offset tensors of Q, K, V, O (int32 [b + 1]); null pointers otherwise (and for
+// K, V when only Q is THD).
 struct Ragged {
   TensorPtr off[4];
 };
@@ -211,7 +212,8 @@ Ragged ragged_offsets(fe::graph::Graph &g, const AttnParams &p) {
   const int64_t uid[4] = {kURaggedQ, kURaggedK, kURaggedV, kURaggedO};
   const char *name[4] = {"ragged_q", "ragged_k", "ragged_v", "ragged_o"};
   for (int i = 0; i < 4; ++i)
-    r.off[i] = scalar_tensor(g, uid[i], name[i], fe::DataType_t::INT32, (int64_t)p.batch + 1);
+    if (i == 0 || i == 3 || kv_thd(p))
+      r.off[i] = scalar_tensor(g, uid[i], name[i], fe::DataType_t::INT32, (int64_t)p.batch + 1);
   return r;
 }
 
@@ -328,7 +330,9 @@ size_t seqlen_bytes(const AttnParams &p) {
   return g.padding ? 2 * align256(g.batch * 4) : 0;
 }
 namespace {
-size_t page_bytes(const AttnParams &p) { return 2 * align256(p.batch * graph_pages(p) * 4); }
+// The clamped page tables: [graph batch, pages] each (THD queries: a run's rows).
+size_t page_table_bytes(const AttnParams &p) { return align256(graph_params(p).batch * graph_pages(p) * 4); }
+size_t page_bytes(const AttnParams &p) { return 2 * page_table_bytes(p); }
 size_t ragged_bytes(const AttnParams &p) {
   if (!thd(p)) return 0;
   const AttnParams g = graph_params(p);
@@ -345,6 +349,22 @@ size_t total_bytes(const AttnParams &p, const Built &b) {
 float *fp8_scalars(const AttnParams &p, const Built &b, char *ws) {
   return reinterpret_cast<float *>(ws + cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + page_bytes(p));
 }
+
+namespace {
+// Paged caches: binds the page tables of rows [start, start + the graph's batch) of the call's,
+// clamped into the cache (rows past the batch: page 0, read by no key), copied into the workspace.
+void bind_page_tables(const AttnParams &p, const Built &b, const Tensor *page_k, const Tensor *page_v, size_t start,
+                      char *ws, VariantPack &pack, cudaStream_t stream) {
+  const size_t n = graph_params(p).batch, used = graph_pages(p);
+  int32_t *pk = reinterpret_cast<int32_t *>(ws + cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p));
+  int32_t *pv = pk + page_table_bytes(p) / 4;
+  const auto rows = [&](const Tensor *t) { return static_cast<const int32_t *>(data(t)) + start * p.pages_per_seq; };
+  clamped_page_tables(rows(page_k), rows(page_v), pk, pv, n, p.batch > start ? p.batch - start : 0, p.pages_per_seq,
+                      used, p.num_pages, stream);
+  pack[kUPageK] = pk;
+  pack[kUPageV] = pv;
+}
+}  // namespace
 
 char *workspace_ptr(Tensor *ws, size_t need) {
   if (need == 0) return nullptr;
@@ -386,6 +406,7 @@ struct ThdInputs {
   float *max_logit = nullptr;       // forward with return_max_logit: the caller's max logit
   void *o = nullptr;                // forward: O
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;  // backward: the gradients
+  const Tensor *page_k = nullptr, *page_v = nullptr;  // paged caches: the page tables
 };
 
 void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, VariantPack &pack,
@@ -409,13 +430,14 @@ void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, VariantPa
   s.cu_q = i32(in.cu_q);
   s.cu_kv = i32(in.cu_kv);
   s.pad_q = i32(in.pad_q);
-  s.pad_kv = i32(in.pad_kv);
+  s.pad_kv = kv_thd(p) ? i32(in.pad_kv) : nullptr;
   s.rng = in.rng ? static_cast<const int64_t *>(data(in.rng)) : nullptr;
   s.batch = p.batch;
   s.max_q = p.max_sq;
   s.max_kv = p.max_skv;
   s.rows_q = p.rows_q;
-  s.rows_kv = p.rows_kv;
+  // BSHD/SBHD K/V or a paged cache: cu_seqlens_kv gives lengths only, never rows to clamp them by.
+  s.rows_kv = kv_thd(p) ? p.rows_kv : p.batch * p.max_skv;
   s.rule = p.rule;
   const attn::TensorPlacement *pl[4] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV], &p.out};
   for (int i = 0; i < 4; ++i) s.stride[i] = (int64_t)pl[i]->row_stride;
@@ -423,7 +445,8 @@ void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, VariantPa
   pack[kUSeqQ] = r.seq_q;
   pack[kUSeqKV] = r.seq_kv;
   const int64_t uid[4] = {kURaggedQ, kURaggedK, kURaggedV, kURaggedO};
-  for (int i = 0; i < 4; ++i) pack[uid[i]] = r.off[i];
+  for (int i = 0; i < 4; ++i)
+    if (i == 0 || i == 3 || kv_thd(p)) pack[uid[i]] = r.off[i];
   if (r.rng) {
     pack[kUSeed] = r.rng;
     pack[kUOffset] = r.rng + 1;
@@ -437,6 +460,7 @@ void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, VariantPa
   const bool fwd = in.o != nullptr;
   for (r.start = 0; r.start < p.batch; r.start += r.n) {
     ragged_run(s, r, stream);
+    if (p.layout.paged) bind_page_tables(p, b, in.page_k, in.page_v, r.start, ws, pack, stream);
     if (scratch && !fwd) ragged_stats(in.stats, scratch, s, r, p.h_q, false, stream);
     execute(b, pack, ws, stream);
     if (fwd) {
@@ -479,18 +503,12 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
                  p.is_training || p.return_max_logit ? stats : nullptr};
     in.max_logit = p.return_max_logit ? max_logit : nullptr;
     in.o = data(t.o);
+    in.page_k = t.page_k;
+    in.page_v = t.page_v;
     return run_thd(p, *b, in, pack, ws, stream);
   }
   bind_seqlens(p, t.cu_q, t.cu_kv, ws ? ws + cudnn_bytes(*b) : nullptr, pack, stream);
-  if (p.layout.paged) {
-    const auto table = [](const Tensor *x) { return static_cast<const int32_t *>(data(x)); };
-    int32_t *pk = reinterpret_cast<int32_t *>(ws + cudnn_bytes(*b) + seqlen_bytes(p) + ragged_bytes(p));
-    int32_t *pv = pk + align256(p.batch * graph_pages(p) * 4) / 4;
-    clamped_page_tables(table(t.page_k), table(t.page_v), pk, pv, p.batch, p.pages_per_seq, graph_pages(p),
-                        p.num_pages, stream);
-    pack[kUPageK] = pk;
-    pack[kUPageV] = pv;
-  }
+  if (p.layout.paged) bind_page_tables(p, *b, t.page_k, t.page_v, 0, ws, pack, stream);
   execute(*b, pack, ws, stream);
   if (p.return_max_logit) {
     const auto seq = [&](int64_t uid) { return p.padding ? static_cast<const int32_t *>(pack.at(uid)) : nullptr; };

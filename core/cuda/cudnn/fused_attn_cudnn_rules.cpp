@@ -9,6 +9,7 @@
 namespace nvte::cuda::cudnn_attn {
 
 bool thd(const AttnParams &p) { return p.layout.q_format == NVTE_THD; }
+bool kv_thd(const AttnParams &p) { return p.layout.kv_format == NVTE_THD; }
 
 bool bottom_right(const AttnParams &p) {
   return p.rule.bottom_right && (p.padding || thd(p) || p.max_sq != p.max_skv);
@@ -64,7 +65,7 @@ std::string thd_unsupported_reason(const AttnParams &p) {
   const size_t rows[4] = {p.rows_q, p.rows_kv, p.rows_kv, p.rows_q};
   const char *names[4] = {"Q", "K", "V", "O"};
   for (int i = 0; i < 4; ++i) {
-    if (rows[i] * pl[i]->row_stride >= (size_t(1) << 31))
+    if ((i == 0 || i == 3 || kv_thd(p)) && rows[i] * pl[i]->row_stride >= (size_t(1) << 31))
       return concat("THD tensor ", names[i], " spans ", rows[i] * pl[i]->row_stride,
                     " elements; cuDNN's ragged offsets are int32, so the GPU takes THD tensors of fewer than 2^31");
   }
@@ -83,12 +84,12 @@ std::string unsupported_reason(const AttnParams &p) {
   if (is_fp8(p.dtype)) return fp8_unsupported_reason(p);
   if (p.dtype != kNVTEBFloat16 && p.dtype != kNVTEFloat16)
     return concat("cuDNN attention takes bfloat16/float16 Q, K, V; got ", dtype_name(p.dtype));
-  if (p.layout.paged && thd(p))
-    return concat("layout ", p.layout.name, " (paged K/V caches with THD queries) is not supported by the CUDA "
-                  "backend; paged caches run with BSHD/SBHD queries");
-  if ((p.layout.q_format == NVTE_THD) != (p.layout.kv_format == NVTE_THD))
-    return concat("layout ", p.layout.name, " mixes THD with BSHD/SBHD, which the CUDA backend does not support "
-                  "(THD runs with Q, K and V all THD)");
+  if (kv_thd(p) && !thd(p))
+    return concat("layout ", p.layout.name, " (THD K/V with BSHD/SBHD queries) is not supported by the CUDA backend");
+  // THD queries over BSHD/SBHD K/V (TE's inference layouts): forward only on the GPU.
+  if (thd(p) && !kv_thd(p) && !p.layout.paged && p.is_training)
+    return concat("layout ", p.layout.name, " (THD queries, BSHD/SBHD K/V) runs on the GPU for inference only "
+                  "(is_training false); its backward is not supported by the CUDA backend");
   if (thd(p)) {
     const std::string r = thd_unsupported_reason(p);
     if (!r.empty()) return r;
@@ -109,9 +110,14 @@ AttnParams graph_params(const AttnParams &p) {
   AttnParams g = p;
   g.padding = true;
   g.max_sq = pow2_at_least(p.max_sq);
-  g.max_skv = pow2_at_least(p.max_skv);
   const auto per = [](size_t rows, size_t s) { return (rows + s - 1) / s; };
-  g.batch = pow2_at_least(std::max(per(p.rows_q, g.max_sq), per(p.rows_kv, g.max_skv)));
+  if (!kv_thd(p) && !p.layout.paged) {  // K/V tensors [b, s] / [s, b]: their batch, one run
+    g.batch = std::max<size_t>(p.batch, 1);
+    return g;
+  }
+  // A paged cache's pages are read through the tables, whatever the batch.
+  if (kv_thd(p)) g.max_skv = pow2_at_least(p.max_skv);
+  g.batch = pow2_at_least(std::max(per(p.rows_q, g.max_sq), kv_thd(p) ? per(p.rows_kv, g.max_skv) : size_t(0)));
   return g;
 }
 

@@ -10,8 +10,10 @@
 namespace nvte::cuda::cudnn_attn {
 using attn::AttnParams;
 
-// Whether the call is THD (mixed THD/BSHD layouts are rejected by unsupported_reason).
+// Whether Q is THD (the THD runs of fused_attn_cudnn.cpp); kv_thd: whether K/V are too (else
+// they are BSHD/SBHD tensors or paged caches: TE's inference layouts thd_2bshd, thd_2sbhd).
 bool thd(const AttnParams &p);
+bool kv_thd(const AttnParams &p);
 
 // Whether the call needs bottom-right alignment: without padding and with max_seqlen_q ==
 // max_seqlen_kv the bottom-right diagonal is the top-left one, and the graphs use top-left
@@ -22,9 +24,9 @@ bool bottom_right(const AttnParams &p);
 std::string unsupported_reason(const AttnParams &p);
 
 // The parameters a graph is built from: p itself, or for THD p with the padding mask,
-// max_seqlen rounded up to a power of two (THD's max_seqlen changes from batch to batch: this
-// bounds the number of graphs) and the run's batch. They depend only on what the workspace
-// queries see.
+// max_seqlen of each THD side rounded up to a power of two (THD's max_seqlen changes from batch
+// to batch: this bounds the number of graphs) and the run's batch (THD Q with BSHD/SBHD K/V: the
+// call's batch, one run). They depend only on what the workspace queries see.
 AttnParams graph_params(const AttnParams &p);
 
 }  // namespace nvte::cuda::cudnn_attn

@@ -19,14 +19,14 @@ __global__ void seqlens_kernel(const int32_t *cu_q, const int32_t *cu_kv, int32_
 
 __device__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// One thread per entry of the [batch, used] copies of both page tables.
+// One thread per entry of the [rows, used] copies of both page tables.
 __global__ void page_tables_kernel(const int32_t *k, const int32_t *v, int32_t *k_out, int32_t *v_out,
-                                   size_t batch, size_t width, size_t used, int32_t num_pages) {
+                                   size_t rows, size_t valid, size_t width, size_t used, int32_t num_pages) {
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= batch * used) return;
-  const size_t src = (i / used) * width + i % used;
-  k_out[i] = (int32_t)clamp64(k[src], 0, (int64_t)num_pages - 1);
-  v_out[i] = (int32_t)clamp64(v[src], 0, (int64_t)num_pages - 1);
+  if (i >= rows * used) return;
+  const size_t row = i / used, src = row * width + i % used;
+  k_out[i] = row < valid ? (int32_t)clamp64(k[src], 0, (int64_t)num_pages - 1) : 0;
+  v_out[i] = row < valid ? (int32_t)clamp64(v[src], 0, (int64_t)num_pages - 1) : 0;
 }
 
 struct Span {
@@ -170,11 +170,11 @@ void seqlens_from_cu(const int32_t *cu_q, const int32_t *cu_kv, int32_t *seq_q, 
   NVTE_CHECK_LAUNCH();
 }
 
-void clamped_page_tables(const int32_t *k, const int32_t *v, int32_t *k_out, int32_t *v_out, size_t batch,
-                         size_t width, size_t used, size_t num_pages, cudaStream_t stream) {
-  if (batch * used == 0) return;
-  page_tables_kernel<<<(unsigned)((batch * used + 255) / 256), 256, 0, stream>>>(k, v, k_out, v_out, batch, width,
-                                                                                 used, (int32_t)num_pages);
+void clamped_page_tables(const int32_t *k, const int32_t *v, int32_t *k_out, int32_t *v_out, size_t rows,
+                         size_t valid, size_t width, size_t used, size_t num_pages, cudaStream_t stream) {
+  if (rows * used == 0) return;
+  page_tables_kernel<<<(unsigned)((rows * used + 255) / 256), 256, 0, stream>>>(k, v, k_out, v_out, rows, valid,
+                                                                                width, used, (int32_t)num_pages);
   NVTE_CHECK_LAUNCH();
 }
 

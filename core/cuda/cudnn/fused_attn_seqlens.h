@@ -18,11 +18,12 @@ namespace nvte::cuda {
 void seqlens_from_cu(const int32_t *cu_q, const int32_t *cu_kv, int32_t *seq_q, int32_t *seq_kv, size_t batch,
                      size_t max_q, size_t max_kv, cudaStream_t stream);
 
-// Paged K/V caches: the first `used` entries of each row of both page tables ([batch, width] ->
-// [batch, used]), clamped to [0, num_pages - 1] so that a malformed table cannot send cuDNN
-// outside the caches (the CPU backend reports such entries; here they read some page).
-void clamped_page_tables(const int32_t *k, const int32_t *v, int32_t *k_out, int32_t *v_out, size_t batch,
-                         size_t width, size_t used, size_t num_pages, cudaStream_t stream);
+// Paged K/V caches: the first `used` entries of `rows` rows of both page tables ([.., width] ->
+// [rows, used]), clamped to [0, num_pages - 1] so that a malformed table cannot send cuDNN
+// outside the caches (the CPU backend reports such entries; here they read some page). Rows
+// from `valid` on (sequences past the batch in a THD run) get page 0; their tables are not read.
+void clamped_page_tables(const int32_t *k, const int32_t *v, int32_t *k_out, int32_t *v_out, size_t rows,
+                         size_t valid, size_t width, size_t used, size_t num_pages, cudaStream_t stream);
 
 // THD (ragged) inputs of one cuDNN graph run over sequences [start, start + n) of a packed batch.
 // cuDNN takes each tensor as [n, h, max_s, d] with the packed token stride and a ragged offset

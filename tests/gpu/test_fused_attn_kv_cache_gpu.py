@@ -1,10 +1,13 @@
-"""Paged K/V caches (layouts NVTE_Paged_KV_*, forward only) on the CUDA backend (cuDNN's paged
-attention) against the CPU backend and float64, with the rule of test_fused_attn_gpu.py.
+"""TE's K/V-cache inference layouts on the CUDA backend, forward only, against the CPU backend and
+float64 with the rule of test_fused_attn_gpu.py: paged K/V caches (NVTE_Paged_KV_*, cuDNN's paged
+attention; BSHD, SBHD or THD queries) and THD queries over plain BSHD/SBHD K/V (thd_bshd_bshd,
+thd_sbhd_sbhd).
 
-K and V are caches of pages in a random order, read through separate page tables whose unused
-entries are -1 (the CUDA backend clamps table entries into the cache). Cache slots no sequence
-uses hold large finite values: cuDNN reads whole pages, so its masking must keep them out (NaN
-there would also poison P V with 0 x NaN, which real caches with stale data never hold)."""
+Paged: K and V are caches of pages in a random order, read through separate page tables whose
+unused entries are -1 (the CUDA backend clamps table entries into the cache). Cache slots and
+K/V positions no sequence uses hold large finite values: cuDNN reads whole pages and tiles, so
+its masking must keep them out (NaN there would also poison P V with 0 x NaN, which real caches
+with stale data never hold). THD queries are packed without gaps."""
 import pytest
 import torch
 
@@ -16,19 +19,38 @@ from gpu_util import T
 
 PAGED = ["NVTE_Paged_KV_BSHD_BSHD_BSHD", "NVTE_Paged_KV_BSHD_SBHD_SBHD", "NVTE_Paged_KV_SBHD_BSHD_BSHD",
          "NVTE_Paged_KV_SBHD_SBHD_SBHD"]
+THD_Q = ["NVTE_THD_BSHD_BSHD", "NVTE_THD_SBHD_SBHD", "NVTE_Paged_KV_THD_BSHD_BSHD", "NVTE_Paged_KV_THD_SBHD_SBHD"]
 
 
 def formats(layout):
-    """(Q's format, the caches' format) of a paged layout name."""
-    parts = layout[len("NVTE_Paged_KV_"):].lower().split("_")
-    return parts[0], parts[1]
+    """(Q's format, K/V's format, paged) of a layout name."""
+    paged = layout.startswith("NVTE_Paged_KV_")
+    parts = layout[len("NVTE_Paged_KV_" if paged else "NVTE_"):].lower().split("_")
+    return parts[0], parts[1], paged
+
+
+def kv_inputs(c, k, v, page_size, spare, seed):
+    """Paged layouts: paged_caches; otherwise K, V [b, skv, h, d] in the K/V format with large
+    values past each sequence's length, and no tables."""
+    _, kvf, paged = formats(c.layout)
+    if paged:
+        return paged_caches(c, k, v, page_size, spare, seed)
+    g = torch.Generator().manual_seed(seed)
+    _, _, lkv, _, _ = lengths(c)
+    out = []
+    for x in (k, v):
+        y = x.clone()
+        for bi in range(c.b):
+            y[bi, lkv[bi]:] = 100.0 * torch.randn(y[bi, lkv[bi]:].shape, generator=g, dtype=torch.float64)
+        out.append((y if kvf == "bshd" else y.transpose(0, 1).contiguous(), None))
+    return out
 
 
 def paged_caches(c, k, v, page_size, spare, seed):
     """K and V caches (the layout's K/V format) holding each sequence's keys at the pages its
     table names, and the int32 [b, pages] tables (entries no key uses: -1)."""
     g = torch.Generator().manual_seed(seed)
-    _, kvf = formats(c.layout)
+    _, kvf, _ = formats(c.layout)
     _, _, lkv, _, _ = lengths(c)
     per = -(-c.skv // page_size)
     n = c.b * per + spare
@@ -44,11 +66,30 @@ def paged_caches(c, k, v, page_size, spare, seed):
     return out
 
 
+def q_rows(c, q, qf):
+    """Q in its format: [b, s, h, d], [s, b, h, d], or THD [t, h, d] (sequences packed)."""
+    _, lq, _, _, _ = lengths(c)
+    if qf == "thd":
+        return torch.cat([q[bi, :lq[bi]] for bi in range(c.b)])
+    return q if qf == "bshd" else q.transpose(0, 1)
+
+
+def canon_o(c, o, qf):
+    """O in its format -> canonical float64 [b, sq, h, dv] (THD: zeros past each length)."""
+    if qf != "thd":
+        return (o if qf == "bshd" else o.transpose(0, 1)).double().cpu()
+    _, lq, _, cuq, _ = lengths(c)
+    out = torch.zeros(c.b, c.sq, c.hq, c.dv, dtype=torch.float64)
+    for bi in range(c.b):
+        out[bi, :lq[bi]] = o[cuq[bi]:cuq[bi + 1]].double().cpu()
+    return out
+
+
 def run_paged(c, dev, q, kv_caches, training):
     """One forward on dev: canonical float64 O [b, sq, h, dv] and (training) the statistics."""
     nd, dt = nv_dtype(c), DTYPES[c.dtype]
-    qf, _ = formats(c.layout)
-    tq = (q if qf == "bshd" else q.transpose(0, 1)).to(dt).to(dev).contiguous()
+    qf, _, _ = formats(c.layout)
+    tq = q_rows(c, q, qf).to(dt).to(dev).contiguous()
     (kc, tk), (vc, tv) = kv_caches
     kk, vv = kc.to(dt).to(dev), vc.to(dt).to(dev)
     _, _, _, cuq, cukv = lengths(c)
@@ -60,7 +101,8 @@ def run_paged(c, dev, q, kv_caches, training):
     wsf = torch.empty(max(ws, 1), dtype=torch.uint8, device=dev)
     kw = dict(Bias=None, SoftmaxOffset=None, S=None, cu_seqlens_q=T(cuq.to(dev)).t,
               cu_seqlens_kv=T(cukv.to(dev)).t, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
-              page_table_k=T(tk.to(dev)).t, page_table_v=T(tv.to(dev)).t,
+              page_table_k=T(tk.to(dev)).t if tk is not None else None,
+              page_table_v=T(tv.to(dev)).t if tv is not None else None,
               rng_state=T(torch.tensor([1, 0], dtype=torch.int64, device=dev)).t, is_training=training,
               return_max_logit=False, cuda_graph=False, workspace=T(wsf).t, **sc)
     ot = handle(o, nd)
@@ -75,12 +117,12 @@ def run_paged(c, dev, q, kv_caches, training):
         nvte.fused_attn_fwd(*H, O=ot, aux=None, **kw)
     if dev == "cuda":
         torch.cuda.synchronize()
-    return (o if qf == "bshd" else o.transpose(0, 1)).double().cpu(), stats
+    return canon_o(c, o, qf), stats
 
 
-def check_paged(c, page_size, spare=5, training=False):
+def check_paged(c, page_size=16, spare=5, training=False):
     q, k, v, do, _ = inputs(c)
-    caches = paged_caches(c, k, v, page_size, spare, c.seed + 1)
+    caches = kv_inputs(c, k, v, page_size, spare, c.seed + 1)
     got, got_stats = run_paged(c, "cuda", q, caches, training)
     cpu, cpu_stats = run_paged(c, "cpu", q, caches, training)
     ref = zero_padding(c, reference(c, q, k, v, do, None))["o"]
@@ -125,6 +167,30 @@ def test_paged_training_forward_statistics():
                      mask="padding_causal", lens_q=[64, 30], lens_kv=[128, 50]), page_size=16, training=True)
 
 
+@pytest.mark.parametrize("layout", THD_Q)
+@pytest.mark.parametrize("mask", ["padding", "padding_causal_bottom_right"])
+def test_thd_queries_over_kv_cache(layout, mask):
+    """Chunked prefill: a few new tokens per sequence (one sequence without any) against caches of
+    other lengths."""
+    check_paged(Case(layout=layout, b=4, sq=32, skv=160, hq=8, hkv=2, d=128, mask=mask, lens_q=[32, 5, 0, 17],
+                     lens_kv=[160, 5, 33, 100]), page_size=16)
+
+
+@pytest.mark.parametrize("layout", ["NVTE_THD_BSHD_BSHD", "NVTE_Paged_KV_THD_BSHD_BSHD"])
+def test_thd_queries_decode_many_runs(layout):
+    """One long prefill and many one-token sequences: the THD graph's batch is 2 here (tokens /
+    rounded max_seqlen_q), so the call runs the graph over the sequences in 5 runs."""
+    lens_q = [64] + [1] * 9
+    check_paged(Case(layout=layout, b=10, sq=64, skv=96, hq=4, hkv=4, d=64, mask="padding_causal_bottom_right",
+                     lens_q=lens_q, lens_kv=[64] + [3 + 9 * i for i in range(9)]), page_size=8)
+
+
+def test_paged_thd_training_forward_statistics():
+    check_paged(Case(layout="NVTE_Paged_KV_THD_SBHD_SBHD", b=3, sq=32, skv=64, hq=4, hkv=2, d=64,
+                     mask="padding_causal_bottom_right", lens_q=[32, 1, 9], lens_kv=[64, 20, 9]), page_size=16,
+                training=True)
+
+
 def test_paged_out_of_range_entry_is_clamped():
     """An entry naming no page reads a page of the cache (clamped), never memory outside it; the
     CPU backend reports it instead (tests/core/test_fused_attn.py)."""
@@ -138,23 +204,6 @@ def test_paged_out_of_range_entry_is_clamped():
     assert torch.isfinite(o).all()
 
 
-def test_paged_thd_queries_are_not_supported():
-    c = Case(layout="NVTE_Paged_KV_THD_BSHD_BSHD", b=2, sq=16, skv=32, hq=2, hkv=2, d=64, mask="padding")
-    q = torch.zeros(32, 2, 64, dtype=torch.bfloat16, device="cuda")
-    kc = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
-    nd = nvte.DType.kBFloat16
-    table = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
-    cu = torch.tensor([0, 16, 32], dtype=torch.int32, device="cuda")
-    sc = scalars(c)
-    with pytest.raises(nvte.Error, match="paged K/V caches with THD queries") as e:
-        nvte.fused_attn_fwd(handle(q, nd), handle(kc, nd), handle(kc, nd), O=handle(q.clone(), nd), aux=None,
-                            Bias=None, SoftmaxOffset=None, S=None, cu_seqlens_q=T(cu).t, cu_seqlens_kv=T(cu).t,
-                            cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=T(table).t,
-                            page_table_v=T(table).t, rng_state=None, is_training=False, return_max_logit=False,
-                            cuda_graph=False, workspace=None, **sc)
-    assert e.value.args[1] == int(nvte.Status.NOT_SUPPORTED)
-
-
 def test_paged_backend_query():
     args = dict(is_training=False, q_dtype=nvte.DType.kBFloat16, kv_dtype=nvte.DType.kBFloat16,
                 bias_type=nvte.NVTE_Bias_Type.NVTE_NO_BIAS, softmax_type=nvte.NVTE_Softmax_Type.NVTE_VANILLA_SOFTMAX,
@@ -163,5 +212,9 @@ def test_paged_backend_query():
     B = nvte.NVTE_Fused_Attn_Backend
     L = nvte.NVTE_QKV_Layout
     assert nvte.get_fused_attn_backend(qkv_layout=L.NVTE_Paged_KV_BSHD_BSHD_BSHD, **args) == B.NVTE_F16_arbitrary_seqlen
-    assert nvte.get_fused_attn_backend(qkv_layout=L.NVTE_Paged_KV_THD_BSHD_BSHD, **args) == B.NVTE_No_Backend
-    assert "THD queries" in nvte.get_last_error()
+    assert nvte.get_fused_attn_backend(qkv_layout=L.NVTE_Paged_KV_THD_BSHD_BSHD, **args) == B.NVTE_F16_arbitrary_seqlen
+    assert nvte.get_fused_attn_backend(qkv_layout=L.NVTE_THD_SBHD_SBHD, **args) == B.NVTE_F16_arbitrary_seqlen
+    # THD queries over plain K/V: inference only on the GPU (their backward is not supported there)
+    assert nvte.get_fused_attn_backend(qkv_layout=L.NVTE_THD_BSHD_BSHD, **dict(args, is_training=True)) == \
+        B.NVTE_No_Backend
+    assert "for inference only" in nvte.get_last_error()
