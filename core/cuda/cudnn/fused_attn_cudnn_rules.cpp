@@ -28,8 +28,11 @@ std::string bottom_right_reason(const AttnParams &p) {
 std::string fp8_unsupported_reason(const AttnParams &p) {
   if (p.dtype != kNVTEFloat8E4M3)
     return concat("cuDNN FP8 attention takes float8_e4m3 Q, K, V; got ", dtype_name(p.dtype));
+  // cuDNN's FP8 backward takes no ragged (THD) tensors on Hopper (frontend 1.32's sdpa_fp8_backward
+  // check), so FP8 THD training cannot run there; paged caches are not taken with FP8 at all.
   if (p.layout.q_format == NVTE_THD || p.layout.kv_format == NVTE_THD || p.layout.paged)
-    return concat("layout ", p.layout.name, " (THD / paged) is not supported by the CUDA FP8 attention yet");
+    return concat("layout ", p.layout.name, " (THD / paged) is not supported by the CUDA FP8 attention (cuDNN's "
+                  "FP8 backward takes no THD tensors on Hopper)");
   if (p.softmax_type != NVTE_VANILLA_SOFTMAX) return "FP8 attention on the GPU takes the vanilla softmax only";
   if (p.bias_type != NVTE_NO_BIAS) return "FP8 attention has no bias or ALiBi (cuDNN's sdpa_fp8, as in TE)";
   // cuDNN's sdpa_fp8 graphs take dropout, but with cuDNN 9.19 the forward kernel (sm90 flash
