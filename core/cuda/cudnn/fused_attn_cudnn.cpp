@@ -24,22 +24,19 @@
 // page_size), 1] are the caller's (any width) copied into the workspace, entries clamped into
 // the cache, so neither graph nor workspace depends on the tables' width.
 //
-// THD (float16/bfloat16; no bias or ALiBi): cuDNN's ragged tensors. With THD queries over
-// BSHD/SBHD K/V or paged caches (TE's inference layouts) only Q and O are ragged. Each tensor
-// is [n, h, max_s, d] with its packed token and head strides plus an int32 [n + 1] ragged offset
-// array (element offset of each sequence's first token: cu_seqlens_*_padded, else cu_seqlens,
-// times the token stride), written on the device into the workspace, and the padding mask with
-// lengths from cu_seqlens (THD always has them, whatever the mask type says). The workspace
-// queries see no cu_seqlens, so the graph's batch n cannot be the call's: n is fixed by the token
-// counts and max_seqlen (the power of two >= rows / max_seqlen, so the workspace scales with the
-// tokens) and a call runs the graph over sequences [0, n), [n, 2n), ...; empty sequences fill
-// the last run. The graph's max_seqlen is rounded up to a power of two (it changes from batch to
-// batch in THD training; this bounds the graphs built). The statistics go through an
-// [n, h, graph max_sq] scratch (the caller's buffer has the call's batch and max_sq; rows past a
-// sequence's length get -inf, as on the CPU). Query rows that see no
-// key (empty K/V sequence, bottom-right causal with more queries than keys) are not cuDNN's
-// business: their O / dQ rows are zeroed after each run and the backward gives cuDNN +inf
-// statistics there. Offsets are int32: a tensor of 2^31 elements or more is NOT_SUPPORTED.
+// THD (float16/bfloat16; no bias or ALiBi): cuDNN's ragged tensors [n, h, max_s, d] (packed token
+// and head strides) with int32 [n + 1] ragged offsets (each sequence's first token, from
+// cu_seqlens_*_padded or cu_seqlens, times the token stride) written into the workspace on the
+// device, and the padding mask with lengths from cu_seqlens. THD queries over BSHD/SBHD K/V or
+// paged caches (TE's inference layouts): only Q and O are ragged. The workspace queries see no
+// cu_seqlens, so with THD K/V or paged caches the graph's batch n is fixed by the token counts
+// (the power of two >= rows / max_seqlen) and a call runs it over sequences [0, n), [n, 2n), ...
+// (empty ones fill the last run); with BSHD/SBHD K/V, n is their batch (one run). A THD side's
+// max_seqlen is rounded up to a power of two (it changes from batch to batch; this bounds the
+// graphs built). Statistics go through an [n, h, graph max_sq] scratch (rows past a length get
+// -inf, as on the CPU). Query rows that see no key are not cuDNN's business: their O / dQ rows
+// are zeroed after each run and the backward gives cuDNN +inf statistics there. Offsets are
+// int32: a ragged tensor of 2^31 elements or more is NOT_SUPPORTED.
 //
 // return_max_logit (float16/bfloat16, BSHD/SBHD and THD): the forward graph outputs cuDNN's Max
 // (row maximum of the softmax input, i.e. of the scaled logits with bias, ALiBi and masks
