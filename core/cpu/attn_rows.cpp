@@ -79,8 +79,6 @@ void fill_side(const AttnParams &p, bool from_cu, bool thd, const Tensor *cu, co
   }
 }
 
-}  // namespace
-
 // A page table's entries for the keys each sequence has, checked to name a page of the cache.
 std::vector<int32_t> page_table(const AttnParams &p, const Tensor *t, const char *name,
                                 const std::vector<int64_t> &len_kv) {
@@ -98,6 +96,8 @@ std::vector<int32_t> page_table(const AttnParams &p, const Tensor *t, const char
   }
   return table;
 }
+
+}  // namespace
 
 SeqBounds seq_bounds(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv,
                      const Tensor *cu_q_padded, const Tensor *cu_kv_padded, const Tensor *page_k,
