@@ -14,7 +14,8 @@ import torch
 
 from transformer_engine import _nvte as nvte
 
-from attn_gpu_util import BT, L, M, ST, Case, check, check_logit_aux, handle, inputs, nv_dtype, run, scalars, to_layout
+from attn_gpu_util import BT, L, M, ST, Case, check, check_logit_aux, compare_rows, handle, inputs, nv_dtype, run, \
+    scalars, to_layout
 from gpu_util import T
 
 LAYOUTS = ["NVTE_BSHD_BSHD_BSHD", "NVTE_SBHD_SBHD_SBHD", "NVTE_BS3HD", "NVTE_SB3HD", "NVTE_BSH3D",
@@ -57,6 +58,22 @@ def test_sliding_window(mask, wl):
     padded = mask.startswith("padding")
     check(Case(mask=mask, wl=wl, sq=96, skv=96, lens_q=[96, 41] if padded else None,
                lens_kv=[96, 41] if padded else None))
+
+
+@pytest.mark.parametrize("mask,lens_q,lens_kv", [("causal_bottom_right", None, None),
+                                                  ("padding_causal_bottom_right", [1, 0, 1], [200, 5, 0]),
+                                                  ("padding", [1, 0, 1], [200, 5, 0])])
+def test_decode_step(mask, lens_q, lens_kv):
+    """One query row per sequence (cuDNN's decode kernel): a bottom-right causal mask is left out of
+    the graph (it hides nothing there); forward and backward must match, and a sequence without
+    queries must keep zero O / gradient rows and -inf statistics (the decode kernel writes its row
+    0: the library zeroes it again)."""
+    c = Case(b=3, sq=1, skv=200, hq=8, hkv=2, d=128, mask=mask, lens_q=lens_q, lens_kv=lens_kv)
+    check(c)
+    q, k, v, do, bias = inputs(c)
+    rng_state = torch.tensor([123, 0], dtype=torch.int64)
+    got, cpu = (run(c, dev, q, k, v, do, bias, rng_state, backward=False) for dev in ("cuda", "cpu"))
+    compare_rows("statistics", got["aux"][0], cpu["aux"][0])
 
 
 def test_post_scale_bias():

@@ -162,6 +162,14 @@ def test_paged_decode_step():
                 page_size=32)
 
 
+@pytest.mark.parametrize("layout", ["NVTE_THD_BSHD_BSHD", "NVTE_Paged_KV_THD_BSHD_BSHD", "NVTE_Paged_KV_BSHD_BSHD_BSHD"])
+def test_decode_step_with_empty_sequences(layout):
+    """max_seqlen_q 1 with sequences without queries (and one without keys): their O rows stay zero
+    and no other sequence's row is touched (THD graphs take max_seqlen_q >= 2 for this)."""
+    check_paged(Case(layout=layout, b=5, sq=1, skv=64, hq=4, hkv=2, d=64, mask="padding_causal_bottom_right",
+                     lens_q=[1, 0, 1, 0, 1], lens_kv=[64, 7, 0, 0, 33]), page_size=16)
+
+
 def test_paged_training_forward_statistics():
     check_paged(Case(layout="NVTE_Paged_KV_SBHD_BSHD_BSHD", b=2, sq=64, skv=128, hq=4, hkv=2, d=64,
                      mask="padding_causal", lens_q=[64, 30], lens_kv=[128, 50]), page_size=16, training=True)

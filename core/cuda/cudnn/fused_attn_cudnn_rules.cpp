@@ -15,6 +15,10 @@ bool bottom_right(const AttnParams &p) {
   return p.rule.bottom_right && (p.padding || thd(p) || p.max_sq != p.max_skv);
 }
 
+bool causal_hides_nothing(const AttnParams &p) {
+  return p.rule.causal && bottom_right(p) && p.max_sq == 1 && p.rule.window_left < 0;
+}
+
 namespace {
 // cuDNN's SDPA (forward and backward, FP8 too) rejects a bottom-right causal mask together with a
 // bias, ALiBi or dropout; said here so that the backend query knows it.
@@ -112,7 +116,9 @@ AttnParams graph_params(const AttnParams &p) {
   if (!thd(p)) return p;
   AttnParams g = p;
   g.padding = true;
-  g.max_sq = pow2_at_least(p.max_sq);
+  // At least 2: with max_seqlen_q 1, cuDNN 9.19's decode kernel writes row 0 of an empty query
+  // sequence, which in THD is the next sequence's first token (zero_empty_sequences fixes BSHD).
+  g.max_sq = std::max<size_t>(pow2_at_least(p.max_sq), 2);
   const auto per = [](size_t rows, size_t s) { return (rows + s - 1) / s; };
   if (!kv_thd(p) && !p.layout.paged) {  // K/V tensors [b, s] / [s, b]: their batch, one run
     g.batch = std::max<size_t>(p.batch, 1);

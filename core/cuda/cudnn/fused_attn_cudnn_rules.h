@@ -20,6 +20,10 @@ bool kv_thd(const AttnParams &p);
 // (which cuDNN takes with windows, bias and dropout; Hopper's FP8 graphs take no bottom-right).
 bool bottom_right(const AttnParams &p);
 
+// Whether the call's bottom-right causal mask hides nothing: one query row per sequence
+// (max_seqlen_q 1, the decode step) sees every key j <= len_kv - 1, i.e. all of them.
+bool causal_hides_nothing(const AttnParams &p);
+
 // Why cuDNN cannot run the call ("" when it can), FP8 or float16/bfloat16.
 std::string unsupported_reason(const AttnParams &p);
 

@@ -19,6 +19,23 @@ __global__ void seqlens_kernel(const int32_t *cu_q, const int32_t *cu_kv, int32_
 
 __device__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
+// One thread per element of the rows of sequences without queries.
+__global__ void zero_empty_sequences_kernel(uint8_t *base, const int32_t *seq_q, size_t batch, size_t seq, bool sbhd,
+                                            size_t row_stride, size_t heads, size_t head_stride, size_t row_bytes) {
+  const size_t total = batch * seq * heads * row_bytes;
+  for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
+    const size_t e = x % row_bytes, h = x / row_bytes % heads, s = x / row_bytes / heads % seq,
+                 b = x / row_bytes / heads / seq;
+    if (seq_q[b] != 0) continue;
+    base[(sbhd ? s * batch + b : b * seq + s) * row_stride + h * head_stride + e] = 0;
+  }
+}
+
+__global__ void stats_without_queries_kernel(float *stats, const int32_t *seq_q, size_t batch, size_t rows) {
+  const size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (x < batch * rows && seq_q[x / rows] == 0) stats[x] = -INFINITY;
+}
+
 // One thread per entry of the [rows, used] copies of both page tables.
 __global__ void page_tables_kernel(const int32_t *k, const int32_t *v, int32_t *k_out, int32_t *v_out,
                                    size_t rows, size_t valid, size_t width, size_t used, int32_t num_pages) {
@@ -167,6 +184,24 @@ void seqlens_from_cu(const int32_t *cu_q, const int32_t *cu_kv, int32_t *seq_q, 
   if (batch == 0) return;
   seqlens_kernel<<<(unsigned)((batch + 255) / 256), 256, 0, stream>>>(cu_q, cu_kv, seq_q, seq_kv, batch,
                                                                       (int32_t)max_q, (int32_t)max_kv);
+  NVTE_CHECK_LAUNCH();
+}
+
+void zero_empty_sequences(void *base, const int32_t *seq_q, size_t batch, size_t seq, bool sbhd,
+                          size_t row_stride_bytes, size_t heads, size_t head_stride_bytes, size_t row_bytes,
+                          cudaStream_t stream) {
+  const size_t total = batch * seq * heads * row_bytes;
+  if (total == 0) return;
+  zero_empty_sequences_kernel<<<grid_for(total, 256, 8), 256, 0, stream>>>(
+      static_cast<uint8_t *>(base), seq_q, batch, seq, sbhd, row_stride_bytes, heads, head_stride_bytes, row_bytes);
+  NVTE_CHECK_LAUNCH();
+}
+
+void stats_without_queries(float *stats, const int32_t *seq_q, size_t batch, size_t h, size_t max_q,
+                           cudaStream_t stream) {
+  if (stats == nullptr || batch * h * max_q == 0) return;
+  stats_without_queries_kernel<<<(unsigned)((batch * h * max_q + 255) / 256), 256, 0, stream>>>(stats, seq_q, batch,
+                                                                                              h * max_q);
   NVTE_CHECK_LAUNCH();
 }
 

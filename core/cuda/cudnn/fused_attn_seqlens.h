@@ -18,6 +18,17 @@ namespace nvte::cuda {
 void seqlens_from_cu(const int32_t *cu_q, const int32_t *cu_kv, int32_t *seq_q, int32_t *seq_kv, size_t batch,
                      size_t max_q, size_t max_kv, cudaStream_t stream);
 
+// BSHD/SBHD padding graphs with max_seqlen_q 1: cuDNN 9.19's decode kernel writes O row 0 of a
+// sequence whose seq_q is 0 (seen on an H100), so after such a graph every token row of the
+// sequences b with seq_q[b] == 0 of a tensor (O; dQ, dK, dV after the backward) is zeroed again.
+// Strides and sizes in bytes; one byte per thread (decode tensors are small).
+void zero_empty_sequences(void *base, const int32_t *seq_q, size_t batch, size_t seq, bool sbhd,
+                          size_t row_stride_bytes, size_t heads, size_t head_stride_bytes, size_t row_bytes,
+                          cudaStream_t stream);
+// The same graphs' statistics [batch, h, max_q]: -inf again for the sequences with seq_q[b] == 0.
+void stats_without_queries(float *stats, const int32_t *seq_q, size_t batch, size_t h, size_t max_q,
+                           cudaStream_t stream);
+
 // Paged K/V caches: the first `used` entries of `rows` rows of both page tables ([.., width] ->
 // [rows, used]), clamped to [0, num_pages - 1] so that a malformed table cannot send cuDNN
 // outside the caches (the CPU backend reports such entries; here they read some page). Rows
