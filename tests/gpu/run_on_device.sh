@@ -99,7 +99,8 @@ if [[ " $steps " == *" memcheck_all "* ]]; then
     [norm]="tests/gpu/test_normalization_gpu.py"
     [transpose]="tests/gpu/test_transpose_gpu.py"
     [gemm_recipe]="tests/gpu/test_gemm_gpu.py tests/gpu/test_gemm_fp8_gpu.py tests/gpu/test_gemm_epilogue_gpu.py tests/gpu/test_gemm_autotune_gpu.py tests/gpu/test_recipe_gpu.py"
-    [attention]="tests/gpu/test_fused_attn_gpu.py tests/gpu/test_fused_attn_thd_gpu.py tests/gpu/test_fused_attn_fp8_gpu.py")
+    [attention]="tests/gpu/test_fused_attn_gpu.py tests/gpu/test_fused_attn_thd_gpu.py tests/gpu/test_fused_attn_fp8_gpu.py"
+    [attention_kv_cache]="tests/gpu/test_fused_attn_kv_cache_gpu.py")
   for name in "${!shards[@]}"; do
     timeout "${MEMCHECK_TIMEOUT:-540}" compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
       $PY -m pytest -q ${shards[$name]} -p no:cacheprovider -k "not large" >"$OUT/memcheck_$name.log" 2>&1 &
