@@ -368,18 +368,21 @@ void bind_page_tables(const AttnParams &p, const Built &b, const Tensor *page_k,
 }
 }  // namespace
 
-namespace {
-// Padding graphs with max_seqlen_q 1 (zero_empty_sequences): re-zeroes a Q- or K/V-side tensor's
-// rows of the sequences without queries, after the graph ran.
+// The graphs of zero_rows_without_queries (fused_attn_cudnn_internal.h): BSHD/SBHD padding,
+// max_seqlen_q 1 (THD graphs take max_seqlen_q >= 2 instead: graph_params).
+static bool decode_padding_graph(const AttnParams &p) { return p.padding && p.max_sq == 1 && !thd(p); }
 void zero_rows_without_queries(const AttnParams &p, const VariantPack &pack, void *base,
                                const attn::TensorPlacement &pl, bool kv_side, size_t heads, size_t d,
                                NVTEDType dtype, cudaStream_t stream) {
-  if (!p.padding || p.max_sq != 1 || thd(p)) return;
+  if (!decode_padding_graph(p)) return;
   const size_t es = dtype_size(dtype);
   zero_empty_sequences(base, static_cast<const int32_t *>(pack.at(kUSeqQ)), p.batch, kv_side ? p.max_skv : p.max_sq,
                        pl.format == NVTE_SBHD, pl.row_stride * es, heads, pl.head_stride * es, d * es, stream);
 }
-}  // namespace
+void stats_rows_without_queries(const AttnParams &p, const VariantPack &pack, float *stats, cudaStream_t stream) {
+  if (decode_padding_graph(p))
+    stats_without_queries(stats, static_cast<const int32_t *>(pack.at(kUSeqQ)), p.batch, p.h_q, p.max_sq, stream);
+}
 
 char *workspace_ptr(Tensor *ws, size_t need) {
   if (need == 0) return nullptr;
@@ -526,8 +529,7 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   if (p.layout.paged) bind_page_tables(p, *b, t.page_k, t.page_v, 0, ws, pack, stream);
   execute(*b, pack, ws, stream);
   zero_rows_without_queries(p, pack, data(t.o), p.out, false, p.h_q, p.d_v, p.dtype, stream);
-  if (p.padding && p.max_sq == 1 && p.is_training && !p.return_max_logit)
-    stats_without_queries(stats, static_cast<const int32_t *>(pack.at(kUSeqQ)), p.batch, p.h_q, p.max_sq, stream);
+  if (p.is_training && !p.return_max_logit) stats_rows_without_queries(p, pack, stats, stream);
   if (p.return_max_logit) {
     const auto seq = [&](int64_t uid) { return p.padding ? static_cast<const int32_t *>(pack.at(uid)) : nullptr; };
     logit_stats(stats, max_logit, seq(kUSeqQ), seq(kUSeqKV), p.batch, p.h_q, p.max_sq, p.max_skv, p.rule, stream);

@@ -185,12 +185,7 @@ void fp8_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   bind_seqlens(p, t.cu_q, t.cu_kv, ws + cudnn_bytes(*b), pack, stream);
   if (p.padding) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));  // +0 in FP8 too
   execute(*b, pack, ws, stream);
-  if (p.padding && p.max_sq == 1) {  // cuDNN's decode kernel: see zero_empty_sequences
-    const size_t es = dtype_size(ty.o);
-    zero_empty_sequences(data(t.o), static_cast<const int32_t *>(pack.at(kUSeqQ)), p.batch, 1,
-                         p.out.format == NVTE_SBHD, p.out.row_stride * es, p.h_q, p.out.head_stride * es, p.d_v * es,
-                         stream);
-  }
+  zero_rows_without_queries(p, pack, data(t.o), p.out, false, p.h_q, p.d_v, ty.o, stream);
   ScalarOps post;
   // cuDNN quantizes the unnormalized exp(z - row max) (at most 1; O matches that on an H200)
   // but reports the amax of the normalized probabilities (0.2-0.4 in no-mask tests). A
