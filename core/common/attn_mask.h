@@ -40,6 +40,30 @@ NVTE_HD KeyRange visible_keys(const MaskRule &m, int64_t i, int64_t len_q, int64
   return {lo, hi};
 }
 
+// Query rows of a sequence that see at least one key, as one range. Why one range: row i's band
+// [max(0, u - wl), min(len_kv - 1, u (causal), u + wr)] with u = i + diag is non-empty exactly
+// when len_kv > 0, its unclipped upper end is >= 0 (true from some row on) and its unclipped
+// lower end is <= len_kv - 1 (true up to some row).
+NVTE_HD KeyRange rows_with_keys(const MaskRule &m, int64_t len_q, int64_t len_kv) {
+  if (len_q <= 0 || len_kv <= 0) return {0, -1};
+  const int64_t diag = diagonal(m, len_q, len_kv);
+  const bool upper = m.causal || m.window_right >= 0;
+  const int64_t reach = m.causal ? 0 : m.window_right;  // the upper end is u + reach
+  int64_t first = upper ? -(diag + reach) : 0, last = len_q - 1;
+  if (first < 0) first = 0;
+  if (m.window_left >= 0 && len_kv - 1 - diag + m.window_left < last) last = len_kv - 1 - diag + m.window_left;
+  return {first, last};
+}
+
+// Keys seen by at least one query row, as one range: both ends of the bands grow by at most one
+// per row, so consecutive non-empty bands touch or overlap and their union runs from the first
+// such row's lower end to the last one's upper end.
+NVTE_HD KeyRange keys_with_rows(const MaskRule &m, int64_t len_q, int64_t len_kv) {
+  const KeyRange r = rows_with_keys(m, len_q, len_kv);
+  if (r.lo > r.hi) return {0, -1};
+  return {visible_keys(m, r.lo, len_q, len_kv).lo, visible_keys(m, r.hi, len_q, len_kv).hi};
+}
+
 // ALiBi term added to logit (i, j): -slope * |i + diag - j|.
 NVTE_HD double alibi_term(double slope, int64_t i, int64_t j, int64_t diag) {
   const int64_t dist = i + diag - j;
