@@ -76,6 +76,27 @@ def test_decode_step(mask, lens_q, lens_kv):
     compare_rows("statistics", got["aux"][0], cpu["aux"][0])
 
 
+@pytest.mark.parametrize("mask,sq,skv,lens_q,lens_kv,wl", [
+    ("causal_bottom_right", 72, 48, None, None, -1),  # rows 0..23 see no key (cuDNN: its padding graph)
+    ("causal", 48, 72, None, None, -1),  # keys 48..71: seen by no query
+    ("padding_causal_bottom_right", 72, 48, [72, 30], [48, 48], -1),  # max_seqlen_q > max_seqlen_kv
+    ("padding_causal_bottom_right", 64, 64, [64, 40], [30, 64], -1),  # sequence 0: rows 0..33 see no key
+    ("padding_causal", 96, 96, [96, 80], [20, 96], 9),  # sequence 0: rows from 29 on see no key
+    ("padding", 64, 80, [0, 64, 33], [80, 0, 17], -1),  # no queries / no keys at all
+])
+def test_rows_and_keys_outside_the_mask(mask, sq, skv, lens_q, lens_kv, wl):
+    """Query rows that see no key (O and dQ zero, statistics -inf) and keys that no query sees
+    (dK, dV zero), with and without padding. The CUDA backend sets those rows after cuDNN ran
+    (the outputs start as NaN here), and must leave the rows in use as cuDNN wrote them."""
+    c = Case(b=len(lens_q) if lens_q else 2, sq=sq, skv=skv, hq=4, hkv=2, d=64, mask=mask, lens_q=lens_q,
+             lens_kv=lens_kv, wl=wl)
+    check(c)
+    q, k, v, do, bias = inputs(c)
+    rng_state = torch.tensor([123, 0], dtype=torch.int64)
+    got, cpu = (run(c, dev, q, k, v, do, bias, rng_state, backward=False) for dev in ("cuda", "cpu"))
+    compare_rows("statistics", got["aux"][0], cpu["aux"][0])
+
+
 def test_post_scale_bias():
     check(Case(bias=True, sq=64, skv=64))
 

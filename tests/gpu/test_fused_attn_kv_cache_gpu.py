@@ -66,30 +66,50 @@ def paged_caches(c, k, v, page_size, spare, seed):
     return out
 
 
-def q_rows(c, q, qf):
-    """Q in its format: [b, s, h, d], [s, b, h, d], or THD [t, h, d] (sequences packed)."""
+def thd_offsets(c, gaps):
+    """First token row of each THD query sequence (and the row count last): packed, or with
+    gaps[b] unused rows after sequence b (cu_seqlens_q_padded)."""
+    _, lq, _, _, _ = lengths(c)
+    off = [0]
+    for bi in range(c.b):
+        off.append(off[-1] + lq[bi] + (gaps[bi] if gaps else 0))
+    return off
+
+
+def q_rows(c, q, qf, gaps=None):
+    """Q in its format: [b, s, h, d], [s, b, h, d], or THD [t, h, d] (sequences packed, or at
+    thd_offsets with large values in the gap rows)."""
     _, lq, _, _, _ = lengths(c)
     if qf == "thd":
-        return torch.cat([q[bi, :lq[bi]] for bi in range(c.b)])
+        off = thd_offsets(c, gaps)
+        rows = 100.0 * torch.randn(off[-1], c.hq, c.d, generator=torch.Generator().manual_seed(7), dtype=q.dtype)
+        for bi in range(c.b):
+            rows[off[bi]:off[bi] + lq[bi]] = q[bi, :lq[bi]]
+        return rows
     return q if qf == "bshd" else q.transpose(0, 1)
 
 
-def canon_o(c, o, qf):
-    """O in its format -> canonical float64 [b, sq, h, dv] (THD: zeros past each length)."""
+def canon_o(c, o, qf, gaps=None):
+    """O in its format -> canonical float64 [b, sq, h, dv] (THD: zeros past each length), and the
+    THD gap rows (None without gaps)."""
     if qf != "thd":
-        return (o if qf == "bshd" else o.transpose(0, 1)).double().cpu()
-    _, lq, _, cuq, _ = lengths(c)
+        return (o if qf == "bshd" else o.transpose(0, 1)).double().cpu(), None
+    _, lq, _, _, _ = lengths(c)
+    off = thd_offsets(c, gaps)
     out = torch.zeros(c.b, c.sq, c.hq, c.dv, dtype=torch.float64)
+    used = torch.zeros(o.shape[0], dtype=torch.bool)
     for bi in range(c.b):
-        out[bi, :lq[bi]] = o[cuq[bi]:cuq[bi + 1]].double().cpu()
-    return out
+        out[bi, :lq[bi]] = o[off[bi]:off[bi] + lq[bi]].double().cpu()
+        used[off[bi]:off[bi] + lq[bi]] = True
+    return out, (o.double().cpu()[~used] if gaps else None)
 
 
-def run_paged(c, dev, q, kv_caches, training):
-    """One forward on dev: canonical float64 O [b, sq, h, dv] and (training) the statistics."""
+def run_paged(c, dev, q, kv_caches, training, gaps=None):
+    """One forward on dev: canonical float64 O [b, sq, h, dv], (training) the statistics and
+    (THD queries with gaps) O's gap rows."""
     nd, dt = nv_dtype(c), DTYPES[c.dtype]
     qf, _, _ = formats(c.layout)
-    tq = q_rows(c, q, qf).to(dt).to(dev).contiguous()
+    tq = q_rows(c, q, qf, gaps).to(dt).to(dev).contiguous()
     (kc, tk), (vc, tv) = kv_caches
     kk, vv = kc.to(dt).to(dev), vc.to(dt).to(dev)
     _, _, _, cuq, cukv = lengths(c)
@@ -100,7 +120,9 @@ def run_paged(c, dev, q, kv_caches, training):
                                             sc["bias_type"], sc["attn_mask_type"], sc["softmax_type"])
     wsf = torch.empty(max(ws, 1), dtype=torch.uint8, device=dev)
     kw = dict(Bias=None, SoftmaxOffset=None, S=None, cu_seqlens_q=T(cuq.to(dev)).t,
-              cu_seqlens_kv=T(cukv.to(dev)).t, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+              cu_seqlens_kv=T(cukv.to(dev)).t,
+              cu_seqlens_q_padded=T(torch.tensor(thd_offsets(c, gaps), dtype=torch.int32, device=dev)).t if gaps
+              else None, cu_seqlens_kv_padded=None,
               page_table_k=T(tk.to(dev)).t if tk is not None else None,
               page_table_v=T(tv.to(dev)).t if tv is not None else None,
               rng_state=T(torch.tensor([1, 0], dtype=torch.int64, device=dev)).t, is_training=training,
@@ -117,14 +139,17 @@ def run_paged(c, dev, q, kv_caches, training):
         nvte.fused_attn_fwd(*H, O=ot, aux=None, **kw)
     if dev == "cuda":
         torch.cuda.synchronize()
-    return canon_o(c, o, qf), stats
+    o_canon, gap_rows = canon_o(c, o, qf, gaps)
+    return o_canon, stats, gap_rows
 
 
-def check_paged(c, page_size=16, spare=5, training=False):
+def check_paged(c, page_size=16, spare=5, training=False, gaps=None):
     q, k, v, do, _ = inputs(c)
     caches = kv_inputs(c, k, v, page_size, spare, c.seed + 1)
-    got, got_stats = run_paged(c, "cuda", q, caches, training)
-    cpu, cpu_stats = run_paged(c, "cpu", q, caches, training)
+    got, got_stats, got_gaps = run_paged(c, "cuda", q, caches, training, gaps)
+    cpu, cpu_stats, cpu_gaps = run_paged(c, "cpu", q, caches, training, gaps)
+    if gaps:
+        assert (got_gaps == 0).all() and (cpu_gaps == 0).all(), "O rows between THD sequences are not zero"
     ref = zero_padding(c, reference(c, q, k, v, do, None))["o"]
     naive = zero_padding(c, reference(c, q, k, v, do, None, DTYPES[c.dtype], "cuda"))["o"]
     assert not torch.isnan(got).any(), "NaN in the CUDA result (unwritten element, or a cache slot leaked in)"
@@ -193,6 +218,18 @@ def test_thd_queries_decode_many_runs(layout):
                      lens_q=lens_q, lens_kv=[64] + [3 + 9 * i for i in range(9)]), page_size=8)
 
 
+@pytest.mark.parametrize("layout", THD_Q)
+def test_thd_decode_with_gaps_and_statistics(layout):
+    """The decode step of THD queries (max_seqlen_q 1; over plain K/V the CUDA backend runs it as
+    BSHD queries [b, 1], fused_attn_thd_decode.cpp; over paged caches as THD runs):
+    cu_seqlens_q_padded leaves gap rows, which must come out zero; sequences without a query or
+    without keys; with paged caches also the training forward's statistics (THD queries over
+    plain K/V are inference-only on the GPU)."""
+    c = Case(layout=layout, b=6, sq=1, skv=96, hq=8, hkv=2, d=128, mask="padding_causal_bottom_right",
+             lens_q=[1, 0, 1, 1, 0, 1], lens_kv=[96, 5, 0, 40, 0, 1])
+    check_paged(c, page_size=16, training=layout.startswith("NVTE_Paged"), gaps=[2, 0, 1, 0, 3, 1])
+
+
 def test_paged_thd_training_forward_statistics():
     check_paged(Case(layout="NVTE_Paged_KV_THD_SBHD_SBHD", b=3, sq=32, skv=64, hq=4, hkv=2, d=64,
                      mask="padding_causal_bottom_right", lens_q=[32, 1, 9], lens_kv=[64, 20, 9]), page_size=16,
@@ -208,7 +245,7 @@ def test_paged_out_of_range_entry_is_clamped():
     (kc, tk), vcache = paged_caches(c, k, v, 16, 0, 3)
     tk[1, 2] = 1 << 30
     tk[0, 1] = -5
-    o, _ = run_paged(c, "cuda", q, [(kc, tk), vcache], False)
+    o, _, _ = run_paged(c, "cuda", q, [(kc, tk), vcache], False)
     assert torch.isfinite(o).all()
 
 

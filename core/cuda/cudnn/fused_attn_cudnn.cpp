@@ -36,7 +36,14 @@
 // graphs built). Statistics go through an [n, h, graph max_sq] scratch (rows past a length get
 // -inf, as on the CPU). Query rows that see no key are not cuDNN's business: their O / dQ rows
 // are zeroed after each run and the backward gives cuDNN +inf statistics there. Offsets are
-// int32: a ragged tensor of 2^31 elements or more is NOT_SUPPORTED.
+// int32: a ragged tensor of 2^31 elements or more is NOT_SUPPORTED. A decode step (max_seqlen_q 1)
+// of THD queries over BSHD/SBHD K/V or a paged cache runs as BSHD queries instead
+// (fused_attn_thd_decode.cpp: cuDNN's decode kernel).
+//
+// BSHD/SBHD rows that fused_attn.h defines and cuDNN does not compute (padded rows, rows that see
+// no key, keys that no query sees) are zeroed after the graph ran (UnusedRows in
+// fused_attn_seqlens.h), which touches only those rows; THD still zeroes O and the gradients whole
+// before its runs (gaps between sequences belong to none of them).
 //
 // return_max_logit (float16/bfloat16, BSHD/SBHD and THD): the forward graph outputs cuDNN's Max
 // (row maximum of the softmax input, i.e. of the scaled logits with bias, ALiBi and masks
@@ -62,6 +69,7 @@
 #include "fused_attn_cudnn_internal.h"
 #include "fused_attn_cudnn_rules.h"
 #include "fused_attn_seqlens.h"
+#include "fused_attn_thd_decode.h"
 
 // The frontend's shim resolves every cuDNN symbol through this handle.
 namespace cudnn_frontend {
@@ -368,20 +376,40 @@ void bind_page_tables(const AttnParams &p, const Built &b, const Tensor *page_k,
 }
 }  // namespace
 
-// The graphs of zero_rows_without_queries (fused_attn_cudnn_internal.h): BSHD/SBHD padding,
-// max_seqlen_q 1 (THD graphs take max_seqlen_q >= 2 instead: graph_params).
-static bool decode_padding_graph(const AttnParams &p) { return p.padding && p.max_sq == 1 && !thd(p); }
-void zero_rows_without_queries(const AttnParams &p, const VariantPack &pack, void *base,
-                               const attn::TensorPlacement &pl, bool kv_side, size_t heads, size_t d,
-                               NVTEDType dtype, cudaStream_t stream) {
-  if (!decode_padding_graph(p)) return;
-  const size_t es = dtype_size(dtype);
-  zero_empty_sequences(base, static_cast<const int32_t *>(pack.at(kUSeqQ)), p.batch, kv_side ? p.max_skv : p.max_sq,
-                       pl.format == NVTE_SBHD, pl.row_stride * es, heads, pl.head_stride * es, d * es, stream);
+static UnusedRows unused_rows(const AttnParams &p, const VariantPack &pack) {
+  UnusedRows u;
+  if (p.padding) {
+    u.seq_q = static_cast<const int32_t *>(pack.at(kUSeqQ));
+    u.seq_kv = static_cast<const int32_t *>(pack.at(kUSeqKV));
+  }
+  u.batch = p.batch;
+  u.max_q = p.max_sq;
+  u.max_kv = p.max_skv;
+  u.rule = p.rule;
+  u.rule.bottom_right = bottom_right(p);  // as the graph aligns it (the same rows at equal lengths)
+  return u;
 }
-void stats_rows_without_queries(const AttnParams &p, const VariantPack &pack, float *stats, cudaStream_t stream) {
-  if (decode_padding_graph(p))
-    stats_without_queries(stats, static_cast<const int32_t *>(pack.at(kUSeqQ)), p.batch, p.h_q, p.max_sq, stream);
+
+void clear_unused_rows(const AttnParams &p, const VariantPack &pack, void *base, const attn::TensorPlacement &pl,
+                       bool kv_side, size_t heads, size_t d, NVTEDType dtype, cudaStream_t stream) {
+  if (thd(p)) return;
+  const size_t es = dtype_size(dtype);
+  UnusedRows u = unused_rows(p, pack);
+  u.key_side = kv_side;
+  u.rows = kv_side ? p.max_skv : p.max_sq;
+  u.sbhd = pl.format == NVTE_SBHD;
+  u.row_stride = pl.row_stride * es;
+  u.heads = heads;
+  u.head_stride = pl.head_stride * es;
+  u.row_bytes = d * es;
+  zero_unused_rows(base, u, stream);
+}
+
+void clear_unused_stats(const AttnParams &p, const VariantPack &pack, float *stats, cudaStream_t stream) {
+  if (thd(p)) return;
+  UnusedRows u = unused_rows(p, pack);
+  u.heads = p.h_q;
+  stats_unused_rows(stats, u, stream);
 }
 
 char *workspace_ptr(Tensor *ws, size_t need) {
@@ -395,12 +423,14 @@ char *workspace_ptr(Tensor *ws, size_t need) {
 
 void bind_seqlens(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv, char *extra, VariantPack &pack,
                   cudaStream_t stream) {
-  if (!p.padding) return;
-  NVTE_CHECK(cu_q != nullptr && cu_kv != nullptr, "padding masks need cu_seqlens_q and cu_seqlens_kv");
+  if (!graph_params(p).padding) return;
+  // Without the caller's padding mask (graph_params' bottom-right case) every length is its maximum.
+  NVTE_CHECK(!p.padding || (cu_q != nullptr && cu_kv != nullptr), "padding masks need cu_seqlens_q and cu_seqlens_kv");
   int32_t *sq = reinterpret_cast<int32_t *>(extra);
   int32_t *skv = reinterpret_cast<int32_t *>(extra + seqlen_bytes(p) / 2);
-  seqlens_from_cu(static_cast<const int32_t *>(data(cu_q)), static_cast<const int32_t *>(data(cu_kv)), sq, skv,
-                  p.batch, p.max_sq, p.max_skv, stream);
+  seqlens_from_cu(p.padding ? static_cast<const int32_t *>(data(cu_q)) : nullptr,
+                  p.padding ? static_cast<const int32_t *>(data(cu_kv)) : nullptr, sq, skv, p.batch, p.max_sq,
+                  p.max_skv, stream);
   pack[kUSeqQ] = sq;
   pack[kUSeqKV] = skv;
 }
@@ -514,8 +544,8 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
     pack[kUSeed] = rng;
     pack[kUOffset] = rng + 1;
   }
-  // Padded positions and THD gaps are not computed by cuDNN: O starts as zeros there (fused_attn.h).
-  if (p.padding || thd(p)) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));
+  // THD gaps (rows of no sequence) are not computed by cuDNN: O starts as zeros there (fused_attn.h).
+  if (thd(p)) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));
   if (thd(p)) {
     ThdInputs in{t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded, p.dropout > 0.0f ? t.rng_state : nullptr,
                  p.is_training || p.return_max_logit ? stats : nullptr};
@@ -528,8 +558,8 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   bind_seqlens(p, t.cu_q, t.cu_kv, ws ? ws + cudnn_bytes(*b) : nullptr, pack, stream);
   if (p.layout.paged) bind_page_tables(p, *b, t.page_k, t.page_v, 0, ws, pack, stream);
   execute(*b, pack, ws, stream);
-  zero_rows_without_queries(p, pack, data(t.o), p.out, false, p.h_q, p.d_v, p.dtype, stream);
-  if (p.is_training && !p.return_max_logit) stats_rows_without_queries(p, pack, stats, stream);
+  clear_unused_rows(p, pack, data(t.o), p.out, false, p.h_q, p.d_v, p.dtype, stream);
+  if (p.is_training && !p.return_max_logit) clear_unused_stats(p, pack, stats, stream);
   if (p.return_max_logit) {
     const auto seq = [&](int64_t uid) { return p.padding ? static_cast<const int32_t *>(pack.at(uid)) : nullptr; };
     logit_stats(stats, max_logit, seq(kUSeqQ), seq(kUSeqKV), p.batch, p.h_q, p.max_sq, p.max_skv, p.rule, stream);
@@ -550,8 +580,8 @@ void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspa
     pack[kUSeed] = rng;
     pack[kUOffset] = rng + 1;
   }
-  if (p.padding || thd(p)) {
-    // Gradients of padded positions and THD gaps are zero; packed gradients share one buffer (set whole).
+  if (thd(p)) {
+    // Gradients of THD gaps are zero; packed gradients share one buffer (set whole).
     const size_t ext[3] = {extent_bytes(p.qkv.t[attn::kQ], p.rows_q, p.h_q, p.d_qk, p.dtype),
                            extent_bytes(p.qkv.t[attn::kK], p.rows_kv, p.h_kv, p.d_qk, p.dtype),
                            extent_bytes(p.qkv.t[attn::kV], p.rows_kv, p.h_kv, p.d_v, p.dtype)};
@@ -568,9 +598,9 @@ void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspa
   }
   bind_seqlens(p, t.cu_q, t.cu_kv, ws ? ws + cudnn_bytes(*b) : nullptr, pack, stream);
   execute(*b, pack, ws, stream);
-  zero_rows_without_queries(p, pack, data(t.dq), p.qkv.t[attn::kQ], false, p.h_q, p.d_qk, p.dtype, stream);
-  zero_rows_without_queries(p, pack, data(t.dk), p.qkv.t[attn::kK], true, p.h_kv, p.d_qk, p.dtype, stream);
-  zero_rows_without_queries(p, pack, data(t.dv), p.qkv.t[attn::kV], true, p.h_kv, p.d_v, p.dtype, stream);
+  clear_unused_rows(p, pack, data(t.dq), p.qkv.t[attn::kQ], false, p.h_q, p.d_qk, p.dtype, stream);
+  clear_unused_rows(p, pack, data(t.dk), p.qkv.t[attn::kK], true, p.h_kv, p.d_qk, p.dtype, stream);
+  clear_unused_rows(p, pack, data(t.dv), p.qkv.t[attn::kV], true, p.h_kv, p.d_v, p.dtype, stream);
 }
 
 // The workspace queries see only Q, K, V: they size the graph of TE's HYBRID recipe (E4M3 O,
@@ -591,13 +621,14 @@ bool fused_attn_supported(const AttnParams &p, std::string *why) {
 }
 
 size_t fused_attn_fwd_workspace_bytes(const AttnParams &p) {
+  if (thd_decode(p)) return thd_decode_fwd_workspace_bytes(p);
   const Fp8Types *fp8 = is_fp8(p.dtype) ? &kQueryFp8Types : nullptr;
   size_t bytes = total_bytes(p, *graph_for(p, false, false, nullptr, fp8));
   if (p.return_max_logit) {
     // A call without an aux pack runs the plain graph (fused_attn_fwd): enough for either.
     AttnParams plain = p;
     plain.return_max_logit = false;
-    bytes = std::max(bytes, total_bytes(plain, *graph_for(plain, false, false, nullptr, fp8)));
+    bytes = std::max(bytes, fused_attn_fwd_workspace_bytes(plain));
   }
   return bytes;
 }
@@ -615,6 +646,8 @@ void fused_attn_fwd(const AttnParams &call, const attn::AttnFwdTensors &t, Tenso
   p.return_max_logit = call.return_max_logit && t.max_logit != nullptr;
   if (is_fp8(p.dtype)) {
     fp8_fwd(p, t, workspace, stream);
+  } else if (thd_decode(p)) {
+    thd_decode_fwd(p, t, workspace, stream);
   } else {
     fwd_f16(p, t, workspace, stream);
   }

@@ -183,9 +183,9 @@ void fp8_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   pack.insert({{kUScaleO, scale_o}, {kUAmaxS, amax_s}, {kUAmaxO, amax_o}});
   if (p.is_training) pack[kUStats] = data(t.stats);
   bind_seqlens(p, t.cu_q, t.cu_kv, ws + cudnn_bytes(*b), pack, stream);
-  if (p.padding) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));  // +0 in FP8 too
   execute(*b, pack, ws, stream);
-  zero_rows_without_queries(p, pack, data(t.o), p.out, false, p.h_q, p.d_v, ty.o, stream);
+  clear_unused_rows(p, pack, data(t.o), p.out, false, p.h_q, p.d_v, ty.o, stream);  // byte 0 is +0 in FP8 too
+  if (p.is_training) clear_unused_stats(p, pack, static_cast<float *>(data(t.stats)), stream);
   ScalarOps post;
   // cuDNN quantizes the unnormalized exp(z - row max) (at most 1; O matches that on an H200)
   // but reports the amax of the normalized probabilities (0.2-0.4 in no-mask tests). A
@@ -242,14 +242,10 @@ void fp8_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspa
       {kUAmaxdV, amax_g + 2},
       {kUAmaxdP, amax_dp}});
   bind_seqlens(p, t.cu_q, t.cu_kv, ws + cudnn_bytes(*b), pack, stream);
-  if (p.padding) {
-    // Gradients of padded positions are zero; packed gradients share one buffer (set whole).
-    const size_t ext[3] = {extent_bytes(p.qkv.t[attn::kQ], p.rows_q, p.h_q, p.d_qk, ty.grad),
-                           extent_bytes(p.qkv.t[attn::kK], p.rows_kv, p.h_kv, p.d_qk, ty.grad),
-                           extent_bytes(p.qkv.t[attn::kV], p.rows_kv, p.h_kv, p.d_v, ty.grad)};
-    for (int i = 0; i < 3; ++i) NVTE_CHECK_CUDA(cudaMemsetAsync(data(grads[i]), 0, ext[i], stream));
-  }
   execute(*b, pack, ws, stream);
+  const attn::TensorPlacement *pl[3] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV]};
+  const size_t heads[3] = {p.h_q, p.h_kv, p.h_kv}, d[3] = {p.d_qk, p.d_qk, p.d_v};
+  for (int i = 0; i < 3; ++i) clear_unused_rows(p, pack, data(grads[i]), *pl[i], i > 0, heads[i], d[i], ty.grad, stream);
   ScalarOps post;
   for (int i = 0; i < 3; ++i) {
     post.add(meta(grads[i], kNVTEAmax), amax_g + i, ScalarOp::kFoldMax);

@@ -193,14 +193,14 @@ char *workspace_ptr(Tensor *ws, size_t need);
 void bind_seqlens(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv, char *extra, VariantPack &pack,
                   cudaStream_t stream);
 
-// Padding graphs with max_seqlen_q 1 (cuDNN's decode kernel writes rows of sequences without
-// queries: zero_empty_sequences): zeroes those rows of a Q-side (kv_side false: O, dQ) or
-// K/V-side (dK, dV) tensor again after the graph ran; stats_rows_without_queries sets their
-// statistics back to -inf. Nothing for other graphs. Needs the lengths bound by bind_seqlens.
-void zero_rows_without_queries(const AttnParams &p, const VariantPack &pack, void *base,
-                               const attn::TensorPlacement &pl, bool kv_side, size_t heads, size_t d,
-                               NVTEDType dtype, cudaStream_t stream);
-void stats_rows_without_queries(const AttnParams &p, const VariantPack &pack, float *stats, cudaStream_t stream);
+// BSHD/SBHD (THD: run_thd's memset and ragged_zero_rows): after the graph ran, zeroes the rows of
+// a Q-side (kv_side false: O, dQ) or K/V-side (dK, dV) tensor that fused_attn.h defines as zero
+// and cuDNN may leave undefined (UnusedRows in fused_attn_seqlens.h); clear_unused_stats sets the
+// statistics of those query rows to -inf. Padding masks need the lengths bound by bind_seqlens.
+// No launch when the mask uses every row.
+void clear_unused_rows(const AttnParams &p, const VariantPack &pack, void *base, const attn::TensorPlacement &pl,
+                       bool kv_side, size_t heads, size_t d, NVTEDType dtype, cudaStream_t stream);
+void clear_unused_stats(const AttnParams &p, const VariantPack &pack, float *stats, cudaStream_t stream);
 
 inline void *data(const Tensor *t) { return t ? t->params[kNVTERowwiseData].data_ptr : nullptr; }
 

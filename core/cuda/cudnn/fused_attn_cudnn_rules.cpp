@@ -113,21 +113,44 @@ std::string unsupported_reason(const AttnParams &p) {
 }
 
 AttnParams graph_params(const AttnParams &p) {
-  if (!thd(p)) return p;
   AttnParams g = p;
+  if (!thd(p)) {
+    // cuDNN's bottom-right causal mask takes max_seqlen_q > max_seqlen_kv only with its padding
+    // mask (frontend validation): such a call runs the padding graph with every length at its
+    // maximum (bind_seqlens).
+    if (p.rule.causal && bottom_right(p) && p.max_sq > p.max_skv) g.padding = true;
+    return g;
+  }
   g.padding = true;
   // At least 2: with max_seqlen_q 1, cuDNN 9.19's decode kernel writes row 0 of an empty query
-  // sequence, which in THD is the next sequence's first token (zero_empty_sequences fixes BSHD).
+  // sequence, which in THD is the next sequence's first token (BSHD zeroes it after the graph: UnusedRows).
   g.max_sq = std::max<size_t>(pow2_at_least(p.max_sq), 2);
+  // A paged cache's pages are read through the tables, whatever the batch.
+  if (kv_thd(p)) g.max_skv = pow2_at_least(p.max_skv);
   const auto per = [](size_t rows, size_t s) { return (rows + s - 1) / s; };
   if (!kv_thd(p) && !p.layout.paged) {  // K/V tensors [b, s] / [s, b]: their batch, one run
     g.batch = std::max<size_t>(p.batch, 1);
     return g;
   }
-  // A paged cache's pages are read through the tables, whatever the batch.
-  if (kv_thd(p)) g.max_skv = pow2_at_least(p.max_skv);
   g.batch = pow2_at_least(std::max(per(p.rows_q, g.max_sq), kv_thd(p) ? per(p.rows_kv, g.max_skv) : size_t(0)));
   return g;
+}
+
+bool thd_decode(const AttnParams &p) {
+  // Paged caches: the workspace queries see no batch (the page tables are absent), so the view's
+  // graph could not be sized there; they keep the THD runs.
+  return thd(p) && !kv_thd(p) && !p.layout.paged && p.max_sq == 1 && !is_fp8(p.dtype) && p.dropout == 0.0f &&
+         !p.return_max_logit;
+}
+
+AttnParams decode_view(const AttnParams &p) {
+  AttnParams v = p;
+  v.layout.q_format = NVTE_BSHD;
+  v.qkv.t[attn::kQ] = attn::TensorPlacement{NVTE_BSHD, p.h_q * p.d_qk, p.d_qk, attn::kQ, 0};
+  v.out = attn::TensorPlacement{NVTE_BSHD, p.h_q * p.d_v, p.d_v, attn::kQ, 0};
+  v.rows_q = p.batch;
+  v.padding = true;  // lengths from cu_seqlens, as THD has them
+  return v;
 }
 
 }  // namespace nvte::cuda::cudnn_attn

@@ -27,10 +27,18 @@ bool causal_hides_nothing(const AttnParams &p);
 // Why cuDNN cannot run the call ("" when it can), FP8 or float16/bfloat16.
 std::string unsupported_reason(const AttnParams &p);
 
-// The parameters a graph is built from: p itself, or for THD p with the padding mask,
+// The parameters a graph is built from: p itself (with the padding mask for a bottom-right causal
+// mask with max_seqlen_q > max_seqlen_kv, which cuDNN takes only so), or for THD p with the padding mask,
 // max_seqlen of each THD side rounded up to a power of two (THD's max_seqlen changes from batch
 // to batch: this bounds the number of graphs) and the run's batch (THD Q with BSHD/SBHD K/V: the
 // call's batch, one run). They depend only on what the workspace queries see.
 AttnParams graph_params(const AttnParams &p);
+
+// THD queries over BSHD/SBHD K/V (not paged caches) with max_seqlen_q 1 (a decode step), forward,
+// float16/bfloat16, without dropout or max logit: such a call runs as BSHD queries [b, 1]
+// (fused_attn_thd_decode.h), the graph for which cuDNN takes its decode kernel; decode_view is
+// that call's parameters (Q and O BSHD [b, 1, h, d] scratch tensors, the padding mask).
+bool thd_decode(const AttnParams &p);
+AttnParams decode_view(const AttnParams &p);
 
 }  // namespace nvte::cuda::cudnn_attn

@@ -12,28 +12,63 @@ __global__ void seqlens_kernel(const int32_t *cu_q, const int32_t *cu_kv, int32_
                                size_t batch, int32_t max_q, int32_t max_kv) {
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= batch) return;
-  const int32_t lq = cu_q[i + 1] - cu_q[i], lkv = cu_kv[i + 1] - cu_kv[i];
+  const int32_t lq = cu_q ? cu_q[i + 1] - cu_q[i] : max_q, lkv = cu_kv ? cu_kv[i + 1] - cu_kv[i] : max_kv;
   seq_q[i] = lq < 0 ? 0 : (lq > max_q ? max_q : lq);
   seq_kv[i] = lkv < 0 ? 0 : (lkv > max_kv ? max_kv : lkv);
 }
 
 __device__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// One thread per element of the rows of sequences without queries.
-__global__ void zero_empty_sequences_kernel(uint8_t *base, const int32_t *seq_q, size_t batch, size_t seq, bool sbhd,
-                                            size_t row_stride, size_t heads, size_t head_stride, size_t row_bytes) {
-  const size_t total = batch * seq * heads * row_bytes;
-  for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
-    const size_t e = x % row_bytes, h = x / row_bytes % heads, s = x / row_bytes / heads % seq,
-                 b = x / row_bytes / heads / seq;
-    if (seq_q[b] != 0) continue;
-    base[(sbhd ? s * batch + b : b * seq + s) * row_stride + h * head_stride + e] = 0;
+// Block (x, y): rows [x * kTileRows, +kTileRows) of sequences y, y + gridDim.y, ...; a kept row
+// costs one comparison, so a call with little padding costs about one launch. Stores
+// are kChunk bytes (16 when every row start is 16-byte aligned, else 1); the inner loops use
+// 32-bit indices without division where a token's heads are one span (64-bit division per store
+// made this kernel slower than the memset it replaces).
+constexpr size_t kTileRows = 16;
+template <size_t kChunk>
+__device__ void zero_chunk(uint8_t *p) {
+  if constexpr (kChunk == 16) {
+    *reinterpret_cast<uint4 *>(p) = make_uint4(0, 0, 0, 0);
+  } else {
+    *p = 0;
   }
 }
 
-__global__ void stats_without_queries_kernel(float *stats, const int32_t *seq_q, size_t batch, size_t rows) {
-  const size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (x < batch * rows && seq_q[x / rows] == 0) stats[x] = -INFINITY;
+template <size_t kChunk>
+__global__ void zero_unused_rows_kernel(uint8_t *base, UnusedRows u) {
+  const size_t r0 = (size_t)blockIdx.x * kTileRows;
+  const size_t r1 = r0 + kTileRows < u.rows ? r0 + kTileRows : u.rows;
+  const unsigned chunks = (unsigned)(u.row_bytes / kChunk), per_row = (unsigned)u.heads * chunks;
+  const bool span = u.head_stride == u.row_bytes;  // heads back to back: one run of per_row chunks
+  for (size_t b = blockIdx.y; b < u.batch; b += gridDim.y) {
+    const int64_t lq = u.seq_q ? u.seq_q[b] : (int64_t)u.max_q, lkv = u.seq_kv ? u.seq_kv[b] : (int64_t)u.max_kv;
+    const attn::KeyRange keep =
+        u.key_side ? attn::keys_with_rows(u.rule, lq, lkv) : attn::rows_with_keys(u.rule, lq, lkv);
+    for (size_t r = r0; r < r1; ++r) {
+      if ((int64_t)r >= keep.lo && (int64_t)r <= keep.hi) continue;
+      uint8_t *row = base + (u.sbhd ? r * u.batch + b : b * u.rows + r) * u.row_stride;
+      if (span) {
+        for (unsigned x = threadIdx.x; x < per_row; x += blockDim.x) zero_chunk<kChunk>(row + (size_t)x * kChunk);
+      } else {
+        for (unsigned x = threadIdx.x; x < per_row; x += blockDim.x) {
+          const unsigned h = x / chunks;
+          zero_chunk<kChunk>(row + h * u.head_stride + (size_t)(x - h * chunks) * kChunk);
+        }
+      }
+    }
+  }
+}
+
+// Block (x, y): statistics rows [x * 256, +256) of (sequence, head) pairs y, y + gridDim.y, ...
+__global__ void stats_unused_rows_kernel(float *stats, UnusedRows u) {
+  const size_t row = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= u.max_q) return;
+  for (size_t bh = blockIdx.y; bh < u.batch * u.heads; bh += gridDim.y) {
+    const size_t b = bh / u.heads;
+    const int64_t lq = u.seq_q ? u.seq_q[b] : (int64_t)u.max_q, lkv = u.seq_kv ? u.seq_kv[b] : (int64_t)u.max_kv;
+    const attn::KeyRange keep = attn::rows_with_keys(u.rule, lq, lkv);
+    if ((int64_t)row < keep.lo || (int64_t)row > keep.hi) stats[bh * u.max_q + row] = -INFINITY;
+  }
 }
 
 // One thread per entry of the [rows, used] copies of both page tables.
@@ -87,6 +122,29 @@ __global__ void ragged_run_kernel(RaggedSource s, RaggedRun r) {
     const uint64_t run = r.n ? r.start / r.n : 0;
     r.rng[0] = (int64_t)((uint64_t)s.rng[0] + run * 0x9E3779B97F4A7C15ull);
     r.rng[1] = s.rng[1];
+  }
+}
+
+// Block b: sequence b's query row between the THD tensor and scratch row b (thd_decode_rows).
+template <size_t kChunk>
+__global__ void thd_decode_rows_kernel(uint8_t *thd, uint8_t *scratch, bool to_scratch, const int32_t *cu,
+                                       const int32_t *pad, size_t rows, size_t row_stride, size_t heads,
+                                       size_t head_stride, size_t row_bytes) {
+  const Span q = real_span(cu, pad, blockIdx.x, 1, (int64_t)rows);
+  if (q.len == 0 && !to_scratch) return;
+  const unsigned chunks = (unsigned)(row_bytes / kChunk), total = (unsigned)heads * chunks;
+  uint8_t *src_row = thd + (size_t)q.start * row_stride, *dst_row = scratch + (size_t)blockIdx.x * heads * row_bytes;
+  for (unsigned x = threadIdx.x; x < total; x += blockDim.x) {
+    const unsigned h = x / chunks, c = x - h * chunks;
+    uint8_t *t = src_row + h * head_stride + (size_t)c * kChunk, *s = dst_row + (size_t)x * kChunk;
+    if constexpr (kChunk == 16) {
+      uint4 *tv = reinterpret_cast<uint4 *>(t), *sv = reinterpret_cast<uint4 *>(s);
+      if (!to_scratch) *tv = *sv;
+      else *sv = q.len ? *tv : make_uint4(0, 0, 0, 0);
+    } else {
+      if (!to_scratch) *t = *s;
+      else *s = q.len ? *t : 0;
+    }
   }
 }
 
@@ -187,21 +245,35 @@ void seqlens_from_cu(const int32_t *cu_q, const int32_t *cu_kv, int32_t *seq_q, 
   NVTE_CHECK_LAUNCH();
 }
 
-void zero_empty_sequences(void *base, const int32_t *seq_q, size_t batch, size_t seq, bool sbhd,
-                          size_t row_stride_bytes, size_t heads, size_t head_stride_bytes, size_t row_bytes,
-                          cudaStream_t stream) {
-  const size_t total = batch * seq * heads * row_bytes;
-  if (total == 0) return;
-  zero_empty_sequences_kernel<<<grid_for(total, 256, 8), 256, 0, stream>>>(
-      static_cast<uint8_t *>(base), seq_q, batch, seq, sbhd, row_stride_bytes, heads, head_stride_bytes, row_bytes);
+bool unused_rows_possible(const UnusedRows &u) {
+  if (u.batch == 0 || u.rows == 0) return false;
+  if (u.seq_q || u.seq_kv) return true;  // per-sequence lengths: known on the device only
+  const attn::KeyRange keep = u.key_side ? attn::keys_with_rows(u.rule, (int64_t)u.max_q, (int64_t)u.max_kv)
+                                         : attn::rows_with_keys(u.rule, (int64_t)u.max_q, (int64_t)u.max_kv);
+  return !(keep.lo == 0 && keep.hi == (int64_t)u.rows - 1);
+}
+
+void zero_unused_rows(void *base, const UnusedRows &u, cudaStream_t stream) {
+  if (!unused_rows_possible(u) || u.heads * u.row_bytes == 0) return;
+  const dim3 grid((unsigned)((u.rows + kTileRows - 1) / kTileRows), (unsigned)(u.batch < 65535 ? u.batch : 65535));
+  const bool vec = reinterpret_cast<uintptr_t>(base) % 16 == 0 && u.row_stride % 16 == 0 && u.head_stride % 16 == 0 &&
+                   u.row_bytes % 16 == 0;
+  if (vec) {
+    zero_unused_rows_kernel<16><<<grid, 256, 0, stream>>>(static_cast<uint8_t *>(base), u);
+  } else {
+    zero_unused_rows_kernel<1><<<grid, 256, 0, stream>>>(static_cast<uint8_t *>(base), u);
+  }
   NVTE_CHECK_LAUNCH();
 }
 
-void stats_without_queries(float *stats, const int32_t *seq_q, size_t batch, size_t h, size_t max_q,
-                           cudaStream_t stream) {
-  if (stats == nullptr || batch * h * max_q == 0) return;
-  stats_without_queries_kernel<<<(unsigned)((batch * h * max_q + 255) / 256), 256, 0, stream>>>(stats, seq_q, batch,
-                                                                                              h * max_q);
+void stats_unused_rows(float *stats, const UnusedRows &u, cudaStream_t stream) {
+  UnusedRows q = u;
+  q.key_side = false;
+  q.rows = u.max_q;
+  if (stats == nullptr || !unused_rows_possible(q) || u.heads == 0) return;
+  const size_t bh = u.batch * u.heads;
+  const dim3 grid((unsigned)((u.max_q + 255) / 256), (unsigned)(bh < 65535 ? bh : 65535));
+  stats_unused_rows_kernel<<<grid, 256, 0, stream>>>(stats, q);
   NVTE_CHECK_LAUNCH();
 }
 
@@ -215,6 +287,24 @@ void clamped_page_tables(const int32_t *k, const int32_t *v, int32_t *k_out, int
 
 void ragged_run(const RaggedSource &s, const RaggedRun &r, cudaStream_t stream) {
   ragged_run_kernel<<<(unsigned)((r.n + 1 + 255) / 256), 256, 0, stream>>>(s, r);
+  NVTE_CHECK_LAUNCH();
+}
+
+void thd_decode_rows(void *thd, void *scratch, bool to_scratch, const int32_t *cu, const int32_t *pad, size_t batch,
+                     size_t rows, size_t row_stride_bytes, size_t heads, size_t head_stride_bytes, size_t row_bytes,
+                     cudaStream_t stream) {
+  if (batch == 0 || heads * row_bytes == 0) return;
+  NVTE_CHECK(batch <= 0x7fffffffu, "internal: THD decode batch ", batch, " exceeds the grid");
+  const bool vec = reinterpret_cast<uintptr_t>(thd) % 16 == 0 && reinterpret_cast<uintptr_t>(scratch) % 16 == 0 &&
+                   row_stride_bytes % 16 == 0 && head_stride_bytes % 16 == 0 && row_bytes % 16 == 0;
+  uint8_t *t = static_cast<uint8_t *>(thd), *s = static_cast<uint8_t *>(scratch);
+  if (vec) {
+    thd_decode_rows_kernel<16><<<(unsigned)batch, 128, 0, stream>>>(t, s, to_scratch, cu, pad, rows, row_stride_bytes,
+                                                                   heads, head_stride_bytes, row_bytes);
+  } else {
+    thd_decode_rows_kernel<1><<<(unsigned)batch, 128, 0, stream>>>(t, s, to_scratch, cu, pad, rows, row_stride_bytes,
+                                                                  heads, head_stride_bytes, row_bytes);
+  }
   NVTE_CHECK_LAUNCH();
 }
 

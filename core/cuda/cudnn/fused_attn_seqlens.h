@@ -14,20 +14,34 @@
 
 namespace nvte::cuda {
 
-// seq_q[i] = cu_q[i + 1] - cu_q[i] clamped to [0, max_q] (likewise kv), for i < batch, on stream.
+// seq_q[i] = cu_q[i + 1] - cu_q[i] clamped to [0, max_q] (likewise kv), for i < batch, on stream;
+// a null cu_q / cu_kv gives max_q / max_kv for every i.
 void seqlens_from_cu(const int32_t *cu_q, const int32_t *cu_kv, int32_t *seq_q, int32_t *seq_kv, size_t batch,
                      size_t max_q, size_t max_kv, cudaStream_t stream);
 
-// BSHD/SBHD padding graphs with max_seqlen_q 1: cuDNN 9.19's decode kernel writes O row 0 of a
-// sequence whose seq_q is 0 (seen on an H100), so after such a graph every token row of the
-// sequences b with seq_q[b] == 0 of a tensor (O; dQ, dK, dV after the backward) is zeroed again.
-// Strides and sizes in bytes; one byte per thread (decode tensors are small).
-void zero_empty_sequences(void *base, const int32_t *seq_q, size_t batch, size_t seq, bool sbhd,
-                          size_t row_stride_bytes, size_t heads, size_t head_stride_bytes, size_t row_bytes,
-                          cudaStream_t stream);
-// The same graphs' statistics [batch, h, max_q]: -inf again for the sequences with seq_q[b] == 0.
-void stats_without_queries(float *stats, const int32_t *seq_q, size_t batch, size_t h, size_t max_q,
-                           cudaStream_t stream);
+// BSHD/SBHD rows that fused_attn.h defines and cuDNN may leave undefined: a query row outside
+// attn::rows_with_keys of its sequence (padded, or sees no key) has O = 0, dQ = 0 and statistics
+// -inf; a key row outside attn::keys_with_rows (padded, or seen by no query) has dK = dV = 0.
+// cuDNN computes only the rows in range (its padded and empty rows are not defined: cuDNN 9.19's
+// decode kernel writes O row 0 of a sequence without queries, seen on an H100), so these rows
+// are set after the graph has run instead of zeroing the whole output before it.
+struct UnusedRows {
+  const int32_t *seq_q = nullptr, *seq_kv = nullptr;  // [batch] lengths (device); null: max_q / max_kv
+  size_t batch = 0, max_q = 0, max_kv = 0;
+  attn::MaskRule rule{};
+  bool key_side = false;  // dK / dV (rows = max_kv) instead of O / dQ (rows = max_q)
+  size_t rows = 0;        // the tensor's sequence dimension
+  bool sbhd = false;      // [s, b, ...] instead of [b, s, ...]
+  size_t row_stride = 0, heads = 0, head_stride = 0, row_bytes = 0;  // bytes; row_bytes = d * element size
+};
+// True when some row can be out of range (always with per-sequence lengths; without them when
+// the mask rule leaves rows or keys unused at the maximum lengths): the calls below skip the
+// launch otherwise.
+bool unused_rows_possible(const UnusedRows &u);
+// Zeroes the tensor's out-of-range rows (all heads, row_bytes each).
+void zero_unused_rows(void *base, const UnusedRows &u, cudaStream_t stream);
+// Statistics [batch, heads, max_q]: -inf in the query rows out of range (u.key_side is ignored).
+void stats_unused_rows(float *stats, const UnusedRows &u, cudaStream_t stream);
 
 // Paged K/V caches: the first `used` entries of `rows` rows of both page tables ([.., width] ->
 // [rows, used]), clamped to [0, num_pages - 1] so that a malformed table cannot send cuDNN
@@ -58,6 +72,14 @@ struct RaggedRun {
 // [0, rows], so malformed cu_seqlens cannot send cuDNN outside the buffers. Entries past the
 // batch are empty sequences placed where the last one ends.
 void ragged_run(const RaggedSource &s, const RaggedRun &r, cudaStream_t stream);
+
+// THD decode steps (max_seqlen_q 1, fused_attn_thd_decode.h): sequence b's query row of a THD
+// tensor (row pad[b], or cu[b] without pad, when cu[b + 1] - cu[b] >= 1; clamped as ragged_run
+// clamps) and row b of a [batch, heads, row_bytes] scratch. to_scratch: THD -> scratch, zeros for
+// a sequence without a query row; else scratch -> THD, skipping those sequences. Sizes in bytes.
+void thd_decode_rows(void *thd, void *scratch, bool to_scratch, const int32_t *cu, const int32_t *pad, size_t batch,
+                     size_t rows, size_t row_stride_bytes, size_t heads, size_t head_stride_bytes, size_t row_bytes,
+                     cudaStream_t stream);
 
 // Softmax statistics of r's sequences between the caller's [batch, h, max_q] buffer and the
 // graph's [n, h, graph_max_q] scratch. to_caller: rows that see no key and rows past a sequence's
