@@ -5,8 +5,11 @@ scaled_dot_product_attention (flash and cuDNN backends) on the contiguous cache.
 have the full cache length here (torch's fused backends take no per-sequence lengths), so every
 variant reads the same keys; b=16, 32 query heads over 8 K/V heads, head dim 128, cache 4096
 tokens, page 64. Rows: the decode step (1 new token per sequence; memory-bound: GB/s counts the
-K and V bytes read) and a chunk of 128 new tokens (bottom-right causal). Timed alternately
-(gpu_harness.time_alternating_ms)."""
+K and V bytes read) and a chunk of 128 new tokens (bottom-right causal); THD queries over the
+contiguous and over the paged cache (TE's inference layouts). Timed alternately
+(gpu_harness.time_alternating_ms). --json FILE: the times for run_on_device.sh's ab step."""
+import argparse
+import json
 import math
 import os
 import sys
@@ -61,6 +64,9 @@ class Ours:
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", help="also write {case: {metric: value}} here (run_on_device.sh's ab step)")
+    args = ap.parse_args()
     rep = Report()
     group = "attention over a K/V cache (forward, BF16)"
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -80,9 +86,10 @@ def main():
         paged = Ours(L.NVTE_Paged_KV_BSHD_BSHD_BSHD, q, kc, vc, sq, mask, (table, table))
         contig = Ours(L.NVTE_BSHD_BSHD_BSHD, q, k, v, sq, mask)
         thd = Ours(L.NVTE_THD_BSHD_BSHD, q.reshape(B * sq, HQ, D), k, v, sq, mask)
-        paged(), contig(), thd()
+        paged_thd = Ours(L.NVTE_Paged_KV_THD_BSHD_BSHD, q.reshape(B * sq, HQ, D), kc, vc, sq, mask, (table, table))
+        paged(), contig(), thd(), paged_thd()
         torch.cuda.synchronize()
-        for other in (contig, thd):  # same keys through another layout: bfloat16-close (a wrong page: O(1))
+        for other in (contig, thd, paged_thd):  # same keys through another layout: bfloat16-close (a wrong page: O(1))
             torch.testing.assert_close(other.o.reshape(paged.o.shape), paged.o, rtol=2e-2, atol=2e-2)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         causal = sq > 1  # torch's is_causal is top-left: give the chunk an explicit bottom-right mask
@@ -94,9 +101,10 @@ def main():
                     return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask, enable_gqa=True)
             return run
 
-        fns = [(lambda f: lambda: f())(f) for f in (paged, contig, thd)]  # argument-free (the timer passes
-        # an index to functions that take one)
-        names = ["ours paged (page 64)", "ours contiguous bshd", "ours thd queries, bshd cache"]
+        fns = [(lambda f: lambda: f())(f) for f in (paged, contig, thd, paged_thd)]  # argument-free (the timer
+        # passes an index to functions that take one)
+        names = ["ours paged (page 64)", "ours contiguous bshd", "ours thd queries, bshd cache",
+                 "ours thd queries, paged cache"]
         backends = [("torch flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION),
                     ("torch cuDNN", torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
                     ("torch efficient", torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION)]
@@ -114,6 +122,9 @@ def main():
             rep.add(group, f"sq={sq} skv={SKV} b={B} {name}", ms=t, kv_GBps=kv_bytes / t / 1e6,
                     speed_vs_paged=ms[0] / t)
     print(rep.markdown())
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({case: {"ms": m["ms"]} for _, case, m in rep.rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # (CUDA vs the CPU oracle), compute-sanitizer memcheck over it, and the GPU benchmarks.
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
 #   tests/gpu/run_on_device.sh [build|prebuilt] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
-#                              [tutorial] [quickstart] [host] [cpu] [gemmlog] [memcheck_all] [candidates] [pack]   (default: build test bench)
+#                              [tutorial] [quickstart] [host] [cpu] [gemmlog] [memcheck_all] [candidates] [ab] [pack]
+#                              (default: build test bench)
 # prebuilt: use the package staged by tests/gpu/prebuild_for_device.sh on the CPU machine
 # (.prebuilt/transformer_engine, carried: libtransformer_engine.so for sm_90 with static cudart
 # and the _nvte module for Python 3.12) instead of building here (saves the device minutes of
@@ -181,6 +182,31 @@ if [[ " $steps " == *" profile "* ]]; then
     --section MemoryWorkloadAnalysis $PY benchmarks/gpu_profile_memory.py >"$OUT/ncu.txt" 2>&1 || rc=1
   grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots|No Eligible|Stall" \
     "$OUT/ncu.txt" | head -80
+fi
+if [[ " $steps " == *" ab "* ]]; then
+  # ab: AB_BENCH (a benchmark script that takes --json FILE) run AB_ROUNDS times (default 3) on
+  # this package and on a base library alternately: AB_BASE_LIB, a libtransformer_engine.so.0.1.0
+  # (or .xz of one) from an older build carried along, swapped into a copy of the package. The
+  # two builds cannot share a process, so process runs alternate (the card's clock drifts);
+  # per-case medians and base/new ratios go to $OUT/ab.txt.
+  base=/tmp/nvte_pkg_base
+  rm -rf "$base" && cp -r "$STAGE" "$base"
+  $PY -c "import lzma, shutil, sys; src = sys.argv[1]; op = lzma.open if src.endswith('.xz') else open
+with op(src, 'rb') as f, open(sys.argv[2], 'wb') as g: shutil.copyfileobj(f, g)" \
+    "$AB_BASE_LIB" "$base/transformer_engine/libtransformer_engine.so.0.1.0" || exit 1
+  for r in $(seq "${AB_ROUNDS:-3}"); do
+    PYTHONPATH=$base $PY "$AB_BENCH" --json "$OUT/ab_base_$r.json" >"$OUT/ab_base_$r.log" 2>&1 || rc=1
+    $PY "$AB_BENCH" --json "$OUT/ab_new_$r.json" >"$OUT/ab_new_$r.log" 2>&1 || rc=1
+  done
+  $PY - "$OUT" <<'PYEOF' | tee "$OUT/ab.txt"
+import glob, json, statistics, sys
+runs = {side: [json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/ab_{side}_*.json"))] for side in ("base", "new")}
+for case in runs["new"][0]:
+    for metric in runs["new"][0][case]:
+        med = {side: statistics.median(r[case][metric] for r in rs) for side, rs in runs.items()}
+        print(f"{case} {metric}: base {med['base']:.4f} new {med['new']:.4f} base/new {med['base'] / med['new']:.3f}")
+PYEOF
+  took ab
 fi
 if [[ " $steps " == *" pack "* ]]; then
   (cd "$OUT" && tar czf /tmp/nvte_logs.tgz --exclude=logs.tgz . && find . -mindepth 1 -delete && mv /tmp/nvte_logs.tgz logs.tgz)
