@@ -1,5 +1,6 @@
 """Fused attention with padding masks (per-sequence lengths from cu_seqlens), BF16 and FP8, forward
-and forward + backward: b=4, 32 heads, head dim 128, max length 2048, BSHD. What it isolates is
+and forward + backward: b=4, 32 heads, head dim 128, max length 2048, BSHD; and the same
+sequences packed as THD (BF16). What it isolates is
 the library's own work around cuDNN's graph for padded batches (zeroing the rows outside the
 lengths), so the same calls without padding (no_mask at the full length) are timed alongside as
 the floor. PyTorch's SDPA has no per-sequence lengths in its flash / cuDNN backends, so there is
@@ -27,16 +28,18 @@ TIMING = dict(rounds=3, iters=15, warmup=3, inner=4)
 
 
 class Padded:
-    """One BF16 configuration (buffers allocated once); lens None: no padding mask."""
+    """One BF16 configuration (buffers allocated once); lens None: no padding mask; thd: the same
+    sequences packed as THD tensors [sum(lens), h, d] (layout thd_thd_thd, no gaps)."""
 
-    def __init__(self, mask, lens):
+    def __init__(self, mask, lens, thd=False):
         dev = "cuda"
-        mk = lambda: torch.randn(B, S, H, D, device=dev, dtype=torch.bfloat16)
+        shape = (sum(lens), H, D) if thd else (B, S, H, D)
+        mk = lambda: torch.randn(*shape, device=dev, dtype=torch.bfloat16)
         self.q, self.k, self.v, self.do = mk(), mk(), mk(), mk()
         self.o = torch.empty_like(self.q)
         self.dq, self.dk, self.dv = (torch.empty_like(self.q) for _ in range(3))
         self.sc = dict(max_seqlen_q=S, max_seqlen_kv=S, attn_scale=1.0 / math.sqrt(D), dropout=0.0,
-                       qkv_layout=L.NVTE_BSHD_BSHD_BSHD, bias_type=BT.NVTE_NO_BIAS, attn_mask_type=mask,
+                       qkv_layout=L.NVTE_THD_THD_THD if thd else L.NVTE_BSHD_BSHD_BSHD, bias_type=BT.NVTE_NO_BIAS, attn_mask_type=mask,
                        softmax_type=ST.NVTE_VANILLA_SOFTMAX, window_size_left=-1, window_size_right=-1,
                        bottom_right_diagonal=False)
         self.H = [handle(x) for x in (self.q, self.k, self.v)]
@@ -95,20 +98,22 @@ def check_padded_rows_zero(p, lens):
     """The rows past each length must be zero in O and in the gradients (what the timed work is for)."""
     p.fwd_bwd()
     torch.cuda.synchronize()
+    if p.q.dim() == 3:  # THD: packed, no rows to check
+        return
     for name, x in (("o", p.o), ("dq", p.dq), ("dk", p.dk), ("dv", p.dv)):
         for b, n in enumerate(lens):
             tail = x[b, n:]
             assert tail.numel() == 0 or not tail.view(torch.uint8).any(), f"{name}: rows past length {n} not zero"
 
 
-def bench_case(report, out, name, mask, lens):
-    p = Padded(mask, lens)
+def bench_case(report, out, name, mask, lens, thd=False):
+    p = Padded(mask, lens, thd)
     if lens is not None:
         check_padded_rows_zero(p, lens)
     fwd, fb = time_alternating_ms([lambda: p.fwd(), lambda: p.fwd_bwd()], **TIMING)
     report.add("attention_padding", f"bf16 b={B} h={H} d={D} s={S} {name}", fwd_ms=fwd, fwd_bwd_ms=fb)
     out["bf16 " + name] = dict(fwd_ms=fwd, fwd_bwd_ms=fb)
-    if mask == M.NVTE_PADDING_CAUSAL_MASK:
+    if mask == M.NVTE_PADDING_CAUSAL_MASK and not thd:  # (FP8 THD: not on the GPU, cuDNN's FP8 backward)
         f = PaddedFp8(p)
         f.fwd_bwd()
         torch.cuda.synchronize()
@@ -130,6 +135,9 @@ def main():
     out = {}
     for name, mask, lens in cases:
         bench_case(report, out, name, mask, lens)
+        torch.cuda.empty_cache()
+    for name, mask in (("thd, padding", M.NVTE_PADDING_MASK), ("thd, padding_causal", M.NVTE_PADDING_CAUSAL_MASK)):
+        bench_case(report, out, f"{name}, lengths 2048/1536/1024/512 packed", mask, ragged, thd=True)
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as fh:

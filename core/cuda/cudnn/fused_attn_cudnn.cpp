@@ -42,8 +42,9 @@
 //
 // BSHD/SBHD rows that fused_attn.h defines and cuDNN does not compute (padded rows, rows that see
 // no key, keys that no query sees) are zeroed after the graph ran (UnusedRows in
-// fused_attn_seqlens.h), which touches only those rows; THD still zeroes O and the gradients whole
-// before its runs (gaps between sequences belong to none of them).
+// fused_attn_seqlens.h), which touches only those rows. THD likewise after its runs: rows that
+// see no key and keys no query sees per run (ragged_zero_rows), then the rows of no sequence
+// (gaps, unused rows), found through a byte map of the rows the sequences cover.
 //
 // return_max_logit (float16/bfloat16, BSHD/SBHD and THD): the forward graph outputs cuDNN's Max
 // (row maximum of the softmax input, i.e. of the scaled logits with bias, ALiBi and masks
@@ -330,9 +331,9 @@ std::shared_ptr<Built> graph_for(const AttnParams &call, bool bwd, bool has_dbia
 }
 
 // Workspace: cuDNN's, then (padding masks, THD) two int32 [b] sequence-length arrays, then (THD)
-// the ragged offsets of Q, K, V, O (int32 [b + 1] each), the run's (seed, offset) and the
+// the ragged offsets of Q, K, V, O (int32 [b + 1] each), the run's (seed, offset), the
 // statistics scratch [b, h_q, max_sq] (b: the graph's batch; with return_max_logit two of them,
-// cuDNN's Sum_exp and Max), then (paged caches) the clamped page tables of K and V (int32
+// cuDNN's Sum_exp and Max) and the row maps of Q and K/V (a byte per token row), then (paged caches) the clamped page tables of K and V (int32
 // [b, pages] each), then (FP8) a block of float32 scalars (descales the graph reads, amax
 // values it writes).
 size_t seqlen_bytes(const AttnParams &p) {
@@ -343,11 +344,16 @@ namespace {
 // The clamped page tables: [graph batch, pages] each (THD queries: a run's rows).
 size_t page_table_bytes(const AttnParams &p) { return align256(graph_params(p).batch * graph_pages(p) * 4); }
 size_t page_bytes(const AttnParams &p) { return 2 * page_table_bytes(p); }
+// THD: the row maps of zero_rows_outside_sequences (one byte per token row of Q, and of K/V when THD).
+size_t row_map_bytes(const AttnParams &p) {
+  return thd(p) ? align256(p.rows_q) + (kv_thd(p) ? align256(p.rows_kv) : 0) : 0;
+}
 size_t ragged_bytes(const AttnParams &p) {
   if (!thd(p)) return 0;
   const AttnParams g = graph_params(p);
   const size_t scratches = g.return_max_logit ? 2 : (g.is_training ? 1 : 0);
-  return 4 * align256((g.batch + 1) * 4) + 256 + scratches * align256(g.batch * g.h_q * g.max_sq * 4);
+  return 4 * align256((g.batch + 1) * 4) + 256 + scratches * align256(g.batch * g.h_q * g.max_sq * 4) +
+         row_map_bytes(p);
 }
 constexpr size_t kFp8ScalarBytes = 256;
 size_t fp8_scalar_bytes(const AttnParams &p) { return is_fp8(p.dtype) ? kFp8ScalarBytes : 0; }
@@ -521,6 +527,23 @@ void run_thd(const AttnParams &p, const Built &b, const ThdInputs &in, VariantPa
       ragged_zero_rows(in.dv, s, r, 2, true, p.h_kv, pl[2]->head_stride, p.d_v, stream);
     }
   }
+  // Token rows of no sequence (gaps, unused rows at the end) are zero (fused_attn.h); cuDNN
+  // writes only the rows of its sequences.
+  uint8_t *map_q = reinterpret_cast<uint8_t *>(ws + cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) -
+                                               row_map_bytes(p));
+  uint8_t *map_kv = map_q + align256(p.rows_q);
+  const size_t es = dtype_size(p.dtype);
+  const auto zero_rest = [&](void *base, const uint8_t *map, size_t rows, const attn::TensorPlacement &t,
+                             size_t heads, size_t d) {
+    zero_unmarked_rows(base, map, rows, t.row_stride * es, heads, t.head_stride * es, d * es, stream);
+  };
+  mark_sequence_rows(map_q, s.cu_q, s.pad_q, s.batch, s.max_q, s.rows_q, stream);
+  if (fwd) return zero_rest(in.o, map_q, p.rows_q, p.out, p.h_q, p.d_v);
+  zero_rest(in.dq, map_q, p.rows_q, *pl[0], p.h_q, p.d_qk);
+  if (!kv_thd(p)) return;  // (BSHD/SBHD K/V: the backward is not supported there)
+  mark_sequence_rows(map_kv, s.cu_kv, s.pad_kv, s.batch, s.max_kv, s.rows_kv, stream);
+  zero_rest(in.dk, map_kv, p.rows_kv, *pl[1], p.h_kv, p.d_qk);
+  zero_rest(in.dv, map_kv, p.rows_kv, *pl[2], p.h_kv, p.d_v);
 }
 
 // ------------------------------------------------------------------ float16 / bfloat16 calls
@@ -544,8 +567,6 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
     pack[kUSeed] = rng;
     pack[kUOffset] = rng + 1;
   }
-  // THD gaps (rows of no sequence) are not computed by cuDNN: O starts as zeros there (fused_attn.h).
-  if (thd(p)) NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.o), 0, bytes_of(*t.o), stream));
   if (thd(p)) {
     ThdInputs in{t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded, p.dropout > 0.0f ? t.rng_state : nullptr,
                  p.is_training || p.return_max_logit ? stats : nullptr};
@@ -579,14 +600,6 @@ void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspa
     int64_t *rng = static_cast<int64_t *>(data(t.rng_state));
     pack[kUSeed] = rng;
     pack[kUOffset] = rng + 1;
-  }
-  if (thd(p)) {
-    // Gradients of THD gaps are zero; packed gradients share one buffer (set whole).
-    const size_t ext[3] = {extent_bytes(p.qkv.t[attn::kQ], p.rows_q, p.h_q, p.d_qk, p.dtype),
-                           extent_bytes(p.qkv.t[attn::kK], p.rows_kv, p.h_kv, p.d_qk, p.dtype),
-                           extent_bytes(p.qkv.t[attn::kV], p.rows_kv, p.h_kv, p.d_v, p.dtype)};
-    const Tensor *grads[3] = {t.dq, t.dk, t.dv};
-    for (int i = 0; i < 3; ++i) NVTE_CHECK_CUDA(cudaMemsetAsync(data(grads[i]), 0, ext[i], stream));
   }
   if (thd(p)) {
     ThdInputs in{t.cu_q, t.cu_kv, t.cu_q_padded, t.cu_kv_padded, p.dropout > 0.0f ? t.rng_state : nullptr,

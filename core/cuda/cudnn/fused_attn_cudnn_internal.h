@@ -209,13 +209,6 @@ inline size_t bytes_of(const Tensor &t) {
   return numel(b.shape) * dtype_size(b.dtype);
 }
 
-// Bytes from a Q/K/V-like tensor's pointer to the end of its last element (packed tensors
-// interleave: their footprint is wider than their element count).
-inline size_t extent_bytes(const attn::TensorPlacement &t, size_t rows, size_t heads, size_t d, NVTEDType dt) {
-  if (rows == 0 || heads == 0 || d == 0) return 0;
-  return ((rows - 1) * t.row_stride + (heads - 1) * t.head_stride + d) * dtype_size(dt);
-}
-
 // The FP8 calls (fused_attn_cudnn_fp8.cpp).
 void fp8_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream);
 void fp8_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream);

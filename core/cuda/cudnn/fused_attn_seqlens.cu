@@ -207,10 +207,41 @@ __global__ void ragged_zero_rows_kernel(uint16_t *base, RaggedSource s, RaggedRu
   for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
     const size_t i = x / (rows * heads), row = x / heads % rows, h = x % heads;
     if (r.start + i >= s.batch) continue;
-    const bool zero = key_side ? (row < (size_t)r.seq_kv[i] && r.seq_q[i] == 0) : query_row_kind(s, r, i, row) == 0;
+    bool zero;
+    if (key_side) {  // a key of the sequence that no query sees
+      const attn::KeyRange seen = attn::keys_with_rows(s.rule, r.seq_q[i], r.seq_kv[i]);
+      zero = row < (size_t)r.seq_kv[i] && ((int64_t)row < seen.lo || (int64_t)row > seen.hi);
+    } else {
+      zero = query_row_kind(s, r, i, row) == 0;
+    }
     if (!zero) continue;
     uint16_t *p = base + r.off[role][i] + (int64_t)row * s.stride[role] + h * head_stride;
     for (size_t e = 0; e < d; ++e) p[e] = 0;
+  }
+}
+
+// Block g: the rows of sequences g, g + gridDim.x, ... (clamped as ragged_run clamps them).
+__global__ void mark_sequence_rows_kernel(uint8_t *map, const int32_t *cu, const int32_t *pad, size_t batch,
+                                          int64_t max_len, int64_t rows) {
+  for (size_t g = blockIdx.x; g < batch; g += gridDim.x) {
+    const Span sp = real_span(cu, pad, g, max_len, rows);
+    for (int64_t i = threadIdx.x; i < sp.len; i += blockDim.x) map[sp.start + i] = 1;
+  }
+}
+
+// Block x: rows [x * kTileRows, +kTileRows); an unmarked row is zeroed (all heads).
+template <size_t kChunk>
+__global__ void zero_unmarked_rows_kernel(uint8_t *base, const uint8_t *map, size_t rows, size_t row_stride,
+                                          size_t heads, size_t head_stride, size_t row_bytes) {
+  const size_t r0 = (size_t)blockIdx.x * kTileRows, r1 = r0 + kTileRows < rows ? r0 + kTileRows : rows;
+  const unsigned chunks = (unsigned)(row_bytes / kChunk), per_row = (unsigned)heads * chunks;
+  for (size_t r = r0; r < r1; ++r) {
+    if (map[r]) continue;
+    uint8_t *row = base + r * row_stride;
+    for (unsigned x = threadIdx.x; x < per_row; x += blockDim.x) {
+      const unsigned h = x / chunks;
+      zero_chunk<kChunk>(row + h * head_stride + (size_t)(x - h * chunks) * kChunk);
+    }
   }
 }
 
@@ -304,6 +335,34 @@ void thd_decode_rows(void *thd, void *scratch, bool to_scratch, const int32_t *c
   } else {
     thd_decode_rows_kernel<1><<<(unsigned)batch, 128, 0, stream>>>(t, s, to_scratch, cu, pad, rows, row_stride_bytes,
                                                                   heads, head_stride_bytes, row_bytes);
+  }
+  NVTE_CHECK_LAUNCH();
+}
+
+void mark_sequence_rows(uint8_t *map, const int32_t *cu, const int32_t *pad, size_t batch, size_t max_len,
+                        size_t rows, cudaStream_t stream) {
+  if (rows == 0) return;
+  NVTE_CHECK_CUDA(cudaMemsetAsync(map, 0, rows, stream));
+  if (batch == 0) return;
+  mark_sequence_rows_kernel<<<(unsigned)(batch < 65535 ? batch : 65535), 256, 0, stream>>>(map, cu, pad, batch,
+                                                                                       (int64_t)max_len,
+                                                                                       (int64_t)rows);
+  NVTE_CHECK_LAUNCH();
+}
+
+void zero_unmarked_rows(void *base, const uint8_t *map, size_t rows, size_t row_stride_bytes, size_t heads,
+                        size_t head_stride_bytes, size_t row_bytes, cudaStream_t stream) {
+  if (rows == 0 || heads * row_bytes == 0) return;
+  const unsigned grid = (unsigned)((rows + kTileRows - 1) / kTileRows);
+  const bool vec = reinterpret_cast<uintptr_t>(base) % 16 == 0 && row_stride_bytes % 16 == 0 &&
+                   head_stride_bytes % 16 == 0 && row_bytes % 16 == 0;
+  uint8_t *b = static_cast<uint8_t *>(base);
+  if (vec) {
+    zero_unmarked_rows_kernel<16><<<grid, 256, 0, stream>>>(b, map, rows, row_stride_bytes, heads, head_stride_bytes,
+                                                           row_bytes);
+  } else {
+    zero_unmarked_rows_kernel<1><<<grid, 256, 0, stream>>>(b, map, rows, row_stride_bytes, heads, head_stride_bytes,
+                                                          row_bytes);
   }
   NVTE_CHECK_LAUNCH();
 }

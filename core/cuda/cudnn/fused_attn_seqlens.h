@@ -104,9 +104,21 @@ void ragged_logit_stats(float *stats, float *max, const float *max_scratch, cons
 // Zeroes rows of one float16/bfloat16 THD tensor of r's sequences that cuDNN leaves undefined:
 // key_side false: query rows that see no key (O, dQ: fused_attn.h says 0; cuDNN gives NaN or
 // an average of V there, and NaN for empty K/V sequences before cuDNN 9.25); key_side true:
-// every row of a sequence without queries (dK, dV). role: which offset array of r (0..3).
+// keys that no query of their sequence sees (dK, dV; every key of a sequence without queries).
+// role: which offset array of r (0..3).
 void ragged_zero_rows(void *base, const RaggedSource &s, const RaggedRun &r, int role, bool key_side,
                       size_t heads, size_t head_stride, size_t d, cudaStream_t stream);
+
+// THD token rows of no sequence (gaps between sequences, unused rows at the end), which are zero in
+// O and the gradients (fused_attn.h): mark_sequence_rows sets map[t] = 1 for every row t of a
+// sequence (rows [pad[g], +len g), clamped as ragged_run clamps; map: `rows` bytes of device
+// memory, cleared first), zero_unmarked_rows zeroes every head of each row left 0. A map instead
+// of the gaps between consecutive offsets: cu_seqlens_*_padded come from the caller and need not
+// be sorted, and zeroing from one sequence's end to the next one's start could erase another's rows.
+void mark_sequence_rows(uint8_t *map, const int32_t *cu, const int32_t *pad, size_t batch, size_t max_len,
+                        size_t rows, cudaStream_t stream);
+void zero_unmarked_rows(void *base, const uint8_t *map, size_t rows, size_t row_stride_bytes, size_t heads,
+                        size_t head_stride_bytes, size_t row_bytes, cudaStream_t stream);
 
 // One float32 scalar operation on device pointers:
 //   kSet:     *dst = src ? *src : 1.0f       (a scale to bind, or 1 for a float16/bfloat16 output)
