@@ -220,14 +220,23 @@ def test_thd_queries_decode_many_runs(layout):
 
 @pytest.mark.parametrize("layout", THD_Q)
 def test_thd_decode_with_gaps_and_statistics(layout):
-    """The decode step of THD queries (max_seqlen_q 1; over plain K/V the CUDA backend runs it as
-    BSHD queries [b, 1], fused_attn_thd_decode.cpp; over paged caches as THD runs):
-    cu_seqlens_q_padded leaves gap rows, which must come out zero; sequences without a query or
-    without keys; with paged caches also the training forward's statistics (THD queries over
-    plain K/V are inference-only on the GPU)."""
+    """The decode step of THD queries (max_seqlen_q 1; the CUDA backend runs it as BSHD queries
+    [n, 1], fused_attn_thd_decode.cpp): cu_seqlens_q_padded leaves gap rows, which must come out
+    zero; sequences without a query or without keys; with paged caches also the training
+    forward's statistics (THD queries over plain K/V are inference-only on the GPU)."""
     c = Case(layout=layout, b=6, sq=1, skv=96, hq=8, hkv=2, d=128, mask="padding_causal_bottom_right",
              lens_q=[1, 0, 1, 1, 0, 1], lens_kv=[96, 5, 0, 40, 0, 1])
     check_paged(c, page_size=16, training=layout.startswith("NVTE_Paged"), gaps=[2, 0, 1, 0, 3, 1])
+
+
+def test_paged_thd_decode_runs_in_chunks():
+    """Paged THD decode with more sequences than query rows: the graph's batch is 4 here (3 query
+    rows rounded up to a power of two) and the call runs it over the 9 sequences in 3 runs, each
+    with its own cu_seqlens and page-table rows; statistics included."""
+    c = Case(layout="NVTE_Paged_KV_THD_BSHD_BSHD", b=9, sq=1, skv=64, hq=4, hkv=2, d=64,
+             mask="padding_causal_bottom_right", lens_q=[1, 0, 0, 1, 0, 0, 0, 1, 0],
+             lens_kv=[64, 3, 0, 17, 64, 1, 9, 40, 2])
+    check_paged(c, page_size=8, training=True)
 
 
 def test_paged_thd_training_forward_statistics():

@@ -137,10 +137,7 @@ AttnParams graph_params(const AttnParams &p) {
 }
 
 bool thd_decode(const AttnParams &p) {
-  // Paged caches: the workspace queries see no batch (the page tables are absent), so the view's
-  // graph could not be sized there; they keep the THD runs.
-  return thd(p) && !kv_thd(p) && !p.layout.paged && p.max_sq == 1 && !is_fp8(p.dtype) && p.dropout == 0.0f &&
-         !p.return_max_logit;
+  return thd(p) && !kv_thd(p) && p.max_sq == 1 && !is_fp8(p.dtype) && p.dropout == 0.0f && !p.return_max_logit;
 }
 
 AttnParams decode_view(const AttnParams &p) {
@@ -148,8 +145,14 @@ AttnParams decode_view(const AttnParams &p) {
   v.layout.q_format = NVTE_BSHD;
   v.qkv.t[attn::kQ] = attn::TensorPlacement{NVTE_BSHD, p.h_q * p.d_qk, p.d_qk, attn::kQ, 0};
   v.out = attn::TensorPlacement{NVTE_BSHD, p.h_q * p.d_v, p.d_v, attn::kQ, 0};
-  v.rows_q = p.batch;
   v.padding = true;  // lengths from cu_seqlens, as THD has them
+  if (p.layout.paged) {
+    // The workspace queries see no batch (no page tables): the graph takes chunks of a power of two
+    // >= the query rows (at least every sequence with a query row), and the tables' used columns.
+    v.batch = pow2_at_least(std::max<size_t>(p.rows_q, 1));
+    v.pages_per_seq = (p.max_skv + p.page_size - 1) / p.page_size;
+  }
+  v.rows_q = v.batch;
   return v;
 }
 

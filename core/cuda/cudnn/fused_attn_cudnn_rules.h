@@ -34,10 +34,11 @@ std::string unsupported_reason(const AttnParams &p);
 // call's batch, one run). They depend only on what the workspace queries see.
 AttnParams graph_params(const AttnParams &p);
 
-// THD queries over BSHD/SBHD K/V (not paged caches) with max_seqlen_q 1 (a decode step), forward,
-// float16/bfloat16, without dropout or max logit: such a call runs as BSHD queries [b, 1]
+// THD queries over BSHD/SBHD K/V or a paged cache with max_seqlen_q 1 (a decode step), forward,
+// float16/bfloat16, without dropout or max logit: such a call runs as BSHD queries [n, 1]
 // (fused_attn_thd_decode.h), the graph for which cuDNN takes its decode kernel; decode_view is
-// that call's parameters (Q and O BSHD [b, 1, h, d] scratch tensors, the padding mask).
+// that call's parameters (Q and O BSHD [n, 1, h, d] scratch tensors, the padding mask; n the
+// batch, or with a paged cache a chunk of sequences, and the page tables' used columns).
 bool thd_decode(const AttnParams &p);
 AttnParams decode_view(const AttnParams &p);
 

@@ -125,12 +125,13 @@ __global__ void ragged_run_kernel(RaggedSource s, RaggedRun r) {
   }
 }
 
-// Block b: sequence b's query row between the THD tensor and scratch row b (thd_decode_rows).
+// Block i: sequence start + i's query row between the THD tensor and scratch row i (thd_decode_rows).
 template <size_t kChunk>
 __global__ void thd_decode_rows_kernel(uint8_t *thd, uint8_t *scratch, bool to_scratch, const int32_t *cu,
-                                       const int32_t *pad, size_t rows, size_t row_stride, size_t heads,
-                                       size_t head_stride, size_t row_bytes) {
-  const Span q = real_span(cu, pad, blockIdx.x, 1, (int64_t)rows);
+                                       const int32_t *pad, size_t batch, size_t start, size_t rows,
+                                       size_t row_stride, size_t heads, size_t head_stride, size_t row_bytes) {
+  const size_t g = start + blockIdx.x;
+  const Span q = g < batch ? real_span(cu, pad, g, 1, (int64_t)rows) : Span{0, 0};
   if (q.len == 0 && !to_scratch) return;
   const unsigned chunks = (unsigned)(row_bytes / kChunk), total = (unsigned)heads * chunks;
   uint8_t *src_row = thd + (size_t)q.start * row_stride, *dst_row = scratch + (size_t)blockIdx.x * heads * row_bytes;
@@ -145,6 +146,22 @@ __global__ void thd_decode_rows_kernel(uint8_t *thd, uint8_t *scratch, bool to_s
       if (!to_scratch) *t = *s;
       else *s = q.len ? *t : 0;
     }
+  }
+}
+
+// Element x of a chunk's inputs: x <= n a cu_seqlens entry of both sides, then the page tables.
+__global__ void decode_chunk_kernel(DecodeChunk c) {
+  const size_t total = (c.n + 1) + c.n * c.used;
+  for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
+    if (x <= c.n) {
+      const size_t g = c.start + x < c.batch ? c.start + x : c.batch;
+      c.cu_q_out[x] = c.cu_q[g];
+      c.cu_kv_out[x] = c.cu_kv[g];
+      continue;
+    }
+    const size_t e = x - (c.n + 1), i = e / c.used, j = e % c.used, g = c.start + i;
+    c.page_k_out[e] = g < c.batch ? c.page_k[g * c.width + j] : 0;
+    c.page_v_out[e] = g < c.batch ? c.page_v[g * c.width + j] : 0;
   }
 }
 
@@ -322,20 +339,26 @@ void ragged_run(const RaggedSource &s, const RaggedRun &r, cudaStream_t stream) 
 }
 
 void thd_decode_rows(void *thd, void *scratch, bool to_scratch, const int32_t *cu, const int32_t *pad, size_t batch,
-                     size_t rows, size_t row_stride_bytes, size_t heads, size_t head_stride_bytes, size_t row_bytes,
-                     cudaStream_t stream) {
-  if (batch == 0 || heads * row_bytes == 0) return;
-  NVTE_CHECK(batch <= 0x7fffffffu, "internal: THD decode batch ", batch, " exceeds the grid");
+                     size_t start, size_t n, size_t rows, size_t row_stride_bytes, size_t heads,
+                     size_t head_stride_bytes, size_t row_bytes, cudaStream_t stream) {
+  if (n == 0 || heads * row_bytes == 0) return;
+  NVTE_CHECK(n <= 0x7fffffffu, "internal: THD decode chunk ", n, " exceeds the grid");
   const bool vec = reinterpret_cast<uintptr_t>(thd) % 16 == 0 && reinterpret_cast<uintptr_t>(scratch) % 16 == 0 &&
                    row_stride_bytes % 16 == 0 && head_stride_bytes % 16 == 0 && row_bytes % 16 == 0;
   uint8_t *t = static_cast<uint8_t *>(thd), *s = static_cast<uint8_t *>(scratch);
   if (vec) {
-    thd_decode_rows_kernel<16><<<(unsigned)batch, 128, 0, stream>>>(t, s, to_scratch, cu, pad, rows, row_stride_bytes,
-                                                                   heads, head_stride_bytes, row_bytes);
+    thd_decode_rows_kernel<16><<<(unsigned)n, 128, 0, stream>>>(t, s, to_scratch, cu, pad, batch, start, rows,
+                                                               row_stride_bytes, heads, head_stride_bytes, row_bytes);
   } else {
-    thd_decode_rows_kernel<1><<<(unsigned)batch, 128, 0, stream>>>(t, s, to_scratch, cu, pad, rows, row_stride_bytes,
-                                                                  heads, head_stride_bytes, row_bytes);
+    thd_decode_rows_kernel<1><<<(unsigned)n, 128, 0, stream>>>(t, s, to_scratch, cu, pad, batch, start, rows,
+                                                              row_stride_bytes, heads, head_stride_bytes, row_bytes);
   }
+  NVTE_CHECK_LAUNCH();
+}
+
+void decode_chunk_inputs(const DecodeChunk &c, cudaStream_t stream) {
+  const size_t total = (c.n + 1) + c.n * c.used;
+  decode_chunk_kernel<<<grid_for(total, 256), 256, 0, stream>>>(c);
   NVTE_CHECK_LAUNCH();
 }
 

@@ -73,13 +73,24 @@ struct RaggedRun {
 // batch are empty sequences placed where the last one ends.
 void ragged_run(const RaggedSource &s, const RaggedRun &r, cudaStream_t stream);
 
-// THD decode steps (max_seqlen_q 1, fused_attn_thd_decode.h): sequence b's query row of a THD
-// tensor (row pad[b], or cu[b] without pad, when cu[b + 1] - cu[b] >= 1; clamped as ragged_run
-// clamps) and row b of a [batch, heads, row_bytes] scratch. to_scratch: THD -> scratch, zeros for
-// a sequence without a query row; else scratch -> THD, skipping those sequences. Sizes in bytes.
+// THD decode steps (max_seqlen_q 1, fused_attn_thd_decode.h): the query row of sequence
+// start + i of a THD tensor (row pad[g], or cu[g] without pad, when cu[g + 1] - cu[g] >= 1;
+// clamped as ragged_run clamps) and row i < n of a [n, heads, row_bytes] scratch. to_scratch:
+// THD -> scratch, zeros for a sequence without a query row or past the batch; else scratch ->
+// THD, skipping those. Sizes in bytes.
 void thd_decode_rows(void *thd, void *scratch, bool to_scratch, const int32_t *cu, const int32_t *pad, size_t batch,
-                     size_t rows, size_t row_stride_bytes, size_t heads, size_t head_stride_bytes, size_t row_bytes,
-                     cudaStream_t stream);
+                     size_t start, size_t n, size_t rows, size_t row_stride_bytes, size_t heads,
+                     size_t head_stride_bytes, size_t row_bytes, cudaStream_t stream);
+
+// A paged THD decode chunk's inputs for sequences [start, start + n): cu_seqlens of both sides
+// [n + 1] (entries past the batch repeat the last one: empty sequences) and the first `used`
+// columns of both page tables ([batch, width] -> [n, used]; rows past the batch: page 0).
+struct DecodeChunk {
+  const int32_t *cu_q = nullptr, *cu_kv = nullptr, *page_k = nullptr, *page_v = nullptr;
+  int32_t *cu_q_out = nullptr, *cu_kv_out = nullptr, *page_k_out = nullptr, *page_v_out = nullptr;
+  size_t batch = 0, start = 0, n = 0, width = 0, used = 0;
+};
+void decode_chunk_inputs(const DecodeChunk &c, cudaStream_t stream);
 
 // Softmax statistics of r's sequences between the caller's [batch, h, max_q] buffer and the
 // graph's [n, h, graph_max_q] scratch. to_caller: rows that see no key and rows past a sequence's
