@@ -212,18 +212,18 @@ void common_options(fe::graph::Graph &g, const AttnParams &p, Attr &a, bool has_
   }
 }
 
-// THD: the ragged offset tensors of Q, K, V, O (int32 [b + 1]); null pointers otherwise (and for
-// K, V when only Q is THD).
+// THD and ragged_padding: the ragged offset tensors of Q, K, V, O (int32 [b + 1]); null pointers
+// otherwise (and for K, V when only Q is THD).
 struct Ragged {
   TensorPtr off[4];
 };
 Ragged ragged_offsets(fe::graph::Graph &g, const AttnParams &p) {
   Ragged r;
-  if (!thd(p)) return r;
+  if (!thd(p) && !ragged_padding(p)) return r;
   const int64_t uid[4] = {kURaggedQ, kURaggedK, kURaggedV, kURaggedO};
   const char *name[4] = {"ragged_q", "ragged_k", "ragged_v", "ragged_o"};
   for (int i = 0; i < 4; ++i)
-    if (i == 0 || i == 3 || kv_thd(p))
+    if (i == 0 || i == 3 || kv_thd(p) || !thd(p))
       r.off[i] = scalar_tensor(g, uid[i], name[i], fe::DataType_t::INT32, (int64_t)p.batch + 1);
   return r;
 }
@@ -338,7 +338,8 @@ std::shared_ptr<Built> graph_for(const AttnParams &call, bool bwd, bool has_dbia
 // values it writes).
 size_t seqlen_bytes(const AttnParams &p) {
   const AttnParams g = graph_params(p);
-  return g.padding ? 2 * align256(g.batch * 4) : 0;
+  const size_t ragged = ragged_padding(p) ? 4 * align256((g.batch + 1) * 4) : 0;  // bind_seqlens' offsets
+  return g.padding ? 2 * align256(g.batch * 4) + ragged : 0;
 }
 namespace {
 // The clamped page tables: [graph batch, pages] each (THD queries: a run's rows).
@@ -433,10 +434,20 @@ void bind_seqlens(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv, 
   // Without the caller's padding mask (graph_params' bottom-right case) every length is its maximum.
   NVTE_CHECK(!p.padding || (cu_q != nullptr && cu_kv != nullptr), "padding masks need cu_seqlens_q and cu_seqlens_kv");
   int32_t *sq = reinterpret_cast<int32_t *>(extra);
-  int32_t *skv = reinterpret_cast<int32_t *>(extra + seqlen_bytes(p) / 2);
+  int32_t *skv = reinterpret_cast<int32_t *>(extra + align256(p.batch * 4));
   seqlens_from_cu(p.padding ? static_cast<const int32_t *>(data(cu_q)) : nullptr,
                   p.padding ? static_cast<const int32_t *>(data(cu_kv)) : nullptr, sq, skv, p.batch, p.max_sq,
                   p.max_skv, stream);
+  if (ragged_padding(p)) {  // sequence b's rows start at b * max_seqlen rows
+    int32_t *off = reinterpret_cast<int32_t *>(extra + 2 * align256(p.batch * 4));
+    const size_t step = align256((p.batch + 1) * 4) / 4;
+    const attn::TensorPlacement *pl[4] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV], &p.out};
+    const int64_t uid[4] = {kURaggedQ, kURaggedK, kURaggedV, kURaggedO};
+    int64_t per[4];
+    for (int i = 0; i < 4; ++i) per[i] = (int64_t)((i == 1 || i == 2 ? p.max_skv : p.max_sq) * pl[i]->row_stride);
+    batch_offsets(off, step, per, p.batch, stream);
+    for (int i = 0; i < 4; ++i) pack[uid[i]] = off + i * step;
+  }
   pack[kUSeqQ] = sq;
   pack[kUSeqKV] = skv;
 }

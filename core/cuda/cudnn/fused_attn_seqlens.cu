@@ -17,6 +17,14 @@ __global__ void seqlens_kernel(const int32_t *cu_q, const int32_t *cu_kv, int32_
   seq_kv[i] = lkv < 0 ? 0 : (lkv > max_kv ? max_kv : lkv);
 }
 
+// Element x of the four arrays: array x / (batch + 1), entry x % (batch + 1).
+__global__ void batch_offsets_kernel(BatchOffsets o) {
+  const size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (x >= 4 * (o.batch + 1)) return;
+  const size_t a = x / (o.batch + 1), i = x % (o.batch + 1);
+  o.off[a * o.step + i] = (int32_t)((int64_t)i * o.per[a]);  // (ragged_padding checked the int32 range)
+}
+
 __device__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
 // Block (x, y): rows [x * kTileRows, +kTileRows) of sequences y, y + gridDim.y, ...; a kept row
@@ -282,6 +290,16 @@ __global__ void scalar_ops_kernel(ScalarOps ops) {
 void run_scalar_ops(const ScalarOps &ops, cudaStream_t stream) {
   if (ops.n == 0) return;
   scalar_ops_kernel<<<1, 1, 0, stream>>>(ops);
+  NVTE_CHECK_LAUNCH();
+}
+
+void batch_offsets(int32_t *off, size_t step, const int64_t per[4], size_t batch, cudaStream_t stream) {
+  BatchOffsets o;
+  o.off = off;
+  o.step = step;
+  for (int i = 0; i < 4; ++i) o.per[i] = per[i];
+  o.batch = batch;
+  batch_offsets_kernel<<<grid_for(4 * (batch + 1), 256), 256, 0, stream>>>(o);
   NVTE_CHECK_LAUNCH();
 }
 

@@ -19,6 +19,15 @@ namespace nvte::cuda {
 void seqlens_from_cu(const int32_t *cu_q, const int32_t *cu_kv, int32_t *seq_q, int32_t *seq_kv, size_t batch,
                      size_t max_q, size_t max_kv, cudaStream_t stream);
 
+// ragged_padding (fused_attn_cudnn_rules.h): four int32 [batch + 1] offset arrays, array a at
+// off + a * step, entry i = i * per[a] (the element offset of sequence i's first row of Q, K, V, O).
+struct BatchOffsets {
+  int32_t *off = nullptr;
+  size_t step = 0, batch = 0;
+  int64_t per[4] = {};
+};
+void batch_offsets(int32_t *off, size_t step, const int64_t per[4], size_t batch, cudaStream_t stream);
+
 // BSHD/SBHD rows that fused_attn.h defines and cuDNN may leave undefined: a query row outside
 // attn::rows_with_keys of its sequence (padded, or sees no key) has O = 0, dQ = 0 and statistics
 // -inf; a key row outside attn::keys_with_rows (padded, or seen by no query) has dK = dV = 0.
