@@ -40,6 +40,10 @@
 // of THD queries over BSHD/SBHD K/V or a paged cache runs as BSHD queries instead
 // (fused_attn_thd_decode.cpp: cuDNN's decode kernel).
 //
+// BSHD padding-mask calls describe Q, K, V, O as ragged tensors with offsets b * max_seqlen * row
+// stride (ragged_padding in fused_attn_cudnn_rules.h): cuDNN's packed-sequence kernels were
+// faster than its padded ones for the same sequences.
+//
 // BSHD/SBHD rows that fused_attn.h defines and cuDNN does not compute (padded rows, rows that see
 // no key, keys that no query sees) are zeroed after the graph ran (UnusedRows in
 // fused_attn_seqlens.h), which touches only those rows. THD likewise after its runs: rows that
