@@ -29,7 +29,8 @@ B, H, D = 4, 32, 128
 def handle(x, dtype=None):
     t = nvte.Tensor()
     nv = dtype if dtype is not None else {torch.bfloat16: nvte.DType.kBFloat16, torch.float32: nvte.DType.kFloat32,
-                                          torch.int64: nvte.DType.kInt64, torch.uint8: nvte.DType.kByte}[x.dtype]
+                                          torch.int64: nvte.DType.kInt64, torch.int32: nvte.DType.kInt32,
+                                          torch.uint8: nvte.DType.kByte}[x.dtype]
     t.set_param(nvte.Param.kRowwiseData, x.data_ptr(), list(x.shape), nv)
     t._refs = x
     return t
@@ -45,21 +46,30 @@ def workspace_for(H, s, sc):
 
 
 class Ours:
-    def __init__(self, s, causal):
+    """One BF16 configuration, buffers allocated once. mask: a mask type other than causal / none;
+    lens: per-sequence lengths (cu_seqlens of both sides); thd: those sequences packed as THD
+    tensors [sum(lens), h, d] (thd_thd_thd, no gaps) instead of BSHD [b, s, h, d]."""
+
+    def __init__(self, s, causal, mask=None, lens=None, thd=False):
         dev = "cuda"
-        mk = lambda: torch.randn(B, s, H, D, device=dev, dtype=torch.bfloat16)
+        shape = (sum(lens), H, D) if thd else (B, s, H, D)
+        mk = lambda: torch.randn(*shape, device=dev, dtype=torch.bfloat16)
         self.q, self.k, self.v, self.do = mk(), mk(), mk(), mk()
         self.o = torch.empty_like(self.q)
         self.dq, self.dk, self.dv = (torch.empty_like(self.q) for _ in range(3))
+        if mask is None:
+            mask = M.NVTE_CAUSAL_MASK if causal else M.NVTE_NO_MASK
         self.sc = dict(max_seqlen_q=s, max_seqlen_kv=s, attn_scale=1.0 / math.sqrt(D), dropout=0.0,
-                       qkv_layout=L.NVTE_BSHD_BSHD_BSHD, bias_type=BT.NVTE_NO_BIAS,
-                       attn_mask_type=M.NVTE_CAUSAL_MASK if causal else M.NVTE_NO_MASK,
-                       softmax_type=ST.NVTE_VANILLA_SOFTMAX, window_size_left=-1, window_size_right=-1,
-                       bottom_right_diagonal=False)
+                       qkv_layout=L.NVTE_THD_THD_THD if thd else L.NVTE_BSHD_BSHD_BSHD, bias_type=BT.NVTE_NO_BIAS,
+                       attn_mask_type=mask, softmax_type=ST.NVTE_VANILLA_SOFTMAX, window_size_left=-1,
+                       window_size_right=-1, bottom_right_diagonal=False)
         self.H = [handle(x) for x in (self.q, self.k, self.v)]
         self.ws = workspace_for(self.H, s, self.sc)
         self.rng = torch.zeros(2, dtype=torch.int64, device=dev)
-        self.kw = dict(Bias=None, SoftmaxOffset=None, S=None, cu_seqlens_q=None, cu_seqlens_kv=None,
+        self.cu = None
+        if lens is not None:
+            self.cu = handle(torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev))
+        self.kw = dict(Bias=None, SoftmaxOffset=None, S=None, cu_seqlens_q=self.cu, cu_seqlens_kv=self.cu,
                        cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
                        rng_state=handle(self.rng), is_training=True, return_max_logit=False, cuda_graph=False,
                        workspace=handle(self.ws), stream=torch.cuda.current_stream().cuda_stream, **self.sc)
@@ -75,7 +85,7 @@ class Ours:
         nvte.fused_attn_fwd(*self.H, O=self.ot, aux=self.aux, **self.kw)
 
     def bwd(self):
-        nvte.fused_attn_bwd(*self.H, self.ot, self.dot, None, None, self.aux, *self.G, None, None, None, None,
+        nvte.fused_attn_bwd(*self.H, self.ot, self.dot, None, None, self.aux, *self.G, None, None, self.cu, self.cu,
                             None, None, deterministic=False, cuda_graph=False, workspace=self.kw["workspace"],
                             stream=self.kw["stream"], **self.sc)
 
@@ -135,9 +145,9 @@ class OursFp8:
 
     def fwd_bwd(self):
         self.fwd()
-        nvte.fused_attn_bwd(*self.H, self.oin, self.dot, self.S, self.dP, self.aux, *self.G, None, None, None, None,
-                            None, None, deterministic=False, cuda_graph=False, workspace=self.kw["workspace"],
-                            stream=self.kw["stream"], **self.sc)
+        nvte.fused_attn_bwd(*self.H, self.oin, self.dot, self.S, self.dP, self.aux, *self.G, None, None,
+                            self.kw["cu_seqlens_q"], self.kw["cu_seqlens_kv"], None, None, deterministic=False,
+                            cuda_graph=False, workspace=self.kw["workspace"], stream=self.kw["stream"], **self.sc)
 
 
 def torch_fwd_bwd(o, causal, backend):

@@ -334,12 +334,13 @@ std::shared_ptr<Built> graph_for(const AttnParams &call, bool bwd, bool has_dbia
   return it->second;
 }
 
-// Workspace: cuDNN's, then (padding masks, THD) two int32 [b] sequence-length arrays, then (THD)
-// the ragged offsets of Q, K, V, O (int32 [b + 1] each), the run's (seed, offset), the
-// statistics scratch [b, h_q, max_sq] (b: the graph's batch; with return_max_logit two of them,
-// cuDNN's Sum_exp and Max) and the row maps of Q and K/V (a byte per token row), then (paged caches) the clamped page tables of K and V (int32
-// [b, pages] each), then (FP8) a block of float32 scalars (descales the graph reads, amax
-// values it writes).
+// Workspace: cuDNN's, then (padding masks, THD) two int32 [b] sequence-length arrays (with
+// ragged_padding followed by the offsets of Q, K, V, O, int32 [b + 1] each), then (THD) the ragged
+// offsets of Q, K, V, O (int32 [b + 1] each), the run's (seed, offset), the statistics scratch
+// [b, h_q, max_sq] (b: the graph's batch; with return_max_logit two of them, cuDNN's Sum_exp and
+// Max) and the row maps of Q and K/V (a byte per token row), then (paged caches) the clamped page
+// tables of K and V (int32 [b, pages] each), then (FP8) a block of float32 scalars (descales the
+// graph reads, amax values it writes).
 size_t seqlen_bytes(const AttnParams &p) {
   const AttnParams g = graph_params(p);
   const size_t ragged = ragged_padding(p) ? 4 * align256((g.batch + 1) * 4) : 0;  // bind_seqlens' offsets
@@ -349,7 +350,7 @@ namespace {
 // The clamped page tables: [graph batch, pages] each (THD queries: a run's rows).
 size_t page_table_bytes(const AttnParams &p) { return align256(graph_params(p).batch * graph_pages(p) * 4); }
 size_t page_bytes(const AttnParams &p) { return 2 * page_table_bytes(p); }
-// THD: the row maps of zero_rows_outside_sequences (one byte per token row of Q, and of K/V when THD).
+// THD: the row maps of mark_sequence_rows (a byte per token row of Q, and of K/V when THD).
 size_t row_map_bytes(const AttnParams &p) {
   return thd(p) ? align256(p.rows_q) + (kv_thd(p) ? align256(p.rows_kv) : 0) : 0;
 }
