@@ -47,12 +47,12 @@ def workspace_for(H, s, sc):
 
 class Ours:
     """One BF16 configuration, buffers allocated once. mask: a mask type other than causal / none;
-    lens: per-sequence lengths (cu_seqlens of both sides); thd: those sequences packed as THD
-    tensors [sum(lens), h, d] (thd_thd_thd, no gaps) instead of BSHD [b, s, h, d]."""
+    lens: per-sequence lengths (cu_seqlens of both sides); fmt: "bshd" ([b, s, h, d]), "sbhd"
+    ([s, b, h, d]) or "thd" (the sequences packed as [sum(lens), h, d], thd_thd_thd, no gaps)."""
 
-    def __init__(self, s, causal, mask=None, lens=None, thd=False):
+    def __init__(self, s, causal, mask=None, lens=None, fmt="bshd"):
         dev = "cuda"
-        shape = (sum(lens), H, D) if thd else (B, s, H, D)
+        shape = {"thd": lambda: (sum(lens), H, D), "sbhd": lambda: (s, B, H, D), "bshd": lambda: (B, s, H, D)}[fmt]()
         mk = lambda: torch.randn(*shape, device=dev, dtype=torch.bfloat16)
         self.q, self.k, self.v, self.do = mk(), mk(), mk(), mk()
         self.o = torch.empty_like(self.q)
@@ -60,7 +60,8 @@ class Ours:
         if mask is None:
             mask = M.NVTE_CAUSAL_MASK if causal else M.NVTE_NO_MASK
         self.sc = dict(max_seqlen_q=s, max_seqlen_kv=s, attn_scale=1.0 / math.sqrt(D), dropout=0.0,
-                       qkv_layout=L.NVTE_THD_THD_THD if thd else L.NVTE_BSHD_BSHD_BSHD, bias_type=BT.NVTE_NO_BIAS,
+                       qkv_layout=getattr(L, f"NVTE_{fmt.upper()}_{fmt.upper()}_{fmt.upper()}"),
+                       bias_type=BT.NVTE_NO_BIAS,
                        attn_mask_type=mask, softmax_type=ST.NVTE_VANILLA_SOFTMAX, window_size_left=-1,
                        window_size_right=-1, bottom_right_diagonal=False)
         self.H = [handle(x) for x in (self.q, self.k, self.v)]

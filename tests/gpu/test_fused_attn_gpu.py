@@ -29,10 +29,13 @@ def test_layouts(layout, dtype):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layouts_with_padding(layout):
-    """Padding masks in every layout: the BSHD ones run as ragged tensors with offsets b * s * row
-    stride (ragged_padding, packed strides included), the SBHD ones as padded tensors."""
-    check(Case(layout=layout, sq=80, skv=80, mask="padding_causal", lens_q=[80, 33], lens_kv=[80, 57]))
+@pytest.mark.parametrize("mask,lens_q,lens_kv", [("padding_causal", [80, 33], [80, 57]),
+                                                  ("padding_causal_bottom_right", [80, 0], [20, 80])])
+def test_layouts_with_padding(layout, mask, lens_q, lens_kv):
+    """Padding masks in every layout, which run as ragged tensors (ragged_padding: offsets b * s *
+    row stride in BSHD, b * row stride in SBHD; packed strides included); with rows that see no key
+    and a sequence without queries."""
+    check(Case(layout=layout, sq=80, skv=80, mask=mask, lens_q=lens_q, lens_kv=lens_kv))
 
 
 def test_padding_with_dropout_is_deterministic():

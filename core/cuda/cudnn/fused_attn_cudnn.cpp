@@ -40,9 +40,9 @@
 // of THD queries over BSHD/SBHD K/V or a paged cache runs as BSHD queries instead
 // (fused_attn_thd_decode.cpp: cuDNN's decode kernel).
 //
-// BSHD padding-mask calls describe Q, K, V, O as ragged tensors with offsets b * max_seqlen * row
-// stride (ragged_padding in fused_attn_cudnn_rules.h): cuDNN's packed-sequence kernels were
-// faster than its padded ones for the same sequences.
+// BSHD/SBHD padding-mask calls describe Q, K, V, O as ragged tensors (ragged_padding in
+// fused_attn_cudnn_rules.h): cuDNN's packed-sequence kernels were faster than its padded ones for
+// the same sequences.
 //
 // BSHD/SBHD rows that fused_attn.h defines and cuDNN does not compute (padded rows, rows that see
 // no key, keys that no query sees) are zeroed after the graph ran (UnusedRows in
@@ -443,13 +443,16 @@ void bind_seqlens(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv, 
   seqlens_from_cu(p.padding ? static_cast<const int32_t *>(data(cu_q)) : nullptr,
                   p.padding ? static_cast<const int32_t *>(data(cu_kv)) : nullptr, sq, skv, p.batch, p.max_sq,
                   p.max_skv, stream);
-  if (ragged_padding(p)) {  // sequence b's rows start at b * max_seqlen rows
+  if (ragged_padding(p)) {  // sequence b's first row: row b * max_seqlen (BSHD) or b (SBHD)
     int32_t *off = reinterpret_cast<int32_t *>(extra + 2 * align256(p.batch * 4));
     const size_t step = align256((p.batch + 1) * 4) / 4;
     const attn::TensorPlacement *pl[4] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV], &p.out};
     const int64_t uid[4] = {kURaggedQ, kURaggedK, kURaggedV, kURaggedO};
     int64_t per[4];
-    for (int i = 0; i < 4; ++i) per[i] = (int64_t)((i == 1 || i == 2 ? p.max_skv : p.max_sq) * pl[i]->row_stride);
+    for (int i = 0; i < 4; ++i) {
+      const size_t rows = pl[i]->format == NVTE_SBHD ? 1 : (i == 1 || i == 2 ? p.max_skv : p.max_sq);
+      per[i] = (int64_t)(rows * pl[i]->row_stride);
+    }
     batch_offsets(off, step, per, p.batch, stream);
     for (int i = 0; i < 4; ++i) pack[uid[i]] = off + i * step;
   }

@@ -139,7 +139,7 @@ AttnParams graph_params(const AttnParams &p) {
 bool ragged_padding(const AttnParams &p) {
   // (graph_params' padding: a bottom-right causal call with max_seqlen_q > max_seqlen_kv has it too)
   if (!graph_params(p).padding || is_fp8(p.dtype) || p.layout.paged || p.bias_type != NVTE_NO_BIAS || p.max_sq < 2) return false;
-  if (p.layout.q_format != NVTE_BSHD || p.layout.kv_format != NVTE_BSHD) return false;
+  if (p.layout.q_format == NVTE_THD || p.layout.kv_format == NVTE_THD) return false;
   const attn::TensorPlacement *pl[4] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV], &p.out};
   const size_t rows[4] = {p.rows_q, p.rows_kv, p.rows_kv, p.rows_q};
   for (int i = 0; i < 4; ++i)

@@ -34,9 +34,10 @@ std::string unsupported_reason(const AttnParams &p);
 // call's batch, one run). They depend only on what the workspace queries see.
 AttnParams graph_params(const AttnParams &p);
 
-// BSHD calls with a padding mask whose graphs describe Q, K, V, O as ragged tensors (each
-// sequence's rows start at b * max_seqlen * row stride): cuDNN then runs the kernels it runs for
-// THD, which were faster than its padded ones for the same sequences (H100, b=4 h=32 d=128,
+// BSHD/SBHD calls with a padding mask whose graphs describe Q, K, V, O as ragged tensors (sequence
+// b's first row at b * max_seqlen * row stride in BSHD, b * row stride in SBHD, whose rows keep
+// their stride of batch * row stride): cuDNN then runs the kernels it runs for THD, which were
+// faster than its padded ones for the same sequences (H100, b=4 h=32 d=128,
 // lengths 2048/1536/1024/512: forward 0.323 vs 0.261 ms, causal 0.236 vs 0.177). Not for FP8
 // (cuDNN's FP8 backward takes no ragged tensors on Hopper), bias or ALiBi (not taken with ragged
 // tensors), paged caches, max_seqlen_q 1 (the decode kernel) or offsets beyond int32.
