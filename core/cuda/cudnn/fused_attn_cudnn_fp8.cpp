@@ -245,7 +245,8 @@ void fp8_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspa
   execute(*b, pack, ws, stream);
   const attn::TensorPlacement *pl[3] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV]};
   const size_t heads[3] = {p.h_q, p.h_kv, p.h_kv}, d[3] = {p.d_qk, p.d_qk, p.d_v};
-  for (int i = 0; i < 3; ++i) clear_unused_rows(p, pack, data(grads[i]), *pl[i], i > 0, heads[i], d[i], ty.grad, stream);
+  for (int i = 0; i < 3; ++i)
+    clear_unused_rows(p, pack, data(grads[i]), *pl[i], i > 0, heads[i], d[i], ty.grad, stream);
   ScalarOps post;
   for (int i = 0; i < 3; ++i) {
     post.add(meta(grads[i], kNVTEAmax), amax_g + i, ScalarOp::kFoldMax);

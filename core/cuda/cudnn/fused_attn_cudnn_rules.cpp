@@ -123,22 +123,24 @@ AttnParams graph_params(const AttnParams &p) {
   }
   g.padding = true;
   // At least 2: with max_seqlen_q 1, cuDNN 9.19's decode kernel writes row 0 of an empty query
-  // sequence, which in THD is the next sequence's first token (BSHD zeroes it after the graph: UnusedRows).
+  // sequence, which in THD is the next sequence's first token (BSHD zeroes it after the graph:
+  // UnusedRows; THD decode steps run as BSHD queries: thd_decode).
   g.max_sq = std::max<size_t>(pow2_at_least(p.max_sq), 2);
-  // A paged cache's pages are read through the tables, whatever the batch.
   if (kv_thd(p)) g.max_skv = pow2_at_least(p.max_skv);
   const auto per = [](size_t rows, size_t s) { return (rows + s - 1) / s; };
   if (!kv_thd(p) && !p.layout.paged) {  // K/V tensors [b, s] / [s, b]: their batch, one run
     g.batch = std::max<size_t>(p.batch, 1);
     return g;
   }
+  // A paged cache's pages are read through the tables, whatever the batch.
   g.batch = pow2_at_least(std::max(per(p.rows_q, g.max_sq), kv_thd(p) ? per(p.rows_kv, g.max_skv) : size_t(0)));
   return g;
 }
 
 bool ragged_padding(const AttnParams &p) {
   // (graph_params' padding: a bottom-right causal call with max_seqlen_q > max_seqlen_kv has it too)
-  if (!graph_params(p).padding || is_fp8(p.dtype) || p.layout.paged || p.bias_type != NVTE_NO_BIAS || p.max_sq < 2) return false;
+  if (!graph_params(p).padding || is_fp8(p.dtype) || p.layout.paged || p.bias_type != NVTE_NO_BIAS || p.max_sq < 2)
+    return false;
   if (p.layout.q_format == NVTE_THD || p.layout.kv_format == NVTE_THD) return false;
   const attn::TensorPlacement *pl[4] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV], &p.out};
   const size_t rows[4] = {p.rows_q, p.rows_kv, p.rows_kv, p.rows_q};
