@@ -52,7 +52,7 @@ class Ours:
 
     def __init__(self, s, causal, mask=None, lens=None, fmt="bshd"):
         dev = "cuda"
-        shape = {"thd": lambda: (sum(lens), H, D), "sbhd": lambda: (s, B, H, D), "bshd": lambda: (B, s, H, D)}[fmt]()
+        shape = (sum(lens), H, D) if fmt == "thd" else ((s, B, H, D) if fmt == "sbhd" else (B, s, H, D))
         mk = lambda: torch.randn(*shape, device=dev, dtype=torch.bfloat16)
         self.q, self.k, self.v, self.do = mk(), mk(), mk(), mk()
         self.o = torch.empty_like(self.q)

@@ -85,10 +85,6 @@ inline TensorPtr qkv_tensor(fe::graph::Graph &g, const AttnParams &p, int role, 
                       .set_stride(strides_of(p.qkv.t[role], b, s)));
 }
 
-// Paged K/V caches: the pages a graph reads per sequence (cuDNN's page tables are [b, 1, pages, 1]).
-inline size_t graph_pages(const AttnParams &p) {
-  return p.layout.paged ? (p.max_skv + p.page_size - 1) / p.page_size : 0;
-}
 
 // A fresh graph in b whose inputs/outputs default to io_type (float32 intermediates and compute).
 inline void new_graph(Built &b, fe::DataType_t io_type) {
@@ -193,7 +189,7 @@ char *workspace_ptr(Tensor *ws, size_t need);
 void bind_seqlens(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv, char *extra, VariantPack &pack,
                   cudaStream_t stream);
 
-// BSHD/SBHD (THD: run_thd's memset and ragged_zero_rows): after the graph ran, zeroes the rows of
+// BSHD/SBHD (THD: run_thd's ragged_zero_rows and row maps): after the graph ran, zeroes the rows of
 // a Q-side (kv_side false: O, dQ) or K/V-side (dK, dV) tensor that fused_attn.h defines as zero
 // and cuDNN may leave undefined (UnusedRows in fused_attn_seqlens.h); clear_unused_stats sets the
 // statistics of those query rows to -inf. Padding masks need the lengths bound by bind_seqlens.

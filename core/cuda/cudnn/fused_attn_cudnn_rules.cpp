@@ -137,6 +137,10 @@ AttnParams graph_params(const AttnParams &p) {
   return g;
 }
 
+size_t graph_pages(const AttnParams &p) {
+  return p.layout.paged ? (p.max_skv + p.page_size - 1) / p.page_size : 0;
+}
+
 bool ragged_padding(const AttnParams &p) {
   // (graph_params' padding: a bottom-right causal call with max_seqlen_q > max_seqlen_kv has it too)
   if (!graph_params(p).padding || is_fp8(p.dtype) || p.layout.paged || p.bias_type != NVTE_NO_BIAS || p.max_sq < 2)
@@ -163,7 +167,7 @@ AttnParams decode_view(const AttnParams &p) {
     // The workspace queries see no batch (no page tables): the graph takes chunks of a power of two
     // >= the query rows (at least every sequence with a query row), and the tables' used columns.
     v.batch = pow2_at_least(std::max<size_t>(p.rows_q, 1));
-    v.pages_per_seq = (p.max_skv + p.page_size - 1) / p.page_size;
+    v.pages_per_seq = graph_pages(p);
   }
   v.rows_q = v.batch;
   return v;

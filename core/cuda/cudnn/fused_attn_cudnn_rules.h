@@ -34,6 +34,10 @@ std::string unsupported_reason(const AttnParams &p);
 // call's batch, one run). They depend only on what the workspace queries see.
 AttnParams graph_params(const AttnParams &p);
 
+// Paged K/V caches: the pages a graph reads per sequence (cuDNN's page tables are [b, 1, pages, 1]);
+// 0 for other layouts.
+size_t graph_pages(const AttnParams &p);
+
 // BSHD/SBHD calls with a padding mask whose graphs describe Q, K, V, O as ragged tensors (sequence
 // b's first row at b * max_seqlen * row stride in BSHD, b * row stride in SBHD, whose rows keep
 // their stride of batch * row stride): cuDNN then runs the kernels it runs for THD, which were
