@@ -6,6 +6,7 @@ tensors and on the CUDA backend for CUDA tensors."""
 from .fp8 import (autocast, fp8_autocast, fp8_model_init, is_fp8_available, quantized_model_init)
 from .module import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, TransformerEngineBaseModule
 from .attention import DotProductAttention, MultiheadAttention
+from .inference import InferenceParams
 from . import transformer
 from .transformer import TransformerLayer
 from . import distributed
@@ -13,6 +14,6 @@ from .distributed import checkpoint
 from .graph import make_graphed_callables
 
 __all__ = ["Linear", "GroupedLinear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "TransformerEngineBaseModule",
-           "TransformerLayer", "DotProductAttention", "MultiheadAttention",
+           "TransformerLayer", "DotProductAttention", "MultiheadAttention", "InferenceParams",
            "fp8_autocast", "autocast", "is_fp8_available", "fp8_model_init", "quantized_model_init", "checkpoint",
            "distributed", "make_graphed_callables"]

@@ -23,8 +23,10 @@ from . import attn_packing as _pk
 from . import dpa_fused as _df
 from . import fused_attention as _fa
 from . import fused_attention_fp8 as _fa8
+from . import kv_cache_attention as _kv
 from .fp8 import FP8Meta
 from .fp8_handoff import handoff_parts
+from .inference import InferenceParams  # noqa: F401  (TE's te.attention.InferenceParams)
 from .module.base import default_device
 from .module.layernorm_linear import LayerNormLinear
 from .module.linear import Linear
@@ -217,10 +219,14 @@ class DotProductAttention(torch.nn.Module):
         if core_attention_bias_type not in _fa.BIASES:
             raise ValueError(f"core_attention_bias_type must be one of {list(_fa.BIASES)}, "
                              f"got {core_attention_bias_type!r}")
-        if inference_params is not None:
-            raise NotImplementedError("DotProductAttention: inference_params (KV cache) is not implemented")
         h, g = self.num_attention_heads, self.num_gqa_groups
         _df.check_qkv(query_layer, key_layer, value_layer, fmt, h, g)
+        if inference_params is not None:
+            if _fp8_handoff is not None:
+                raise RuntimeError("DotProductAttention: inference_params takes high-precision inputs, not FP8 hand-offs")
+            window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
+            return _kv.attend(self, inference_params, query_layer, key_layer, value_layer, fmt, mask_type, window,
+                              core_attention_bias_type, core_attention_bias, alibi_slopes)
         if fmt == "thd":
             mask_type = _df.thd_mask_type(mask_type)
         window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
@@ -501,13 +507,13 @@ class MultiheadAttention(torch.nn.Module):
                 max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill: bool = True, **kwargs):
         if rotary_pos_emb is not None:
             raise NotImplementedError("MultiheadAttention: rotary_pos_emb is not implemented")
-        if inference_params is not None:
-            raise NotImplementedError("MultiheadAttention: inference_params (KV cache) is not implemented")
         attn_args = dict(attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
                          core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
                          alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                          max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
-        if _df.fp8_mha_recipe() is not None:
+        if inference_params is not None and self.attention_type == "self":
+            attn_args["inference_params"] = inference_params  # (cross attention reads encoder_output each call)
+        elif _df.fp8_mha_recipe() is not None:  # (FP8 hand-offs: not with a K/V cache)
             return self._forward_fp8_mha(hidden_states, encoder_output, is_first_microbatch, attn_args)
         ln_out = None
         if self.attention_type == "self":

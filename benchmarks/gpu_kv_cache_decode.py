@@ -1,0 +1,116 @@
+"""Generation through the PyTorch adapter: one decode step of DotProductAttention with
+inference_params (TE's InferenceParams K/V cache: pre_step, the new keys/values written into the
+cache, fused attention over it), BF16, b=16, 32 query heads over 8 K/V heads, head dim 128,
+sequences holding 4096 tokens (a prefill through the same module first). Against PyTorch in the
+same process: its own cache of the same shape (k_cache[:, pos] = k_new, then
+scaled_dot_product_attention over k_cache[:, :pos + 1] with enable_gqa, flash and cuDNN
+backends; all sequences of equal length, which torch's fused backends need).
+
+Columns: GPU ms per step (gpu_harness.time_ms: the host queues each batch while the GPU sleeps,
+so host cost is not counted) timed alternately, and host us per step (gpu_harness.host_us: the
+Python + dispatch cost, which bounds a decode loop that the GPU outruns). Each timed call appends
+one token, so the sequences grow by a few hundred tokens during the run, the same number of
+steps on every row. Rows: ours non-paged BSHD, ours paged (page 64), ours THD queries."""
+import math
+import os
+import sys
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_harness import Report, host_us, time_alternating_ms  # noqa: E402
+
+import transformer_engine.pytorch as te  # noqa: E402
+
+B, HQ, HKV, D, CTX, ROOM, PAGE = 16, 32, 8, 128, 4096, 640, 64
+TIMING = dict(rounds=3, iters=15, warmup=3, inner=4)
+
+
+class Ours:
+    """A DotProductAttention and its InferenceParams, prefilled with CTX tokens per sequence."""
+
+    def __init__(self, fmt, paged, k, v):
+        cap = CTX + ROOM
+        kw = dict(is_paged=True, page_size=PAGE, total_num_pages=B * cap // PAGE) if paged else {}
+        self.params = te.InferenceParams(B, cap, HKV, D, torch.bfloat16, qkv_format=fmt, **kw)
+        self.dpa = te.DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format=fmt, attn_mask_type="padding_causal",
+                                          layer_number=1)
+        self.fmt = fmt
+        q = torch.randn(B, CTX, HQ, D, device="cuda", dtype=torch.bfloat16)
+        self.params.pre_step(OrderedDict((i, CTX) for i in range(B)))
+        with torch.no_grad():
+            self.dpa(*self.shape(q, k, v), inference_params=self.params)
+        self.step_dict = OrderedDict((i, 1) for i in range(B))
+
+    def shape(self, *xs):
+        """[b, s, h, d] tensors in this row's format."""
+        if self.fmt == "thd":
+            return [x.reshape(-1, *x.shape[2:]) for x in xs]
+        return list(xs)
+
+    def step(self, q, k, v):
+        self.params.pre_step(self.step_dict)
+        with torch.no_grad():
+            return self.dpa(*self.shape(q, k, v), inference_params=self.params)
+
+
+class Torch:
+    """PyTorch's own decode step over a contiguous cache [b, h_kv, cap, d] (heads first: sdpa's layout)."""
+
+    def __init__(self, k, v, backend):
+        cap = CTX + ROOM
+        self.kc = torch.zeros(B, HKV, cap, D, device="cuda", dtype=torch.bfloat16)
+        self.vc = torch.zeros_like(self.kc)
+        self.kc[:, :, :CTX] = k.transpose(1, 2)
+        self.vc[:, :, :CTX] = v.transpose(1, 2)
+        self.pos, self.backend = CTX, backend
+
+    def step(self, q, k, v):
+        self.kc[:, :, self.pos] = k[:, 0]
+        self.vc[:, :, self.pos] = v[:, 0]
+        self.pos += 1
+        with torch.nn.attention.sdpa_kernel(self.backend):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), self.kc[:, :, :self.pos], self.vc[:, :, :self.pos],
+                                               enable_gqa=True)
+        return o.transpose(1, 2).reshape(B, 1, -1)
+
+
+def main():
+    rep = Report()
+    group = f"decode step, DotProductAttention + InferenceParams (BF16, b={B}, {HQ}/{HKV} heads, d={D}, ~{CTX} cached)"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(B, CTX, HKV, D, generator=g, device="cuda").to(torch.bfloat16)
+    v = torch.randn(B, CTX, HKV, D, generator=g, device="cuda").to(torch.bfloat16)
+    rows = [("ours non-paged bshd", Ours("bshd", False, k, v)), ("ours paged bshd (page 64)", Ours("bshd", True, k, v)),
+            ("ours non-paged thd", Ours("thd", False, k, v))]
+    for name, be in (("torch flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION),
+                     ("torch cuDNN", torch.nn.attention.SDPBackend.CUDNN_ATTENTION)):
+        rows.append((name, Torch(k, v, be)))
+    q1 = torch.randn(B, 1, HQ, D, generator=g, device="cuda").to(torch.bfloat16)
+    k1 = torch.randn(B, 1, HKV, D, generator=g, device="cuda").to(torch.bfloat16)
+    v1 = torch.randn(B, 1, HKV, D, generator=g, device="cuda").to(torch.bfloat16)
+    outs = []
+    for name, r in list(rows):  # one step each on the same new token: the outputs agree to bfloat16
+        try:
+            outs.append(r.step(q1, k1, v1).reshape(B, -1).float())
+        except RuntimeError as e:
+            print(f"{name} unavailable: {str(e).splitlines()[0][:120]}")
+            rows.remove((name, r))
+    for (name, _), o in zip(rows[1:], outs[1:]):
+        err = float((o - outs[0]).abs().max())
+        print(f"[kv decode] {name} vs {rows[0][0]}: max |diff| {err:.3g}")
+        assert err < 5e-2, (name, err)
+    fns = [(lambda r: lambda: r.step(q1, k1, v1))(r) for _, r in rows]
+    ms = time_alternating_ms(fns, **TIMING)
+    hus = [host_us(f, calls=32) for f in fns]
+    base = {name: t for (name, _), t in zip(rows, ms)}
+    for (name, _), t, h in zip(rows, ms, hus):
+        rep.add(group, name, gpu_ms=t, host_us=h, gpu_speed_vs_torch_cudnn=base.get("torch cuDNN", float("nan")) / t,
+                gpu_speed_vs_torch_flash=base.get("torch flash", float("nan")) / t)
+    print(rep.markdown())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,397 @@
+"""K/V-cache inference (TE's InferenceParams): the cache bookkeeping DotProductAttention uses when
+it is called with `inference_params`.
+
+Usage, as in TE:
+
+    params = InferenceParams(max_batch_size, max_seqlen_kv, num_heads_kv, head_dim_k, dtype,
+                             is_paged=False, qkv_format="bshd")
+    for each iteration:
+        params.pre_step(OrderedDict(zip(seq_ids, step_lens)))   # e.g. [10, 1, 1]: a new prompt, two decodes
+        out = model(new_tokens_hidden, inference_params=params)  # every layer's attention
+        ...
+
+pre_step names the sequences of this iteration, in the order of the batch, and how many new tokens
+each brings; sequences of the previous iteration that are not named are finished and their cache
+freed. A sequence seen for the first time starts empty. Each attention layer's step() then writes
+the new keys and values into its cache and returns what the fused attention call needs: queries
+attend to the whole cached sequence, bottom-right aligned (the new tokens are the last ones).
+
+Incoming tensors: "bshd" [b, s, h, d] and "sbhd" [s, b, h, d] hold sequence i's new tokens in its
+first step_lens[i] rows of s (the rest is padding, zero in the output); "thd" [t, h, d] holds them
+packed in batch order. The caches are BSHD: non-paged [max_batch_size, max_seqlen_kv, h_kv, d],
+paged [total_num_pages, page_size, h_kv, d] with a page table per sequence. A non-paged cache is
+kept as a paged one whose pages are whole sequences (one slot each), so finished sequences free
+their slot without moving the others; while the batch's slots are 0..b-1 in order the attention
+call reads it as a plain BSHD cache. The library's fused attention reads the caches directly
+(THD, SBHD and BSHD queries; nvte_fused_attn_fwd's paged layouts), so queries are never converted
+(allow_query_conversion is accepted and has no effect).
+
+Differences from TE worth knowing: a continuing sequence advances by its step_dict value (TE
+assumes 1); num_heads_kv, head_dim_k and dtype may be left out and are then taken from the first
+keys stored; total_num_pages need not be max_batch_size * pages per sequence (a step that needs
+more pages than are free raises); the sequence order is step_dict's.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .module.base import default_device
+
+__all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager"]
+
+FORMATS = ("bshd", "sbhd", "thd")
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-made index tensor on device; through pinned memory on CUDA, so the copy is queued on
+    the stream instead of waiting for it (a copy from pageable memory may synchronize)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class KVCacheManager:
+    """The interface InferenceParams drives (a custom manager subclasses it and is passed, as a
+    class, as cache_manager): `cache[layer] = (k_cache, v_cache)`, `sequences` {seq_id: length
+    after the step} in step_dict's order, and step() returning (k_cache, v_cache, page_table or None)."""
+
+    def __init__(self, *args, **kwargs):
+        self.cache: Dict[object, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.sequences: "OrderedDict[object, int]" = OrderedDict()
+
+    def reset(self) -> None:
+        self.sequences = OrderedDict()
+
+    def allocate_memory(self, layer_number) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.allocate_memory")
+
+    def pre_step(self, step_dict: "OrderedDict[object, int]") -> "OrderedDict[object, int]":
+        raise NotImplementedError(f"{type(self).__name__}.pre_step")
+
+    def step(self, layer_number, new_k: torch.Tensor, new_v: torch.Tensor, cu_new_seqlens: torch.Tensor,
+             cu_cached_seqlens: torch.Tensor, qkv_format: str):
+        raise NotImplementedError(f"{type(self).__name__}.step")
+
+
+class PagedKVCacheManager(KVCacheManager):
+    """Caches of total_num_pages pages of page_size tokens, BSHD [pages, page_size, h_kv, d]. Each
+    sequence owns a list of pages (taken lowest id first); key j of a sequence sits in slot
+    j % page_size of its page j // page_size. The page table of an iteration is int32
+    [b, pages per sequence] (entries a sequence does not use: 0, never read)."""
+
+    def __init__(self, total_num_pages: int, page_size: int, num_heads: int, head_dim_k: int, dtype: torch.dtype,
+                 max_batch_size: int, max_seqlen: int, head_dim_v: Optional[int] = None, device=None):
+        super().__init__()
+        self.total_num_pages, self.page_size = int(total_num_pages), int(page_size)
+        self.num_heads, self.head_dim_k = int(num_heads), int(head_dim_k)
+        self.head_dim_v = int(head_dim_v) if head_dim_v is not None else self.head_dim_k
+        self.dtype, self.max_batch_size, self.max_seqlen = dtype, int(max_batch_size), int(max_seqlen)
+        self.max_pages_per_seq = -(-self.max_seqlen // self.page_size)
+        self.device = torch.device(device) if device is not None else None
+        self.free_pages: List[int] = list(range(self.total_num_pages))
+        self.allocated_pages: Dict[object, List[int]] = {}
+        self.page_table: Optional[torch.Tensor] = None
+        self._rows: Dict[tuple, torch.Tensor] = {}  # this iteration's destination / source rows, per input shape
+        self._new: List[Tuple[int, int]] = []  # (first new position, new tokens) per sequence, in batch order
+
+    def reset(self) -> None:
+        super().reset()
+        self.free_pages = list(range(self.total_num_pages))
+        self.allocated_pages = {}
+        self.page_table, self._rows, self._new = None, {}, []
+
+    def _device(self) -> torch.device:
+        if self.device is None:
+            self.device = default_device()
+        return self.device
+
+    def allocate_memory(self, layer_number) -> None:
+        dev = self._device()
+        shape = (self.total_num_pages, self.page_size, self.num_heads)
+        self.cache[layer_number] = (torch.zeros(*shape, self.head_dim_k, dtype=self.dtype, device=dev),
+                                    torch.zeros(*shape, self.head_dim_v, dtype=self.dtype, device=dev))
+
+    def pre_step(self, step_dict):
+        lengths = OrderedDict((seq, self.sequences.get(seq, 0) + n) for seq, n in step_dict.items())
+        for seq, total in lengths.items():
+            if total > self.max_seqlen:
+                raise ValueError(f"InferenceParams: sequence {seq!r} would hold {total} tokens, more than "
+                                 f"max_seqlen_kv={self.max_seqlen}")
+        finished = [seq for seq in self.sequences if seq not in lengths]
+        freed = sum(len(self.allocated_pages.get(seq, ())) for seq in finished)
+        need = sum(-(-total // self.page_size) - len(self.allocated_pages.get(seq, ()))
+                   for seq, total in lengths.items())
+        if need > len(self.free_pages) + freed:
+            raise RuntimeError(f"InferenceParams: the K/V cache is full: this step needs {need} more pages of "
+                               f"{self.page_size} tokens, {len(self.free_pages) + freed} are free")
+        for seq in finished:
+            self.free_pages.extend(self.allocated_pages.pop(seq, ()))
+        self.free_pages.sort()
+        for seq, total in lengths.items():
+            pages = self.allocated_pages.setdefault(seq, [])
+            while len(pages) * self.page_size < total:
+                pages.append(self.free_pages.pop(0))
+        self._new = [(self.sequences.get(seq, 0), n) for seq, n in step_dict.items()]
+        self.sequences = lengths
+        table = [pages + [0] * (self.max_pages_per_seq - len(pages))
+                 for pages in (self.allocated_pages[seq] for seq in lengths)]
+        self.page_table = _to(torch.tensor(table, dtype=torch.int32), self._device())
+        self._rows = {}
+        return self.sequences
+
+    def _copy_rows(self, new_k: torch.Tensor, qkv_format: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(cache rows to write, rows of the flattened input to read or None when all are read in
+        order), made once per iteration and input shape: the host knows every position."""
+        key = (qkv_format, tuple(new_k.shape[:-2]))
+        rows = self._rows.get(key)
+        if rows is None:
+            b = len(self._new)
+            s = new_k.shape[1] if qkv_format == "bshd" else new_k.shape[0]
+            dst, src, t = [], [], 0
+            for i, (seq, (start, n)) in enumerate(zip(self.sequences, self._new)):
+                pos = torch.arange(start, start + n)
+                pages = torch.tensor(self.allocated_pages[seq], dtype=torch.int64)
+                dst.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
+                r = torch.arange(n)
+                src.append(t + r if qkv_format == "thd" else (i * s + r if qkv_format == "bshd" else r * b + i))
+                t += n
+            dst, src = torch.cat(dst), torch.cat(src)
+            in_order = src.numel() == new_k.numel() // (new_k.shape[-1] * new_k.shape[-2]) and \
+                bool((src == torch.arange(src.numel())).all())
+            dev = new_k.device
+            rows = (_to(dst, dev), None if in_order else _to(src, dev))
+            self._rows[key] = rows
+        return rows
+
+    def _write(self, layer_number, new_k, new_v, qkv_format):
+        k_cache, v_cache = self.cache[layer_number]
+        dst, src = self._copy_rows(new_k, qkv_format)
+        for new, cache in ((new_k, k_cache), (new_v, v_cache)):
+            flat = new.reshape(-1, *new.shape[-2:])
+            cache.view(-1, *cache.shape[-2:]).index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
+        return k_cache, v_cache
+
+    def step(self, layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens, qkv_format):
+        k_cache, v_cache = self._write(layer_number, new_k, new_v, qkv_format)
+        return k_cache, v_cache, self.page_table
+
+
+class NonPagedKVCacheManager(PagedKVCacheManager):
+    """Caches [max_batch_size, max_seqlen, h_kv, d]: one slot (a page of max_seqlen tokens) per
+    sequence. While the batch holds slots 0..b-1 in order, step() returns the first b slots as
+    plain BSHD caches (no page table); after sequences finished or joined out of order it returns
+    the whole caches with a [b, 1] table of slots (the paged attention call), moving no data."""
+
+    def __init__(self, max_batch_size: int, max_seqlen: int, num_heads: int, head_dim_k: int, dtype: torch.dtype,
+                 head_dim_v: Optional[int] = None, device=None):
+        super().__init__(max_batch_size, max_seqlen, num_heads, head_dim_k, dtype, max_batch_size, max_seqlen,
+                         head_dim_v, device)
+
+    def step(self, layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens, qkv_format):
+        k_cache, v_cache = self._write(layer_number, new_k, new_v, qkv_format)
+        slots = [self.allocated_pages[seq][0] for seq in self.sequences]
+        if slots == list(range(len(slots))):
+            return k_cache[:len(slots)], v_cache[:len(slots)], None
+        return k_cache, v_cache, self.page_table
+
+
+class InferenceParams:
+    """K/V caches of every attention layer of a model and the sequences of the current iteration
+    (see the module docstring). TE's arguments; max_sequence_length is accepted as the older name
+    of max_seqlen_kv. Attributes after pre_step: batch_size, cu_seqlens_q / cu_seqlens_kv (int32
+    [b + 1]: new tokens, cached tokens after the step), max_seqlen_q (longest step),
+    pre_step_seqlens (int32 [b]: tokens cached before the step, e.g. RoPE offsets)."""
+
+    def __init__(self, max_batch_size: int, max_seqlen_kv: Optional[int] = None, num_heads_kv: Optional[int] = None,
+                 head_dim_k: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+                 head_dim_v: Optional[int] = None, is_paged: bool = False, total_num_pages: Optional[int] = None,
+                 page_size: Optional[int] = None, num_heads_q: Optional[int] = None, head_dim_q: Optional[int] = None,
+                 max_ctx_len: Optional[int] = None, qkv_format: str = "bshd", cache_manager=None,
+                 allow_query_conversion: bool = True, max_sequence_length: Optional[int] = None):
+        if max_seqlen_kv is None:
+            max_seqlen_kv = max_sequence_length
+        if max_seqlen_kv is None:
+            raise ValueError("InferenceParams: max_seqlen_kv (the longest sequence the cache holds) is required")
+        if int(max_batch_size) < 1 or int(max_seqlen_kv) < 1:
+            raise ValueError(f"InferenceParams: max_batch_size ({max_batch_size}) and max_seqlen_kv "
+                             f"({max_seqlen_kv}) must be >= 1")
+        if qkv_format not in FORMATS:
+            raise ValueError(f"InferenceParams: qkv_format must be one of {FORMATS}, got {qkv_format!r}")
+        if is_paged and (page_size is None or int(page_size) < 1 or total_num_pages is None
+                         or int(total_num_pages) < 1):
+            raise ValueError("InferenceParams: a paged cache (is_paged=True) needs page_size >= 1 and "
+                             "total_num_pages >= 1")
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"InferenceParams: the cache dtype must be float16, bfloat16 or float32, got {dtype}")
+        self.max_batch_size, self.max_seqlen_kv = int(max_batch_size), int(max_seqlen_kv)
+        self.max_sequence_length = self.max_seqlen_kv
+        self.num_heads_kv, self.head_dim_k, self.dtype = num_heads_kv, head_dim_k, dtype
+        self.head_dim_v = head_dim_v if head_dim_v is not None else head_dim_k
+        self.is_paged = bool(is_paged)
+        self.total_num_pages = int(total_num_pages) if is_paged else None
+        self.page_size = int(page_size) if is_paged else None
+        self.num_heads_q, self.head_dim_q, self.max_ctx_len = num_heads_q, head_dim_q, max_ctx_len
+        self.input_qkv_format = qkv_format
+        self.cache_qkv_format = "bshd"
+        self.allow_query_conversion = allow_query_conversion
+        self._manager_cls = cache_manager
+        self.cache_manager: Optional[KVCacheManager] = None
+        if None not in (num_heads_kv, head_dim_k, dtype):
+            self._make_manager()
+        self._clear_step()
+
+    def _clear_step(self) -> None:
+        self.step_dict: "OrderedDict[object, int]" = OrderedDict()
+        self.sequences: "OrderedDict[object, int]" = OrderedDict()
+        self.batch_size = 0
+        self.cu_seqlens_q = self.cu_seqlens_kv = self.pre_step_seqlens = None
+        self.max_seqlen_q = 0
+        self._pending = None  # step_dict of a pre_step before the caches' sizes were known
+
+    def _make_manager(self, device=None) -> None:
+        common = dict(num_heads=int(self.num_heads_kv), head_dim_k=int(self.head_dim_k), dtype=self.dtype,
+                      head_dim_v=int(self.head_dim_v))
+        if self.is_paged:
+            cls = self._manager_cls or PagedKVCacheManager
+            self.cache_manager = cls(total_num_pages=self.total_num_pages, page_size=self.page_size,
+                                     max_batch_size=self.max_batch_size, max_seqlen=self.max_seqlen_kv, **common)
+        else:
+            cls = self._manager_cls or NonPagedKVCacheManager
+            self.cache_manager = cls(max_batch_size=self.max_batch_size, max_seqlen=self.max_seqlen_kv, **common)
+        if device is not None and getattr(self.cache_manager, "device", 1) is None:
+            self.cache_manager.device = torch.device(device)
+
+    def __repr__(self) -> str:
+        where = (f"paged, total_num_pages={self.total_num_pages}, page_size={self.page_size}" if self.is_paged
+                 else f"max_batch_size={self.max_batch_size}")
+        return (f"InferenceParams({where}, max_seqlen_kv={self.max_seqlen_kv}, num_heads_kv={self.num_heads_kv}, "
+                f"head_dim_k={self.head_dim_k}, head_dim_v={self.head_dim_v}, dtype={self.dtype}, "
+                f"qkv_format={self.input_qkv_format!r})")
+
+    def reset(self) -> None:
+        """Forgets every sequence (the caches stay allocated)."""
+        if self.cache_manager is not None:
+            self.cache_manager.reset()
+        self._clear_step()
+
+    def allocate_memory(self, layer_number, qkv_format: Optional[str] = None) -> None:
+        """Allocates layer_number's K and V caches (done by the first step() otherwise)."""
+        if self.cache_manager is None:
+            raise ValueError("InferenceParams: allocate_memory needs num_heads_kv, head_dim_k and dtype (or let the "
+                             "first step() allocate from the keys it stores)")
+        self.cache_manager.allocate_memory(layer_number)
+
+    def pre_step(self, step_dict: "OrderedDict[object, int]") -> None:
+        """Starts an iteration: step_dict {seq_id: new tokens}, in batch order."""
+        if not isinstance(step_dict, dict) or not step_dict:
+            raise ValueError("InferenceParams.pre_step: step_dict must be a non-empty OrderedDict {seq_id: new tokens}")
+        if len(step_dict) > self.max_batch_size:
+            raise ValueError(f"InferenceParams.pre_step: {len(step_dict)} sequences, more than max_batch_size="
+                             f"{self.max_batch_size}")
+        for seq, n in step_dict.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"InferenceParams.pre_step: sequence {seq!r} brings {n!r} tokens; expected an int "
+                                 ">= 1")
+        self.step_dict = OrderedDict(step_dict)
+        if self.cache_manager is None:  # sizes come with the first keys: bookkeeping only until then
+            if self._pending is not None:
+                raise RuntimeError("InferenceParams.pre_step: the previous iteration stored no keys (no step() "
+                                   "since its pre_step), so the cache sizes are still unknown; pass num_heads_kv, "
+                                   "head_dim_k and dtype to InferenceParams")
+            self._pending = self.step_dict
+            lengths = OrderedDict((s, self.sequences.get(s, 0) + n) for s, n in self.step_dict.items())
+            for s, total in lengths.items():
+                if total > self.max_seqlen_kv:
+                    raise ValueError(f"InferenceParams: sequence {s!r} would hold {total} tokens, more than "
+                                     f"max_seqlen_kv={self.max_seqlen_kv}")
+        else:
+            self._pending = None
+            lengths = self.cache_manager.pre_step(self.step_dict)
+        self.sequences = OrderedDict((s, int(lengths[s])) for s in self.step_dict)
+        self.batch_size = len(self.step_dict)
+        lens_q = list(self.step_dict.values())
+        lens_kv = list(self.sequences.values())
+        self.max_seqlen_q = max(lens_q)
+        dev = self._device()
+        cu = torch.tensor([[0] * 2] + [[a, b] for a, b in zip(lens_q, lens_kv)], dtype=torch.int32).cumsum(0)
+        cu = _to(cu.to(torch.int32).t().contiguous(), dev)
+        self.cu_seqlens_q, self.cu_seqlens_kv = cu[0], cu[1]
+        self.pre_step_seqlens = self.cu_seqlens_kv.diff() - self.cu_seqlens_q.diff()
+
+    def get_seqlens_pre_step(self) -> torch.Tensor:
+        """int32 [b]: the tokens each sequence had cached before this iteration."""
+        return self.pre_step_seqlens
+
+    def _device(self) -> torch.device:
+        m = self.cache_manager
+        dev = getattr(m, "device", None) if m is not None else None
+        return dev if dev is not None else default_device()
+
+    def _check_new(self, new_q, new_k, new_v, qkv_format: str) -> None:
+        b, lens = self.batch_size, list(self.step_dict.values())
+        rank = 3 if qkv_format == "thd" else 4
+        for name, t in (("query", new_q), ("key", new_k), ("value", new_v)):
+            if t.dim() != rank:
+                raise ValueError(f"InferenceParams.step: {name} must be {rank}D in {qkv_format!r}, got "
+                                 f"{tuple(t.shape)}")
+        if qkv_format == "thd":
+            if min(t.shape[0] for t in (new_q, new_k, new_v)) < sum(lens):
+                raise ValueError(f"InferenceParams.step: 'thd' inputs need {sum(lens)} token rows (the step's new "
+                                 f"tokens), got {new_q.shape[0]}, {new_k.shape[0]}, {new_v.shape[0]}")
+            return
+        bi, si = (0, 1) if qkv_format == "bshd" else (1, 0)
+        for t in (new_q, new_k, new_v):
+            if t.shape[bi] != b or t.shape[si] < max(lens):
+                raise ValueError(f"InferenceParams.step: {qkv_format!r} inputs need batch {b} (pre_step's sequences) "
+                                 f"and at least {max(lens)} rows per sequence, got {tuple(t.shape)}")
+
+    def step(self, layer_number, new_q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, qkv_format: str):
+        """Stores the iteration's new keys and values of layer_number. Returns (q, k_cache, v_cache,
+        page_table or None, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, qkv_format):
+        q as given; the caches BSHD; max_seqlen_kv the caches' capacity per sequence; qkv_format
+        "bshd", "sbhd_2bshd" or "thd_2bshd" (query format, then the caches')."""
+        if not self.step_dict:
+            raise RuntimeError("InferenceParams.step: call pre_step(step_dict) before the model's forward")
+        if qkv_format not in FORMATS:
+            raise ValueError(f"InferenceParams.step: qkv_format must be one of {FORMATS}, got {qkv_format!r}")
+        self._check_new(new_q, new_k, new_v, qkv_format)
+        if self.cache_manager is None:
+            self.num_heads_kv, self.head_dim_k = new_k.shape[-2], new_k.shape[-1]
+            self.head_dim_v, self.dtype = new_v.shape[-1], new_k.dtype
+            self._make_manager(new_k.device)
+            self.cache_manager.pre_step(self._pending)
+            self._pending = None
+        m = self.cache_manager
+        if not m.cache and isinstance(m, PagedKVCacheManager) and m._device() != new_k.device:
+            # no cache allocated yet: the caches follow the first keys (not the default device)
+            m.device = new_k.device
+            m.page_table = m.page_table.to(new_k.device)
+        if self.cu_seqlens_q.device != new_k.device:
+            self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens = (
+                x.to(new_k.device) for x in (self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens))
+        if layer_number not in m.cache:
+            m.allocate_memory(layer_number)
+        k_cache = m.cache[layer_number][0]
+        if new_k.device != k_cache.device or new_k.dtype != k_cache.dtype or new_v.dtype != k_cache.dtype:
+            raise ValueError(f"InferenceParams.step: new keys/values ({new_k.dtype}, {new_v.dtype} on {new_k.device}) "
+                             f"must match the cache ({k_cache.dtype} on {k_cache.device})")
+        if new_k.shape[-2:] != k_cache.shape[-2:] or new_v.shape[-1] != m.cache[layer_number][1].shape[-1]:
+            raise ValueError(f"InferenceParams.step: new keys {tuple(new_k.shape)} / values {tuple(new_v.shape)} do "
+                             f"not match the cache's heads and head sizes {tuple(k_cache.shape[-2:])}, "
+                             f"{m.cache[layer_number][1].shape[-1]}")
+        k_cache, v_cache, table = m.step(layer_number, new_k, new_v, self.cu_seqlens_q, self.cu_seqlens_kv, qkv_format)
+        if table is not None:
+            table = table[:self.batch_size]
+        capacity = self.max_seqlen_kv if table is None else table.shape[1] * k_cache.shape[1]
+        out_format = "bshd" if qkv_format == "bshd" else qkv_format + "_2bshd"
+        max_sq = new_q.shape[1] if qkv_format == "bshd" else (new_q.shape[0] if qkv_format == "sbhd"
+                                                               else self.max_seqlen_q)
+        return (new_q, k_cache, v_cache, table, self.cu_seqlens_q, self.cu_seqlens_kv, max_sq, capacity,
+                out_format)
+
+    def post_step(self, layer_number, output: torch.Tensor) -> torch.Tensor:
+        """The attention output in the incoming format (queries are never converted here)."""
+        return output

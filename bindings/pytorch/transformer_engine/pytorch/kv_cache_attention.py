@@ -1,0 +1,90 @@
+"""DotProductAttention with inference_params (inference.py): the new keys and values go into the
+layer's cache, then one forward-only nvte_fused_attn_fwd reads the queries and the whole cache:
+layouts {bshd, sbhd, thd}_bshd_bshd, or their NVTE_Paged_KV_ forms with the page table, a padding
+mask with the sequences' cached lengths (cu_seqlens_kv) and, for causal mask types, the causal
+mask aligned to the bottom-right diagonal (the new tokens are each sequence's last ones), as TE
+turns padding_causal into padding_causal_bottom_right under KV caching. Sliding windows are
+aligned the same way.
+
+It is the library's fused path on both backends (cuDNN's paged / decode attention on the GPU,
+the float64 reference on the CPU); there is no unfused or FP8 form: attention bias, ALiBi,
+arbitrary masks and NVTE_FUSED_ATTN=0 raise, an FP8 recipe's fp8_dpa / fp8_mha leave this
+attention in the inputs' precision, and dropout is not applied. The call keeps no softmax
+statistics, so it has no backward: inputs that need gradients raise."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from transformer_engine import _nvte
+
+from . import fused_attention as _fa
+from .dpa_fused import _zero_rng_state
+from .custom_ops import eager_or_op
+from .inference import InferenceParams
+
+L = _nvte.NVTE_QKV_Layout
+
+
+def _layout(q_format: str, paged: bool) -> int:
+    name = f"NVTE_{'Paged_KV_' if paged else ''}{q_format.upper()}_BSHD_BSHD"
+    return int(getattr(L, name))
+
+
+@custom_op("transformer_engine::fused_attn_fwd_kv_cache", mutates_args=())
+def fused_attn_fwd_kv_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Optional[Tensor],
+                            cu_q: Tensor, cu_kv: Tensor, max_sq: int, max_skv: int, scale: float, layout: int,
+                            mask: int, wl: int, wr: int) -> Tensor:
+    """O of q over the caches (page_table: the paged layouts' table, used for K and V)."""
+    c = _fa.AttnCfg(max_sq, max_skv, scale, 0.0, layout, _fa.BIAS_INT["no_bias"], mask, wl, wr, True)
+    o = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=q.dtype, device=q.device)
+    qkv = (q, k_cache, v_cache)
+    _fa.call_fwd(c, qkv, [_fa._handle(x) for x in qkv], None, None, _fa._handle(o), None, (cu_q, cu_kv, None, None),
+                 _zero_rng_state(q.device), False, pages=(page_table, page_table))
+    return o
+
+
+@fused_attn_fwd_kv_cache.register_fake
+def _(q, k_cache, v_cache, page_table, cu_q, cu_kv, max_sq, max_skv, scale, layout, mask, wl, wr):
+    return q.new_empty(q.shape[:-1] + (v_cache.shape[-1],))
+
+
+fused_attn_fwd_kv_cache = eager_or_op(fused_attn_fwd_kv_cache)
+
+
+def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: str, mask_type: str, window,
+           bias_type: str, bias, alibi_slopes) -> Tensor:
+    """DotProductAttention.forward's result ([..., h * d_v] in q's format) for this iteration."""
+    who = "DotProductAttention (inference_params)"
+    if not isinstance(params, InferenceParams):
+        raise TypeError(f"{who}: inference_params must be an InferenceParams, got {type(params).__name__}")
+    if bias_type != "no_bias" or bias is not None or alibi_slopes is not None:
+        raise NotImplementedError(f"{who}: attention bias / ALiBi are not implemented with a K/V cache")
+    if mask_type == "arbitrary":
+        raise ValueError(f"{who}: attn_mask_type 'arbitrary' cannot be used with a K/V cache (its masks are the "
+                         "cached lengths, and causal ones are bottom-right aligned)")
+    if _fa._env("NVTE_FUSED_ATTN") == "0":
+        raise NotImplementedError(f"{who}: K/V-cache attention runs only on the fused attention path, which "
+                                  "NVTE_FUSED_ATTN=0 turns off")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError(f"{who}: K/V-cache attention is forward only; run generation under torch.no_grad() "
+                           "or torch.inference_mode()")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{who}: query/key/value dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    key = dpa.layer_number if dpa.layer_number is not None else dpa  # (TE needs layer_number; a module is as unique)
+    q, k_cache, v_cache, table, cu_q, cu_kv, max_sq, max_skv, _ = params.step(key, q, k, v, fmt)
+    mask = _fa.MASK_INT["padding_causal_bottom_right" if "causal" in mask_type else "padding"]
+    wl, wr = window if window is not None else (-1, -1)
+    layout = _layout(fmt, table is not None)
+    q = q.contiguous()
+    ok, why = _fa.fused_backend_supports(q, k_cache, v_cache, layout, _fa.BIAS_INT["no_bias"], mask, 0.0, False,
+                                         max_sq, max_skv, int(wl), int(wr), br=True)
+    if not ok:
+        raise NotImplementedError(f"{who}: the fused attention backend cannot run this call: {why}")
+    o = fused_attn_fwd_kv_cache(q, k_cache, v_cache, table, cu_q, cu_kv, int(max_sq), int(max_skv),
+                                float(dpa.softmax_scale), layout, mask, int(wl), int(wr))
+    o = params.post_step(key, o)
+    return o.reshape(*o.shape[:-2], -1)
