@@ -3,7 +3,8 @@
 # (CUDA vs the CPU oracle), compute-sanitizer memcheck over it, and the GPU benchmarks.
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
 #   tests/gpu/run_on_device.sh [build|prebuilt] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
-#                              [tutorial] [quickstart] [host] [cpu] [gemmlog] [memcheck_all] [candidates] [ab] [pack]
+#                              [tutorial] [quickstart] [host] [cpu] [gemmlog] [memcheck_all] [candidates] [ab]
+#                              [kvdecode] [pack]
 #                              (default: build test bench)
 # prebuilt: use the package staged by tests/gpu/prebuild_for_device.sh on the CPU machine
 # (.prebuilt/transformer_engine, carried: libtransformer_engine.so for sm_90 with static cudart
@@ -16,6 +17,8 @@
 # quickstart: the main job on the GPU (examples/quickstart.py, 300 steps, its GPU sizes; one run
 # per seed in QUICKSTART_SEEDS, default 0; QUICKSTART_ARGS adds options, QUICKSTART_TAG names the
 # logs). host: benchmarks/host_overhead.py --device cuda (host time per module call).
+# kvdecode: benchmarks/gpu_kv_cache_decode.py (a decode step through DotProductAttention +
+# InferenceParams against torch's own cache; $OUT/kv_decode.log).
 # SANITIZE_TESTS / PYTORCH_TESTS: the test paths for sanitize / pytorch; GPU_TESTS: the test
 # paths for test (default tests/gpu); GPU_TEST_ARGS: extra pytest arguments for test (e.g. -s);
 # SANITIZE_ARGS: extra pytest arguments for sanitize.
@@ -142,6 +145,11 @@ if [[ " $steps " == *" pytorch "* ]]; then
     | tee "$OUT/pytorch_cuda.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   took pytorch
+fi
+if [[ " $steps " == *" kvdecode "* ]]; then
+  $PY benchmarks/gpu_kv_cache_decode.py 2>&1 | tee "$OUT/kv_decode.log" | tail -14
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  took kvdecode
 fi
 
 if [[ " $steps " == *" acceptance "* ]]; then

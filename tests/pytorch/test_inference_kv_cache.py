@@ -9,6 +9,7 @@ none, optionally a sliding window), and bshd/sbhd padding rows must be exactly z
 the library's reference backend runs float32 inputs (rel_err < 2e-5); with NVTE_TEST_DEVICE=cuda
 cuDNN runs bfloat16 ones under flash-attention's rule (max error <= 2x that of a naive bfloat16
 torch attention on the device), as in test_attention_thd.py, at head size 64."""
+import copy
 import math
 from collections import OrderedDict
 
@@ -186,21 +187,21 @@ def test_sizes_from_the_first_keys():
 HID = 256 if ON_CUDA else 32  # TransformerLayer hidden size (4 heads: head size 64 on CUDA)
 
 
-def transformer_layer(fmt):
+def transformer_layer(fmt, fuse_qkv=True):
     torch.manual_seed(7)
     layer = te.TransformerLayer(HID, 2 * HID, 4, num_gqa_groups=2, layer_number=1, hidden_dropout=0.0,
                                 attention_dropout=0.0, self_attn_mask_type="causal", attn_input_format=fmt,
-                                fuse_qkv_params=True, params_dtype=torch.float32, device="cpu")
+                                fuse_qkv_params=fuse_qkv, params_dtype=torch.float32, device="cpu")
     return layer.eval()
 
 
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
-def test_transformer_layer_generation_matches_full_forward(fmt):
+@pytest.mark.parametrize("fmt,fuse_qkv", [("bshd", True), ("sbhd", True), ("bshd", False)])
+def test_transformer_layer_generation_matches_full_forward(fmt, fuse_qkv):
     """Prompt then 4 decode steps through a TransformerLayer with a cache give the rows of one
     causal forward over the whole sequences (2 sequences, prompts of 5 and 3 tokens, equal length
     padding-free runs per sequence). CPU float32: rel_err < 2e-5 per step. CUDA bfloat16: each
     step's error against the float32 CPU layer is at most 2x that of the full bfloat16 forward."""
-    layer = transformer_layer(fmt)
+    layer = transformer_layer(fmt, fuse_qkv)
     x = torch.randn(2, 9, HID, generator=torch.Generator().manual_seed(3))
     bf = lambda t: t if fmt == "bshd" else t.transpose(0, 1)  # noqa: E731  (bshd <-> the layer's format)
     with torch.no_grad():
@@ -226,6 +227,32 @@ def test_transformer_layer_generation_matches_full_forward(fmt):
                     assert rel_err(got, ref) < TOL, (i, pos[i], rel_err(got, ref))
                 pos[i] += n
     assert pos == [p + 4 for p in prompt]
+
+
+def test_generation_under_fp8_mha_recipe():
+    """Under fp8_autocast with fp8_mha (and so fp8_dpa) the projections run FP8 and the cached
+    attention stays in the inputs' precision: the same steps as without fp8_mha/fp8_dpa, bit for bit."""
+    from transformer_engine.common.recipe import DelayedScaling, Format
+    base = transformer_layer("bshd").to(DEVICE).to(DT)
+    x = torch.randn(2, 4, HID, generator=torch.Generator().manual_seed(5)).to(DEVICE, DT)
+    outs = []
+    for flags in (dict(fp8_mha=True, fp8_dpa=True), {}):
+        layer = copy.deepcopy(base)  # (each run starts from the same FP8 state)
+        params = InferenceParams(2, 8, 2, HID // 4, DT)
+        res = []
+        with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID,
+                                                                                       **flags)):
+            for step, rows in ((OrderedDict({0: 3, 1: 3}), slice(0, 3)), (OrderedDict({0: 1, 1: 1}), slice(3, 4))):
+                params.pre_step(step)
+                res.append(layer(x[:, rows], inference_params=params))
+        outs.append(res)
+    for a, b in zip(*outs):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_public_names():
+    assert te.InferenceParams is InferenceParams and te.attention.InferenceParams is InferenceParams
 
 
 def test_errors(monkeypatch):

@@ -149,7 +149,9 @@ class DotProductAttention(torch.nn.Module):
     own it takes and returns high-precision tensors under fp8_mha too (MultiheadAttention hands it
     FP8 tensors).
     num_gqa_groups < heads shares each key/value head among heads / groups consecutive query
-    heads. Dropout applies to the softmax probabilities in training mode."""
+    heads. Dropout applies to the softmax probabilities in training mode. With inference_params
+    (an InferenceParams) the call is one generation step over the layer's K/V cache
+    (kv_cache_attention.py), keyed by layer_number."""
 
     def __init__(self, num_attention_heads: int, kv_channels: Union[int, Tuple[int, int]],
                  num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0, qkv_format: str = "sbhd",
