@@ -10,7 +10,9 @@ Columns: GPU ms per step (gpu_harness.time_ms: the host queues each batch while 
 so host cost is not counted) timed alternately, and host us per step (gpu_harness.host_us: the
 Python + dispatch cost, which bounds a decode loop that the GPU outruns). Each timed call appends
 one token, so the sequences grow by a few hundred tokens during the run, the same number of
-steps on every row. Rows: ours non-paged BSHD, ours paged (page 64), ours THD queries."""
+steps on every row. Rows: ours non-paged BSHD, ours paged (page 64), ours THD queries.
+--diagnose: first, per row, the synchronizing calls of a step, its GPU kernels (torch.profiler)
+and its host time by function (cProfile)."""
 import math
 import os
 import sys
@@ -77,6 +79,62 @@ class Torch:
         return o.transpose(1, 2).reshape(B, 1, -1)
 
 
+def diagnose(rows, q1, k1, v1):
+    """--diagnose: for each row, the synchronizing CUDA calls one step makes (torch's sync debug
+    mode, with the Python line that made them), a torch.profiler table of 8 steps and a cProfile of
+    20; before them, whether a small non_blocking H2D copy from pageable / pinned memory waits for
+    queued GPU work (inference.py's index uploads rely on the pageable one not waiting)."""
+    import time
+    import warnings
+    dev = torch.empty(64, dtype=torch.int32, device="cuda")
+    for kind in ("pageable", "pinned"):  # does a small non_blocking H2D copy wait for queued work?
+        src = torch.arange(64, dtype=torch.int32, pin_memory=kind == "pinned")
+        torch.cuda.synchronize()
+        torch.cuda._sleep(40_000_000)  # ~20 ms of GPU work queued ahead of the copy
+        t0 = time.perf_counter()
+        dev.copy_(src, non_blocking=True)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        print(f"[diagnose] {kind} non_blocking H2D copy of 256 B behind 20 ms of queued work: "
+              f"host {1e6 * (t1 - t0):.0f} us")
+    for name, r in rows:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                r.step(q1, k1, v1)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        print(f"[diagnose] {name}: {len(caught)} synchronizing calls")
+        for w in caught[:6]:
+            print(f"    {str(w.message)[:100]} at {w.filename}:{w.lineno}")
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(8):
+                r.step(q1, k1, v1)
+            torch.cuda.synchronize()
+        print(f"[diagnose] {name}: GPU time of 8 steps")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(20):
+            r.step(q1, k1, v1)
+        pr.disable()
+        torch.cuda.synchronize()
+        print(f"[diagnose] {name}: host time of 20 steps (cProfile)")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+        pstats.Stats(pr).sort_stats("cumtime").print_stats(24)
+        if isinstance(r, Ours):  # the two halves of a step (the attention call repeats the step's token)
+            args = r.shape(q1, k1, v1)
+            with torch.no_grad():
+                pre = host_us(lambda: r.params.pre_step(r.step_dict), calls=16)
+                att = host_us(lambda: r.dpa(*args, inference_params=r.params), calls=16)
+            print(f"[diagnose] {name}: host us pre_step {pre:.1f}, DotProductAttention call {att:.1f}")
+
+
 def main():
     rep = Report()
     group = f"decode step, DotProductAttention + InferenceParams (BF16, b={B}, {HQ}/{HKV} heads, d={D}, ~{CTX} cached)"
@@ -102,6 +160,8 @@ def main():
         err = float((o - outs[0]).abs().max())
         print(f"[kv decode] {name} vs {rows[0][0]}: max |diff| {err:.3g}")
         assert err < 5e-2, (name, err)
+    if "--diagnose" in sys.argv:
+        diagnose(rows, q1, k1, v1)
     fns = [(lambda r: lambda: r.step(q1, k1, v1))(r) for _, r in rows]
     ms = time_alternating_ms(fns, **TIMING)
     hus = [host_us(f, calls=32) for f in fns]

@@ -146,6 +146,12 @@ def test_dpa_kv_cache_matches_full_history(fmt, paged, mask):
 
 
 def test_dpa_kv_cache_sliding_window():
+    """Windows are aligned to the bottom-right diagonal like the causal mask. cuDNN 9.19 takes no
+    left window with that alignment: on the GPU the call is a clear NotImplementedError."""
+    if ON_CUDA:
+        with pytest.raises(NotImplementedError, match="bottom-right alignment"):
+            run_script("bshd", True, "padding_causal", window=(3, 0))
+        return
     run_script("bshd", True, "padding_causal", window=(3, 0))
     run_script("thd", False, "causal", window=(2, 0), seed=1)
 

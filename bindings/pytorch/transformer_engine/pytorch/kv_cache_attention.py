@@ -29,9 +29,8 @@ from .inference import InferenceParams
 L = _nvte.NVTE_QKV_Layout
 
 
-def _layout(q_format: str, paged: bool) -> int:
-    name = f"NVTE_{'Paged_KV_' if paged else ''}{q_format.upper()}_BSHD_BSHD"
-    return int(getattr(L, name))
+LAYOUTS = {(f, paged): int(getattr(L, f"NVTE_{'Paged_KV_' if paged else ''}{f.upper()}_BSHD_BSHD"))
+           for f in ("bshd", "sbhd", "thd") for paged in (False, True)}  # (query format, paged) -> layout
 
 
 @custom_op("transformer_engine::fused_attn_fwd_kv_cache", mutates_args=())
@@ -78,7 +77,7 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
     q, k_cache, v_cache, table, cu_q, cu_kv, max_sq, max_skv, _ = params.step(key, q, k, v, fmt)
     mask = _fa.MASK_INT["padding_causal_bottom_right" if "causal" in mask_type else "padding"]
     wl, wr = window if window is not None else (-1, -1)
-    layout = _layout(fmt, table is not None)
+    layout = LAYOUTS[fmt, table is not None]
     q = q.contiguous()
     ok, why = _fa.fused_backend_supports(q, k_cache, v_cache, layout, _fa.BIAS_INT["no_bias"], mask, 0.0, False,
                                          max_sq, max_skv, int(wl), int(wr), br=True)
