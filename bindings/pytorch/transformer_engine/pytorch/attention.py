@@ -225,7 +225,8 @@ class DotProductAttention(torch.nn.Module):
         _df.check_qkv(query_layer, key_layer, value_layer, fmt, h, g)
         if inference_params is not None:
             if _fp8_handoff is not None:
-                raise RuntimeError("DotProductAttention: inference_params takes high-precision inputs, not FP8 hand-offs")
+                raise RuntimeError("DotProductAttention: inference_params takes high-precision inputs, "
+                                   "not FP8 hand-offs")
             window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
             return _kv.attend(self, inference_params, query_layer, key_layer, value_layer, fmt, mask_type, window,
                               core_attention_bias_type, core_attention_bias, alibi_slopes)
