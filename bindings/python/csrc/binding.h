@@ -69,6 +69,7 @@ void bind_gemm(py::module_ &m);
 void bind_normalization(py::module_ &m);
 void bind_activation(py::module_ &m);
 void bind_softmax(py::module_ &m);
+void bind_fused_rope(py::module_ &m);
 void bind_fused_attn(py::module_ &m);
 
 }  // namespace nvte_py

@@ -199,4 +199,5 @@ PYBIND11_MODULE(_nvte, m) {
   bind_activation(m);
   bind_softmax(m);
   bind_fused_attn(m);
+  bind_fused_rope(m);
 }

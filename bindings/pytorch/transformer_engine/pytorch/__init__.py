@@ -7,6 +7,7 @@ from .fp8 import (autocast, fp8_autocast, fp8_model_init, is_fp8_available, quan
 from .module import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, TransformerEngineBaseModule
 from .attention import DotProductAttention, MultiheadAttention
 from .inference import InferenceParams
+from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 from . import transformer
 from .transformer import TransformerLayer
 from . import distributed
@@ -15,5 +16,6 @@ from .graph import make_graphed_callables
 
 __all__ = ["Linear", "GroupedLinear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "TransformerEngineBaseModule",
            "TransformerLayer", "DotProductAttention", "MultiheadAttention", "InferenceParams",
+           "RotaryPositionEmbedding", "apply_rotary_pos_emb",
            "fp8_autocast", "autocast", "is_fp8_available", "fp8_model_init", "quantized_model_init", "checkpoint",
            "distributed", "make_graphed_callables"]

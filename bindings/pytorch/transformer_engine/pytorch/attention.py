@@ -27,6 +27,7 @@ from . import kv_cache_attention as _kv
 from .fp8 import FP8Meta
 from .fp8_handoff import handoff_parts
 from .inference import InferenceParams  # noqa: F401  (TE's te.attention.InferenceParams)
+from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb  # noqa: F401  (also te.attention.*)
 from .module.base import default_device
 from .module.layernorm_linear import LayerNormLinear
 from .module.linear import Linear
@@ -409,7 +410,7 @@ class MultiheadAttention(torch.nn.Module):
                  set_parallel_mode: bool = False, fuse_qkv_params: bool = False, zero_centered_gamma: bool = False,
                  qkv_weight_interleaved: bool = True, bias: bool = True, normalization: str = "LayerNorm",
                  device=None, qkv_format: str = "sbhd", name: Optional[str] = None,
-                 softmax_scale: Optional[float] = None, **kwargs):
+                 softmax_scale: Optional[float] = None, rotary_pos_interleaved: bool = False, **kwargs):
         super().__init__()
         if tp_size != 1:
             raise NotImplementedError(f"MultiheadAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
@@ -438,6 +439,7 @@ class MultiheadAttention(torch.nn.Module):
         self.fuse_qkv_params = bool(fuse_qkv_params)
         self.qkv_weight_interleaved = bool(qkv_weight_interleaved) and self.fuse_qkv_params
         self.qkv_format = DotProductAttention._check_format(qkv_format)
+        self.rotary_pos_interleaved = bool(rotary_pos_interleaved)
         self.name = name
 
         kv = self.hidden_size_per_attention_head
@@ -495,6 +497,25 @@ class MultiheadAttention(torch.nn.Module):
         split = lambda t: _fa8.split_kv(t, g, d, inter)  # noqa: E731
         return _pk.SplitPacked.apply(mixed, split, split)
 
+    def _rotate(self, q, k, rotary_pos_emb, inference_params, cu_seqlens_q, cu_seqlens_kv):
+        """q, k with RoPE (rope.py): rotary_pos_emb is one angle table for both or a (q, k) pair. With
+        a K/V cache the new tokens start at each sequence's cached length, and THD inputs are packed
+        as the cache's step (its cu_seqlens_q)."""
+        q_emb, k_emb = (tuple(rotary_pos_emb) if isinstance(rotary_pos_emb, (tuple, list))
+                        else (rotary_pos_emb, rotary_pos_emb))
+        start = None
+        if inference_params is not None and self.attention_type == "self":
+            start = inference_params.get_seqlens_pre_step()
+            if start is None:
+                raise RuntimeError("MultiheadAttention: inference_params needs pre_step(step_dict) before the forward")
+            cu_seqlens_q = cu_seqlens_kv = inference_params.cu_seqlens_q
+        elif self.attention_type == "self" and cu_seqlens_kv is None:
+            cu_seqlens_kv = cu_seqlens_q
+        fmt, inter = self.qkv_format, self.rotary_pos_interleaved
+        q = apply_rotary_pos_emb(q, q_emb, fmt, start_positions=start, interleaved=inter, cu_seqlens=cu_seqlens_q)
+        k = apply_rotary_pos_emb(k, k_emb, fmt, start_positions=start, interleaved=inter, cu_seqlens=cu_seqlens_kv)
+        return q, k
+
     def _project_in(self, module, x, is_first_microbatch):
         """(output, layernorm output or None) of a QKV / query projection."""
         res = module(x, is_first_microbatch=is_first_microbatch)
@@ -508,8 +529,6 @@ class MultiheadAttention(torch.nn.Module):
                 inference_params=None, rotary_pos_emb=None, core_attention_bias_type: str = "no_bias",
                 core_attention_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None,
                 max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill: bool = True, **kwargs):
-        if rotary_pos_emb is not None:
-            raise NotImplementedError("MultiheadAttention: rotary_pos_emb is not implemented")
         attn_args = dict(attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
                          core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
                          alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
@@ -517,6 +536,9 @@ class MultiheadAttention(torch.nn.Module):
         if inference_params is not None and self.attention_type == "self":
             attn_args["inference_params"] = inference_params  # (cross attention reads encoder_output each call)
         elif _df.fp8_mha_recipe() is not None:  # (FP8 hand-offs: not with a K/V cache)
+            if rotary_pos_emb is not None:
+                raise NotImplementedError("MultiheadAttention: rotary_pos_emb with the recipe's fp8_mha (FP8 Q/K "
+                                          "hand-offs) is not implemented; use fp8_dpa=True, fp8_mha=False")
             return self._forward_fp8_mha(hidden_states, encoder_output, is_first_microbatch, attn_args)
         ln_out = None
         if self.attention_type == "self":
@@ -530,6 +552,8 @@ class MultiheadAttention(torch.nn.Module):
             qo, ln_out = self._project_in(mod, hidden_states, is_first_microbatch)
             q = qo.view(*qo.shape[:-1], self.num_attention_heads, self.hidden_size_per_attention_head)
             k, v = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch))
+        if rotary_pos_emb is not None:
+            q, k = self._rotate(q, k, rotary_pos_emb, inference_params, cu_seqlens_q, cu_seqlens_kv)
         ctx = self.core_attention(q, k, v, **attn_args)
         res = self.proj(ctx, is_first_microbatch=is_first_microbatch)
         return self._outputs(res, ln_out)

@@ -1,0 +1,55 @@
+// rope.h - the validated geometry of one fused_rope.h call and the per-element rule, shared by
+// the CPU reference and the CUDA kernel so both index and pair elements the same way.
+#pragma once
+
+#include <cstdint>
+
+#include "numeric.h"  // NVTE_HD
+
+namespace nvte::rope {
+
+struct RopeParams {
+  bool thd = false, interleaved = false, backward = false;
+  bool bshd = false;           // (SBHD otherwise, when not THD)
+  int64_t rows = 0;            // s * b (SBHD/BSHD) or t (THD): one row = h * d elements
+  int64_t s = 0, b = 0, h = 0, d = 0, d2 = 0;
+  int64_t stride_t = 0, stride_b = 0, stride_h = 0, stride_d = 0;  // of the strided tensor read
+  int64_t freq_rows = 0;       // positions freqs covers
+};
+
+// Row r of the dense output: (sequence index in the batch, row within it) for SBHD / BSHD.
+NVTE_HD void dense_row(const RopeParams &p, int64_t r, int64_t &seq, int64_t &pos) {
+  if (p.bshd) {
+    seq = r / p.s;
+    pos = r % p.s;
+  } else {
+    seq = r % p.b;
+    pos = r / p.b;
+  }
+}
+
+// Element offset of (row r, head hh, channel k) in the strided input.
+NVTE_HD int64_t src_offset(const RopeParams &p, int64_t r, int64_t hh, int64_t k) {
+  int64_t base;
+  if (p.thd) {
+    base = r * p.stride_t;
+  } else {
+    int64_t seq, pos;
+    dense_row(p, r, seq, pos);
+    base = pos * p.stride_t + seq * p.stride_b;
+  }
+  return base + hh * p.stride_h + k * p.stride_d;
+}
+
+// Partner channel and sign of channel k < d2 (fused_rope.h).
+NVTE_HD int64_t partner(const RopeParams &p, int64_t k, float &sign) {
+  if (p.interleaved) {
+    sign = (k & 1) ? 1.0f : -1.0f;
+    return k ^ 1;
+  }
+  const int64_t half = p.d2 / 2;
+  sign = k < half ? -1.0f : 1.0f;
+  return k < half ? k + half : k - half;
+}
+
+}  // namespace nvte::rope

@@ -1,0 +1,78 @@
+// cpu/fused_rope.cpp - CPU reference of RoPE: one output row (h x d elements) at a time, angles
+// and products in float64, rounded once to the output dtype; rows run in parallel.
+#include "fused_rope.h"
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "../common/dtype_switch.h"
+#include "parallel.h"
+
+namespace nvte::cpu {
+
+void fused_rope(const rope::RopeParams &p, const Tensor &x, const Tensor *cu_seqlens, const Tensor &freqs,
+                const Tensor *start, Tensor &y) {
+  const float *f = static_cast<const float *>(freqs.params[kNVTERowwiseData].data_ptr);
+  const int32_t *st = start ? static_cast<const int32_t *>(start->params[kNVTERowwiseData].data_ptr) : nullptr;
+  // THD: the sequence of each row (-1 outside every sequence) and its row within it.
+  std::vector<int64_t> seq_of, pos_of;
+  if (p.thd) {
+    const int32_t *cu = static_cast<const int32_t *>(cu_seqlens->params[kNVTERowwiseData].data_ptr);
+    seq_of.assign((size_t)p.rows, -1);
+    pos_of.assign((size_t)p.rows, 0);
+    NVTE_CHECK(cu[0] >= 0, "cu_seqlens[0] = ", cu[0], " is negative");
+    for (int64_t i = 0; i < p.b; ++i) {
+      NVTE_CHECK(cu[i + 1] >= cu[i] && cu[i + 1] <= p.rows, "cu_seqlens must be non-decreasing within [0, t = ",
+                 p.rows, "]; cu_seqlens[", i, "] = ", cu[i], ", cu_seqlens[", i + 1, "] = ", cu[i + 1]);
+      for (int64_t r = cu[i]; r < cu[i + 1]; ++r) seq_of[(size_t)r] = i, pos_of[(size_t)r] = r - cu[i];
+    }
+  }
+  auto position = [&](int64_t r, int64_t &seq) {  // -1: a THD row of no sequence
+    int64_t pos;
+    if (p.thd) {
+      seq = seq_of[(size_t)r];
+      pos = pos_of[(size_t)r];
+    } else {
+      rope::dense_row(p, r, seq, pos);
+    }
+    if (seq < 0) return (int64_t)-1;
+    return pos + (st ? st[seq] : 0);
+  };
+  for (int64_t r = 0; r < p.rows; ++r) {  // (positions checked first: errors before any write)
+    int64_t seq;
+    const int64_t pos = position(r, seq);
+    NVTE_CHECK(seq < 0 || (pos >= 0 && pos < p.freq_rows), "row ", r, " is at position ", pos,
+               " but freqs has ", p.freq_rows, " rows (positions 0..", p.freq_rows - 1, ")");
+  }
+  with_float_dtype(logical_dtype(x), "input", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T *src = static_cast<const T *>(x.params[kNVTERowwiseData].data_ptr);
+    T *dst = static_cast<T *>(y.params[kNVTERowwiseData].data_ptr);
+    parallel_for((size_t)p.rows, 16, [&](size_t r0, size_t r1) {
+      for (int64_t r = (int64_t)r0; r < (int64_t)r1; ++r) {
+        int64_t seq;
+        const int64_t pos = position(r, seq);
+        const float *a = seq < 0 ? nullptr : f + pos * p.d2;
+        for (int64_t hh = 0; hh < p.h; ++hh) {
+          T *out = dst + (r * p.h + hh) * p.d;
+          auto in = [&](int64_t k) { return (double)to_f32(src[rope::src_offset(p, r, hh, k)]); };
+          for (int64_t k = 0; k < p.d; ++k) {
+            double v = in(k);
+            if (a && k < p.d2) {
+              float sign;
+              const int64_t q = rope::partner(p, k, sign);
+              if (p.backward)
+                v = v * std::cos((double)a[k]) - sign * in(q) * std::sin((double)a[q]);
+              else
+                v = v * std::cos((double)a[k]) + sign * in(q) * std::sin((double)a[k]);
+            }
+            out[k] = from_f32<T>((float)v);
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace nvte::cpu
