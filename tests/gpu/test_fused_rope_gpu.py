@@ -131,3 +131,25 @@ def test_positions_past_freqs_are_nan_on_the_gpu():
     assert torch.isnan(y[3, 1]).all() and not torch.isnan(y[:3]).any() and not torch.isnan(y[:, 0]).any()
     with pytest.raises(nvte.Error, match="freqs has 6 rows"):
         call(x.reshape(-1), (4, 2, 2, 8), x.stride(), freqs.cpu(), "sbhd", False, None, start.cpu(), False, 2, 4)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("case", ["misaligned", "channel_stride_2"])
+def test_narrow_access_paths(interleaved, case):
+    """Inputs the 4-wide kernel cannot take (a start one element off, channels 2 apart) run the
+    one-element path with the same results."""
+    gen = torch.Generator().manual_seed(3)
+    s, b, h, d = 9, 2, 3, 16
+    freqs = angles(12, d, gen)
+    if case == "misaligned":
+        flat = torch.randn(1 + s * b * h * d, generator=gen).to(torch.bfloat16)
+        views = {dev: flat.to(dev)[1:] for dev in ("cuda", "cpu")}
+        strides = (b * h * d, h * d, d, 1)
+    else:
+        flat = torch.randn(s * b * h * 2 * d, generator=gen).to(torch.bfloat16)
+        views = {dev: flat.to(dev) for dev in ("cuda", "cpu")}
+        strides = (b * h * 2 * d, h * 2 * d, 2 * d, 2)
+    got, ref = (call(views[dev], (s, b, h, d), strides, freqs.to(dev), "sbhd", interleaved, None, None, False, b, s)
+                for dev in ("cuda", "cpu"))
+    dense = torch.as_strided(views["cpu"], (s, b, h, d), strides)
+    check(got, ref, dense.contiguous(), d, interleaved)
