@@ -1,13 +1,14 @@
 // cuda/fused_rope.cu - rotary position embedding (fused_rope.h) on the GPU.
 //
 // Design: one block per output row (the h x d elements of one token), which shares one position:
-// thread 0 finds it (THD: a binary search of cu_seqlens) and the row's base offset, the block puts
-// cos and sin of the row's d2 angles in shared memory (sincosf once per angle, not once per head),
+// each thread finds it (THD: a binary search of cu_seqlens), the block puts cos and sin of the
+// row's d2 angles in shared memory (sincosf once per angle, not once per head; one barrier),
 // then a 2D thread grid (x: units of channels, y: heads) walks the row with no index division. A
 // unit is W channels and the W channels they pair with (non-interleaved: the same W in the other
 // half; interleaved: W adjacent channels, pairs inside), so each input element is read once and
-// each output written once. W = 4 (one 8- or 16-byte access) when the channels are contiguous and
-// every offset is a multiple of 4 elements, else 1. The op is memory-bound. Channels d2..d are
+// each output written once. W = 8 for 16-bit types, 4 for float32 (one 16-byte access) when the
+// channels are contiguous and every offset is a multiple of W elements, else 4, else 1. The op is
+// memory-bound (bf16, h x d = 4096: 2.4 TB/s of the H100's 3.0 TB/s copy rate). Channels d2..d are
 // copied. The pairing rule is core/common/rope.h's, shared with the CPU reference.
 #include "common.cuh"
 #include "fused_rope.h"
@@ -19,7 +20,7 @@
 namespace nvte::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 128;
 
 // out / dx of one pair (a, b) = (x_k, x_p(k)) with s(k) = -1, p(k) = k + step: forward
 // (a cos_k - b sin_k, b cos_p + a sin_p), backward (a cos_k + b sin_p, b cos_p - a sin_k).
@@ -57,34 +58,28 @@ __global__ void __launch_bounds__(kThreads)
     rope_kernel(rope::RopeParams p, const T *__restrict__ x, const int32_t *__restrict__ cu,
                 const float *__restrict__ freqs, const int32_t *__restrict__ start, T *__restrict__ y) {
   extern __shared__ float cs[];  // cos[0..d2), sin[d2..2 d2)
-  __shared__ int64_t row_pos, row_base;
-  __shared__ int row_seq;
   const int64_t r = blockIdx.x;
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
-  if (tid == 0) {
-    int64_t seq, pos;
-    if (p.thd) {  // the last sequence starting at or before r (an empty range: none)
-      seq = -1;
-      pos = 0;
-      if (p.b > 0 && cu[0] <= r) {
-        int64_t lo = 0, hi = p.b;  // cu[lo] <= r; the answer is in [lo, hi)
-        while (hi - lo > 1) {
-          const int64_t mid = (lo + hi) / 2;
-          if (cu[mid] <= r) lo = mid; else hi = mid;
-        }
-        if (r < cu[lo + 1]) seq = lo, pos = r - cu[lo];
+  // Every thread finds the row's sequence and position itself (a few cached loads): no barrier
+  // before the angles.
+  int64_t seq, pos;
+  if (p.thd) {  // the last sequence starting at or before r (an empty range: none)
+    seq = -1;
+    pos = 0;
+    if (p.b > 0 && cu[0] <= r) {
+      int64_t lo = 0, hi = p.b;  // cu[lo] <= r; the answer is in [lo, hi)
+      while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (cu[mid] <= r) lo = mid; else hi = mid;
       }
-    } else {
-      rope::dense_row(p, r, seq, pos);
+      if (r < cu[lo + 1]) seq = lo, pos = r - cu[lo];
     }
-    row_seq = (int)seq;
-    row_pos = seq >= 0 ? pos + (start ? start[seq] : 0) : -1;
-    row_base = rope::src_offset(p, r, 0, 0);
+  } else {
+    rope::dense_row(p, r, seq, pos);
   }
-  __syncthreads();
-  const bool rotate_row = row_seq >= 0;
-  const int64_t pos = row_pos;
+  const bool rotate_row = seq >= 0;
   if (rotate_row) {
+    pos += start ? start[seq] : 0;
     const bool valid = pos >= 0 && pos < p.freq_rows;
     for (int64_t k = tid; k < p.d2; k += nthreads) {
       float sn = __int_as_float(0x7fc00000), c = sn;  // NaN: a position past freqs
@@ -94,6 +89,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
+  const int64_t row_base = rope::src_offset(p, r, 0, 0);
   const float *cosv = cs, *sinv = cs + p.d2;
   const T *xr = x + row_base;
   T *yr = y + r * p.h * p.d;
@@ -179,12 +175,14 @@ void fused_rope(const rope::RopeParams &p, const Tensor &x, const Tensor *cu_seq
     if constexpr (!is_fp8_type<T>::value) {
       const T *xp = static_cast<const T *>(x.params[kNVTERowwiseData].data_ptr);
       T *yp = static_cast<T *>(y.params[kNVTERowwiseData].data_ptr);
-      const bool wide = vector_ok<T>(p, xp, yp, 4);
+      // 16-byte accesses where they fit (8 x 16-bit, 4 x 32-bit), else 4 wide, else one element
+      const bool w8 = sizeof(T) == 2 && vector_ok<T>(p, xp, yp, 8), w4 = vector_ok<T>(p, xp, yp, 4);
       with_bool(p.interleaved, [&](auto kInter) {
-        if (wide)
-          launch<T, 4, kInter>(p, xp, cu, f, st, yp, stream);
-        else
-          launch<T, 1, kInter>(p, xp, cu, f, st, yp, stream);
+        if constexpr (sizeof(T) == 2) {
+          if (w8) return launch<T, 8, kInter>(p, xp, cu, f, st, yp, stream);
+        }
+        if (w4) return launch<T, 4, kInter>(p, xp, cu, f, st, yp, stream);
+        launch<T, 1, kInter>(p, xp, cu, f, st, yp, stream);
       });
     }
   });

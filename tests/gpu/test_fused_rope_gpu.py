@@ -134,16 +134,18 @@ def test_positions_past_freqs_are_nan_on_the_gpu():
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("case", ["misaligned", "channel_stride_2"])
+@pytest.mark.parametrize("case", ["misaligned", "channel_stride_2", "half_of_12"])
 def test_narrow_access_paths(interleaved, case):
-    """Inputs the 4-wide kernel cannot take (a start one element off, channels 2 apart) run the
-    one-element path with the same results."""
+    """Inputs the wide kernels cannot take (a start one element off, channels 2 apart) run the
+    one-element path, and halves of 12 channels (d = 24, not interleaved) the 4-wide one, with the
+    same results."""
     gen = torch.Generator().manual_seed(3)
-    s, b, h, d = 9, 2, 3, 16
+    s, b, h, d = 9, 2, 3, (24 if case == "half_of_12" else 16)
     freqs = angles(12, d, gen)
-    if case == "misaligned":
-        flat = torch.randn(1 + s * b * h * d, generator=gen).to(torch.bfloat16)
-        views = {dev: flat.to(dev)[1:] for dev in ("cuda", "cpu")}
+    if case in ("misaligned", "half_of_12"):
+        skip = 1 if case == "misaligned" else 0
+        flat = torch.randn(skip + s * b * h * d, generator=gen).to(torch.bfloat16)
+        views = {dev: flat.to(dev)[skip:] for dev in ("cuda", "cpu")}
         strides = (b * h * d, h * d, d, 1)
     else:
         flat = torch.randn(s * b * h * 2 * d, generator=gen).to(torch.bfloat16)
