@@ -111,6 +111,27 @@ def test_compile_transformer_layer_high_precision(rng):
     assert OPS.quantize.default not in rec.targets["fw"]
 
 
+def test_compile_transformer_layer_with_rope(rng):
+    """rotary_pos_emb: the library's RoPE ops are graph nodes both ways, results as in eager mode."""
+    g = seeded(rng)
+    eager = _layer()
+    src = copy.deepcopy(eager)
+    rec = GraphRecorder()
+    compiled = torch.compile(src, fullgraph=True, backend=rec.backend())
+    emb = te.RotaryPositionEmbedding(8)(6)
+    x = torch.randn(6, 2, 32, generator=g)
+    dy = torch.randn(6, 2, 32, generator=g) * 1e-2
+    outs = []
+    for model in (eager, compiled):
+        xi = x.clone().requires_grad_()
+        y = model(xi, rotary_pos_emb=emb)
+        y.backward(dy)
+        outs.append((y.detach(), xi.grad))
+    torch.testing.assert_close(outs[1][0], outs[0][0])
+    torch.testing.assert_close(outs[1][1], outs[0][1])
+    assert OPS.fused_rope_fwd.default in rec.targets["fw"] and OPS.fused_rope_bwd.default in rec.targets["bw"]
+
+
 def test_compile_transformer_layer_fp8_delayed(rng):
     r = recipe.DelayedScaling(amax_history_len=1024, fp8_format=recipe.Format.HYBRID)
     rec = GraphRecorder()
