@@ -295,7 +295,8 @@ def test_errors(monkeypatch):
     paged.pre_step(OrderedDict({0: 5}))  # 2 of the 3 pages
     with pytest.raises(RuntimeError, match="cache is full"):
         paged.pre_step(OrderedDict({0: 1, 1: 5}))  # seq 1 needs 2 more pages, 1 is free
-    assert paged.cache_manager.sequences == OrderedDict({0: 5})  # (the failed step changed nothing)
+    assert paged.cache_manager.sequences == OrderedDict({0: 5}) and paged.step_dict == OrderedDict({0: 5})
+    assert paged.cu_seqlens_kv.tolist() == [0, 5]  # (the failed step changed nothing)
     paged.pre_step(OrderedDict({1: 5}))  # seq 0 finished: its pages serve seq 1
     with pytest.raises(ValueError, match="page_size"):
         InferenceParams(2, 8, G, D, DT, is_paged=True)

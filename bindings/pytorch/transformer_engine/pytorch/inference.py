@@ -351,21 +351,21 @@ class InferenceParams:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"InferenceParams.pre_step: sequence {seq!r} brings {n!r} tokens; expected an int "
                                  ">= 1")
-        self.step_dict = OrderedDict(step_dict)
+        step_dict = OrderedDict(step_dict)  # (the state changes only once the step is accepted)
         if self.cache_manager is None:  # sizes come with the first keys: bookkeeping only until then
             if self._pending is not None:
                 raise RuntimeError("InferenceParams.pre_step: the previous iteration stored no keys (no step() "
                                    "since its pre_step), so the cache sizes are still unknown; pass num_heads_kv, "
                                    "head_dim_k and dtype to InferenceParams")
-            self._pending = self.step_dict
-            lengths = OrderedDict((s, self.sequences.get(s, 0) + n) for s, n in self.step_dict.items())
+            lengths = OrderedDict((s, self.sequences.get(s, 0) + n) for s, n in step_dict.items())
             for s, total in lengths.items():
                 if total > self.max_seqlen_kv:
                     raise ValueError(f"InferenceParams: sequence {s!r} would hold {total} tokens, more than "
                                      f"max_seqlen_kv={self.max_seqlen_kv}")
+            self._pending = step_dict
         else:
-            self._pending = None
-            lengths = self.cache_manager.pre_step(self.step_dict)
+            lengths = self.cache_manager.pre_step(step_dict)
+        self.step_dict = step_dict
         self.sequences = OrderedDict((s, int(lengths[s])) for s in self.step_dict)
         self.batch_size = len(self.step_dict)
         lens_q = np.fromiter(self.step_dict.values(), np.int64, self.batch_size)
