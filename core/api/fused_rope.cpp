@@ -33,8 +33,6 @@ RopeParams validate(const RopeCall &c, NVTE_QKV_Format fmt, bool interleaved, bo
   NVTE_CHECK(is_high_precision(dt), c.x_name, " must be float32, float16 or bfloat16, got ", dtype_name(dt));
   NVTE_CHECK(logical_dtype(y) == dt, c.y_name, " has dtype ", dtype_name(logical_dtype(y)), "; expected ",
              c.x_name, "'s ", dtype_name(dt));
-  NVTE_CHECK(buffer_set(x.params[kNVTERowwiseData]) && buffer_set(y.params[kNVTERowwiseData]), c.x_name, " and ",
-             c.y_name, " need rowwise data");
   NVTE_CHECK(h >= 1 && d >= 1 && s >= 0 && b >= 0, "sizes must be s >= 0, b >= 0, h >= 1, d >= 1; got s ", s,
              ", b ", b, ", h ", h, ", d ", d);
   NVTE_CHECK(d2 >= 2 && d2 % 2 == 0 && d2 <= d, "d2 (freqs' last dim) must be even, >= 2 and <= d (", d,
@@ -68,7 +66,9 @@ RopeParams validate(const RopeCall &c, NVTE_QKV_Format fmt, bool interleaved, bo
                want[3], "] (", p.bshd ? "BSHD" : "SBHD", ")");
     p.rows = (int64_t)s * b;
   }
-  if (p.rows > 0) {  // the strided reads stay inside x's buffer
+  if (p.rows > 0) {  // the strided reads stay inside x's buffer (empty tensors may have no buffer)
+    NVTE_CHECK(buffer_set(x.params[kNVTERowwiseData]) && buffer_set(y.params[kNVTERowwiseData]), c.x_name,
+               " and ", c.y_name, " need rowwise data");
     const int64_t last = (p.thd ? (p.rows - 1) * p.stride_t
                                 : (int64_t)(s - 1) * p.stride_t + (int64_t)(b - 1) * p.stride_b) +
                          (int64_t)(h - 1) * stride_h + (int64_t)(d - 1) * stride_d;

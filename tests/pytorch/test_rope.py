@@ -170,6 +170,17 @@ def test_transformer_layer_takes_rotary_pos_emb(monkeypatch):
     assert out.shape == x.shape and len(calls) == 2 and calls[0] is q_emb and calls[1] is k_emb
 
 
+@pytest.mark.parametrize("fmt", ["sbhd", "thd"])
+def test_empty_inputs(fmt):
+    emb = RotaryPositionEmbedding(8)(4).to(DEVICE)
+    t = torch.zeros((0, 2, 8) if fmt == "thd" else (0, 2, 2, 8), dtype=DT, device=DEVICE, requires_grad=True)
+    cu = torch.zeros(1, dtype=torch.int32, device=DEVICE) if fmt == "thd" else None
+    out = apply_rotary_pos_emb(t, emb, fmt, cu_seqlens=cu)
+    assert out.shape == t.shape
+    out.sum().backward()
+    assert t.grad.shape == t.shape
+
+
 def test_errors():
     t = torch.zeros(4, 2, 2, 8, dtype=DT, device=DEVICE)
     emb = RotaryPositionEmbedding(8)(4).to(DEVICE)
