@@ -147,13 +147,22 @@ def test_dpa_kv_cache_matches_full_history(fmt, paged, mask):
 
 def test_dpa_kv_cache_sliding_window():
     """Windows are aligned to the bottom-right diagonal like the causal mask. cuDNN 9.19 takes no
-    left window with that alignment: on the GPU the call is a clear NotImplementedError."""
-    if ON_CUDA:
-        with pytest.raises(NotImplementedError, match="bottom-right alignment"):
-            run_script("bshd", True, "padding_causal", window=(3, 0))
-        return
+    left window with that alignment: on the GPU these calls run the unfused path."""
     run_script("bshd", True, "padding_causal", window=(3, 0))
     run_script("thd", False, "causal", window=(2, 0), seed=1)
+
+
+@pytest.mark.parametrize("fmt,paged,mask,window", [("bshd", False, "causal", None), ("sbhd", True, "no_mask", None),
+                                                   ("thd", True, "causal", None), ("thd", False, "no_mask", (4, 1))])
+def test_dpa_kv_cache_unfused_path(monkeypatch, fmt, paged, mask, window):
+    """NVTE_FUSED_ATTN=0: the cache read back into dense K/V, matmuls and the library's masked softmax."""
+    from transformer_engine.pytorch import kv_cache_attention
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    calls = []
+    real = kv_cache_attention._unfused
+    monkeypatch.setattr(kv_cache_attention, "_unfused", lambda *a: calls.append(1) or real(*a))
+    run_script(fmt, paged, mask, window=window, seed=2)
+    assert len(calls) == len(SCRIPT)
 
 
 def test_nonpaged_slots_reused_without_moving():
@@ -283,9 +292,11 @@ def test_errors(monkeypatch):
         with pytest.raises(ValueError, match="arbitrary"):
             dpa(q, k, k, inference_params=params, attn_mask_type="arbitrary")
         monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
-        with pytest.raises(NotImplementedError, match="NVTE_FUSED_ATTN=0"):
+        monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
+        with pytest.raises(NotImplementedError, match="NVTE_FUSED_ATTN=0.*NVTE_UNFUSED_ATTN=0"):
             dpa(q, k, k, inference_params=params)
         monkeypatch.delenv("NVTE_FUSED_ATTN")
+        monkeypatch.delenv("NVTE_UNFUSED_ATTN")
         with pytest.raises(ValueError, match="must match the cache"):
             dpa(q.float() if DT != torch.float32 else q.double(), k.float() if DT != torch.float32 else k.double(),
                 k.float() if DT != torch.float32 else k.double(), inference_params=params)

@@ -7,10 +7,13 @@ turns padding_causal into padding_causal_bottom_right under KV caching. Sliding 
 aligned the same way.
 
 It is the library's fused path on both backends (cuDNN's paged / decode attention on the GPU,
-the float64 reference on the CPU); there is no unfused or FP8 form: attention bias, ALiBi,
-arbitrary masks and NVTE_FUSED_ATTN=0 raise, an FP8 recipe's fp8_dpa / fp8_mha leave this
-attention in the inputs' precision, and dropout is not applied. The call keeps no softmax
-statistics, so it has no backward: inputs that need gradients raise."""
+the float64 reference on the CPU). Where the fused path is off (NVTE_FUSED_ATTN=0) or the backend
+rejects the call (on the GPU: a left sliding window, which cuDNN takes only top-left aligned), the
+unfused path runs it: K/V gathered from the cache, torch matmuls and the library's masked softmax
+(NVTE_UNFUSED_ATTN=0 turns that off too: then it raises). Attention bias, ALiBi and arbitrary
+masks raise; an FP8 recipe's fp8_dpa / fp8_mha leave this attention in the inputs' precision, and
+dropout is not applied. The call keeps no softmax statistics, so it has no backward: inputs that
+need gradients raise."""
 from __future__ import annotations
 
 from typing import Optional
@@ -65,9 +68,6 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
     if mask_type == "arbitrary":
         raise ValueError(f"{who}: attn_mask_type 'arbitrary' cannot be used with a K/V cache (its masks are the "
                          "cached lengths, and causal ones are bottom-right aligned)")
-    if _fa._env("NVTE_FUSED_ATTN") == "0":
-        raise NotImplementedError(f"{who}: K/V-cache attention runs only on the fused attention path, which "
-                                  "NVTE_FUSED_ATTN=0 turns off")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError(f"{who}: K/V-cache attention is forward only; run generation under torch.no_grad() "
                            "or torch.inference_mode()")
@@ -79,11 +79,61 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
     wl, wr = window if window is not None else (-1, -1)
     layout = LAYOUTS[fmt, table is not None]
     q = q.contiguous()
-    ok, why = _fa.fused_backend_supports(q, k_cache, v_cache, layout, _fa.BIAS_INT["no_bias"], mask, 0.0, False,
-                                         max_sq, max_skv, int(wl), int(wr), br=True)
-    if not ok:
-        raise NotImplementedError(f"{who}: the fused attention backend cannot run this call: {why}")
-    o = fused_attn_fwd_kv_cache(q, k_cache, v_cache, table, cu_q, cu_kv, int(max_sq), int(max_skv),
-                                float(dpa.softmax_scale), layout, mask, int(wl), int(wr))
+    why = "NVTE_FUSED_ATTN=0" if _fa._env("NVTE_FUSED_ATTN") == "0" else ""
+    if not why:
+        ok, why = _fa.fused_backend_supports(q, k_cache, v_cache, layout, _fa.BIAS_INT["no_bias"], mask, 0.0, False,
+                                             max_sq, max_skv, int(wl), int(wr), br=True)
+    if not why:
+        o = fused_attn_fwd_kv_cache(q, k_cache, v_cache, table, cu_q, cu_kv, int(max_sq), int(max_skv),
+                                    float(dpa.softmax_scale), layout, mask, int(wl), int(wr))
+    elif _fa.unfused_allowed():
+        o = _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, int(max_sq), max(params.sequences.values()), fmt,
+                     "causal" in mask_type, (int(wl), int(wr)), float(dpa.softmax_scale))
+    else:
+        raise NotImplementedError(f"{who}: the fused attention path cannot run this call ({why}) and the unfused "
+                                  "path is disabled (NVTE_UNFUSED_ATTN=0)")
     o = params.post_step(key, o)
     return o.reshape(*o.shape[:-2], -1)
+
+
+def _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, max_sq: int, max_kv: int, fmt: str, causal: bool, window,
+             scale: float) -> Tensor:
+    """The same attention unfused: each sequence's keys and values gathered from the cache
+    ([b, max_kv]), queries as [b, max_sq] rows, torch matmuls and the library's masked softmax;
+    rows of no query (padding) come out zero, as the fused path writes them."""
+    from .attention import fused_scale_mask_softmax  # (attention.py imports this module)
+    b = cu_kv.numel() - 1
+    dev = q.device
+    if table is not None:  # pages of each sequence in order: [b, pages * page_size, h_kv, d]
+        k, v = (c[table[:b].long()].flatten(1, 2) for c in (k_cache, v_cache))
+    else:
+        k, v = k_cache[:b], v_cache[:b]
+    k, v = k[:, :max_kv], v[:, :max_kv]
+    lq, lk = (cu_q[1:] - cu_q[:-1]).long(), (cu_kv[1:] - cu_kv[:-1]).long()
+    i = torch.arange(max_sq, device=dev).view(1, max_sq, 1)
+    if fmt == "thd":  # [t, h, d] -> [b, max_sq, h, d] (rows past a sequence: row 0, masked below)
+        rows = cu_q[:-1].long().view(b, 1) + i.view(1, max_sq)
+        qb = q[torch.where(i.view(1, max_sq) < lq.view(b, 1), rows, 0)]
+    else:
+        qb = q if fmt == "bshd" else q.transpose(0, 1)
+    j = torch.arange(max_kv, device=dev).view(1, 1, max_kv)
+    diag = (lk - lq).view(b, 1, 1)  # bottom-right: query row i is token i + diag of the sequence
+    hidden = (j >= lk.view(b, 1, 1)) | (i >= lq.view(b, 1, 1))
+    if causal:
+        hidden |= j > i + diag
+    if window[0] >= 0:
+        hidden |= j < i + diag - window[0]
+    if window[1] >= 0:
+        hidden |= j > i + diag + window[1]
+    rep = qb.shape[2] // k.shape[2]
+    kh, vh = (x.repeat_interleave(rep, dim=2).transpose(1, 2) for x in (k, v))  # [b, h, skv, d]
+    scores = torch.matmul(qb.transpose(1, 2), kh.transpose(-1, -2))  # [b, h, sq, skv], unscaled
+    probs = fused_scale_mask_softmax(scores, "masked", scale, hidden.view(b, 1, max_sq, max_kv))
+    o = torch.matmul(probs, vh).transpose(1, 2)  # [b, sq, h, dv]
+    o = o * (i.view(1, max_sq, 1, 1) < lq.view(b, 1, 1, 1))  # padding rows: zero
+    if fmt == "thd":
+        out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+        valid = i.view(1, max_sq) < lq.view(b, 1)
+        out[rows[valid]] = o[valid]
+        return out
+    return o if fmt == "bshd" else o.transpose(0, 1).contiguous()
