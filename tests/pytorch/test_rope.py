@@ -154,6 +154,30 @@ def test_generation_with_rope_matches_full_forward():
                 pos[i] += n
 
 
+def test_mha_rope_under_fp8_mha_runs_as_fp8_dpa():
+    """With rotary_pos_emb, the recipe's fp8_mha runs attention as fp8_dpa does (FP8 attention on
+    rotated high-precision q / k, no FP8 hand-offs): the same outputs and gradients, bit for bit."""
+    import copy
+    from transformer_engine.common.recipe import DelayedScaling, Format
+    # (cuDNN's FP8 attention trains head size 128 and sequence lengths that are multiples of 128)
+    hid, s = (512, 128) if ON_CUDA else (32, 8)
+    torch.manual_seed(12)
+    base = te.MultiheadAttention(hid, 4, attention_dropout=0.0, layer_number=1, qkv_format="bshd",
+                                 attn_mask_type="causal", params_dtype=torch.float32, device="cpu").to(DEVICE).to(DT)
+    emb = RotaryPositionEmbedding(hid // 4)(s).to(DEVICE)
+    x = torch.randn(2, s, hid, generator=torch.Generator().manual_seed(6)).to(DT).to(DEVICE)
+    res = []
+    for flags in (dict(fp8_dpa=True, fp8_mha=True), dict(fp8_dpa=True)):
+        m = copy.deepcopy(base)
+        xi = x.clone().requires_grad_(True)
+        with te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID, **flags)):
+            y = m(xi, rotary_pos_emb=emb)
+        y.float().sum().backward()
+        res.append((y.detach(), xi.grad))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(res[0][1], res[1][1], rtol=0, atol=0)
+
+
 def test_transformer_layer_takes_rotary_pos_emb(monkeypatch):
     """TransformerLayer hands rotary_pos_emb to its self attention, which rotates q and k."""
     from transformer_engine.pytorch import attention
