@@ -93,3 +93,14 @@ def gelu_tanh(x):
 
 def seeded(rng):
     return torch.Generator().manual_seed(int(rng.integers(0, 2**31)))
+
+
+def load_example(name):
+    """The module examples/<name>.py (the examples are scripts, not a package)."""
+    import importlib.util
+    path = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples",
+                                         f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -3,28 +3,15 @@ RoPE, GQA, prompts of different lengths in one padded step) sees the same logits
 every prefix. CPU float32: every next-character choice agrees and the logits differ by < 1e-5 of
 their size. NVTE_TEST_DEVICE=cuda (bfloat16 through two layers): logits within 5% of their size
 and at least 90% of the choices agree (bfloat16 rounding can flip near-ties)."""
-import importlib.util
-import os
-
 import pytest
 
-from _util import DEVICE, ON_CUDA
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-GENERATE = os.path.normpath(os.path.join(HERE, "..", "..", "examples", "generate.py"))
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("generate", GENERATE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from _util import DEVICE, ON_CUDA, load_example
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["nonpaged", "paged"])
 def test_cached_generation_matches_recompute(paged):
     args = ["--device", DEVICE.type, "--steps", "30", "--new", "12"] + (["--paged", "--page-size", "8"] if paged else [])
-    r = load().main(args)
+    r = load_example("generate").main(args)
     assert r["total"] == 36
     if ON_CUDA:
         assert r["max_logit_diff"] <= 0.05 * r["max_logit"] and r["agree"] >= 0.9 * r["total"], r

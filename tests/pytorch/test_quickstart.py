@@ -1,25 +1,14 @@
 """The quickstart main job at CI size: 300 steps of a small GPT, FP8 DelayedScaling must end
 within 2% of the same run in high precision (issue acceptance), on the CPU; also with FP8
 attention (--fp8-attention mha: fp8_dpa + fp8_mha)."""
-import importlib.util
-import os
-
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-QUICKSTART = os.path.normpath(os.path.join(HERE, "..", "..", "examples", "quickstart.py"))
-
-
-def load_quickstart():
-    spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from _util import load_example
 
 
 @pytest.mark.parametrize("fp8_attention", ["off", "mha"])
 def test_fp8_final_loss_within_two_percent_of_high_precision(tmp_path, fp8_attention):
-    qs = load_quickstart()
+    qs = load_example("quickstart")
     results = qs.main(["--device", "cpu", "--steps", "300", "--hidden", "64", "--ffn", "256", "--heads", "2",
                        "--layers", "2", "--batch", "8", "--seq", "32", "--corpus-chars", "40000", "--no-sample",
                        "--plot", str(tmp_path / "loss.png"), "--fp8-attention", fp8_attention])
