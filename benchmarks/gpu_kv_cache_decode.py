@@ -10,7 +10,8 @@ Columns: GPU ms per step (gpu_harness.time_ms: the host queues each batch while 
 so host cost is not counted) timed alternately, and host us per step (gpu_harness.host_us: the
 Python + dispatch cost, which bounds a decode loop that the GPU outruns). Each timed call appends
 one token, so the sequences grow by a few hundred tokens during the run, the same number of
-steps on every row. Rows: ours non-paged BSHD, ours paged (page 64), ours THD queries.
+steps on every row. Rows: ours non-paged BSHD, ours paged (page 64), ours THD queries, and the
+BSHD rows with the attention call captured as a CUDA graph and replayed after each pre_step.
 --diagnose: first, per row, the synchronizing calls of a step, its GPU kernels (torch.profiler)
 and its host time by function (cProfile)."""
 import math
@@ -56,6 +57,29 @@ class Ours:
         self.params.pre_step(self.step_dict)
         with torch.no_grad():
             return self.dpa(*self.shape(q, k, v), inference_params=self.params)
+
+
+class OursGraph(Ours):
+    """Ours with the attention call captured once as a CUDA graph and replayed after each pre_step
+    (the cache's index and length buffers are persistent): the host keeps pre_step and the copy of
+    the new token into the graph's inputs."""
+
+    def step(self, q, k, v):
+        self.params.pre_step(self.step_dict)
+        if not hasattr(self, "graph"):
+            self.static = [x.clone() for x in self.shape(q, k, v)]
+            with torch.no_grad():
+                self.dpa(*self.static, inference_params=self.params)  # (warm-up: cuDNN graph, workspace)
+                self.graph = torch.cuda.CUDAGraph()
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side), torch.cuda.graph(self.graph, stream=side):
+                    self.out = self.dpa(*self.static, inference_params=self.params)
+                torch.cuda.current_stream().wait_stream(side)
+        for dst, src in zip(self.static, self.shape(q, k, v)):
+            dst.copy_(src)
+        self.graph.replay()
+        return self.out
 
 
 class Torch:
@@ -142,7 +166,9 @@ def main():
     k = torch.randn(B, CTX, HKV, D, generator=g, device="cuda").to(torch.bfloat16)
     v = torch.randn(B, CTX, HKV, D, generator=g, device="cuda").to(torch.bfloat16)
     rows = [("ours non-paged bshd", Ours("bshd", False, k, v)), ("ours paged bshd (page 64)", Ours("bshd", True, k, v)),
-            ("ours non-paged thd", Ours("thd", False, k, v))]
+            ("ours non-paged thd", Ours("thd", False, k, v)),
+            ("ours non-paged bshd, CUDA graph", OursGraph("bshd", False, k, v)),
+            ("ours paged bshd, CUDA graph", OursGraph("bshd", True, k, v))]
     for name, be in (("torch flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION),
                      ("torch cuDNN", torch.nn.attention.SDPBackend.CUDNN_ATTENTION)):
         rows.append((name, Torch(k, v, be)))
