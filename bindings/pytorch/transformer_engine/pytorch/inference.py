@@ -26,6 +26,11 @@ call reads it as a plain BSHD cache. The library's fused attention reads the cac
 (THD, SBHD and BSHD queries; nvte_fused_attn_fwd's paged layouts), so queries are never converted
 (allow_query_conversion is accepted and has no effect).
 
+The per-iteration index data (cu_seqlens, page table, the cache rows of the new tokens) lives in
+persistent device buffers that each pre_step overwrites in place, so a decode step can be captured
+once as a CUDA graph and replayed after every pre_step while the batch keeps its shape and, for a
+non-paged cache, its slots (tests/pytorch/test_inference_kv_cache.py).
+
 Differences from TE worth knowing: a continuing sequence advances by its step_dict value (TE
 assumes 1); num_heads_kv, head_dim_k and dtype may be left out and are then taken from the first
 keys stored; total_num_pages need not be max_batch_size * pages per sequence (a step that needs
