@@ -1,5 +1,5 @@
-// rope.h - the validated geometry of one fused_rope.h call and the per-element rule, shared by
-// the CPU reference and the CUDA kernel so both index and pair elements the same way.
+// rope.h - the validated geometry of one fused_rope.h call and the pair rule, shared by the CPU
+// reference and the CUDA kernel so both index and pair elements the same way.
 #pragma once
 
 #include <cstdint>
@@ -41,15 +41,16 @@ NVTE_HD int64_t src_offset(const RopeParams &p, int64_t r, int64_t hh, int64_t k
   return base + hh * p.stride_h + k * p.stride_d;
 }
 
-// Partner channel and sign of channel k < d2 (fused_rope.h).
-NVTE_HD int64_t partner(const RopeParams &p, int64_t k, float &sign) {
-  if (p.interleaved) {
-    sign = (k & 1) ? 1.0f : -1.0f;
-    return k ^ 1;
-  }
-  const int64_t half = p.d2 / 2;
-  sign = k < half ? -1.0f : 1.0f;
-  return k < half ? k + half : k - half;
+// The pair rule of fused_rope.h for channels (k, p) with s(k) = -1 (non-interleaved: p = k + d2/2,
+// k < d2/2; interleaved: p = k + 1, k even), angles' cos/sin at k and p: forward
+// (a cos_k - b sin_k, b cos_p + a sin_p), backward (a cos_k + b sin_p, b cos_p - a sin_k).
+template <class F>
+NVTE_HD void rotate_pair(bool backward, F a, F b, F ck, F sk, F cp, F sp, F &oa, F &ob) {
+  oa = backward ? a * ck + b * sp : a * ck - b * sk;
+  ob = backward ? b * cp - a * sk : b * cp + a * sp;
 }
+
+// The channel paired with k (k < d2, the pair's first: k < d2/2, or even when interleaved).
+NVTE_HD int64_t pair_of(const RopeParams &p, int64_t k) { return p.interleaved ? k + 1 : k + p.d2 / 2; }
 
 }  // namespace nvte::rope

@@ -1,5 +1,6 @@
-// cpu/fused_rope.cpp - CPU reference of RoPE: one output row (h x d elements) at a time, angles
-// and products in float64, rounded once to the output dtype; rows run in parallel.
+// cpu/fused_rope.cpp - CPU reference of RoPE: one output row (h x d elements) at a time, pair by
+// pair (core/common/rope.h's rule), angles and products in float64, rounded once to the output
+// dtype; rows run in parallel.
 #include "fused_rope.h"
 
 #include <cmath>
@@ -57,17 +58,15 @@ void fused_rope(const rope::RopeParams &p, const Tensor &x, const Tensor *cu_seq
         for (int64_t hh = 0; hh < p.h; ++hh) {
           T *out = dst + (r * p.h + hh) * p.d;
           auto in = [&](int64_t k) { return (double)to_f32(src[rope::src_offset(p, r, hh, k)]); };
-          for (int64_t k = 0; k < p.d; ++k) {
-            double v = in(k);
-            if (a && k < p.d2) {
-              float sign;
-              const int64_t q = rope::partner(p, k, sign);
-              if (p.backward)
-                v = v * std::cos((double)a[k]) - sign * in(q) * std::sin((double)a[q]);
-              else
-                v = v * std::cos((double)a[k]) + sign * in(q) * std::sin((double)a[k]);
-            }
-            out[k] = from_f32<T>((float)v);
+          for (int64_t k = a ? p.d2 : 0; k < p.d; ++k) out[k] = from_f32<T>((float)in(k));  // copied channels
+          if (!a) continue;
+          for (int64_t j = 0; j < p.d2 / 2; ++j) {  // the pairs (k, q)
+            const int64_t k = p.interleaved ? 2 * j : j, q = rope::pair_of(p, k);
+            double ok, oq;
+            rope::rotate_pair<double>(p.backward, in(k), in(q), std::cos((double)a[k]), std::sin((double)a[k]),
+                                      std::cos((double)a[q]), std::sin((double)a[q]), ok, oq);
+            out[k] = from_f32<T>((float)ok);
+            out[q] = from_f32<T>((float)oq);
           }
         }
       }

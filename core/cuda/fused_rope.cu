@@ -22,14 +22,6 @@ namespace {
 
 constexpr int kThreads = 128;
 
-// out / dx of one pair (a, b) = (x_k, x_p(k)) with s(k) = -1, p(k) = k + step: forward
-// (a cos_k - b sin_k, b cos_p + a sin_p), backward (a cos_k + b sin_p, b cos_p - a sin_k).
-__device__ __forceinline__ void rotate(bool bwd, float a, float b, float ck, float sk, float cp, float sp, float &oa,
-                                       float &ob) {
-  oa = bwd ? a * ck + b * sp : a * ck - b * sk;
-  ob = bwd ? b * cp - a * sk : b * cp + a * sp;
-}
-
 template <class T, int W>
 __device__ __forceinline__ void load_w(const T *p, float *v) {
   if constexpr (W == 1) {
@@ -113,8 +105,8 @@ __global__ void __launch_bounds__(kThreads)
         }
 #pragma unroll
         for (int i = 0; i < UW; i += 2)
-          rotate(p.backward, v[i], v[i + 1], cosv[c + i], sinv[c + i], cosv[c + i + 1], sinv[c + i + 1], o[i],
-                 o[i + 1]);
+          rope::rotate_pair(p.backward, v[i], v[i + 1], cosv[c + i], sinv[c + i], cosv[c + i + 1], sinv[c + i + 1],
+                            o[i], o[i + 1]);
         if constexpr (W == 1) {
           yh[c] = store_f32<T>(o[0]);
           yh[c + 1] = store_f32<T>(o[1]);
@@ -127,8 +119,8 @@ __global__ void __launch_bounds__(kThreads)
         load_w<T, W>(xh + (c + half) * sd, b);
 #pragma unroll
         for (int i = 0; i < W; ++i)
-          rotate(p.backward, a[i], b[i], cosv[c + i], sinv[c + i], cosv[c + half + i], sinv[c + half + i], oa[i],
-                 ob[i]);
+          rope::rotate_pair(p.backward, a[i], b[i], cosv[c + i], sinv[c + i], cosv[c + half + i], sinv[c + half + i],
+                            oa[i], ob[i]);
         store_w<T, W>(yh + c, oa);
         store_w<T, W>(yh + c + half, ob);
       }
