@@ -1,7 +1,8 @@
-// cuda/cudnn/fused_attn_cudnn_internal.h - what the two cuDNN attention translation units share:
-// fused_attn_cudnn.cpp (loading, graph cache, binding and execution, workspace layout, the
-// float16/bfloat16 graphs and calls) and fused_attn_cudnn_fp8.cpp (the FP8 graphs and calls).
-// Internal to core/cuda/cudnn/; includes the cuDNN frontend, so only those two files include it.
+// cuda/cudnn/fused_attn_cudnn_internal.h - the graph-building helpers the two cuDNN attention
+// translation units that build graphs share: fused_attn_cudnn.cpp (loading, graph cache and
+// execution, the float16/bfloat16 graphs and calls) and fused_attn_cudnn_fp8.cpp (the FP8 graphs
+// and calls). Internal to core/cuda/cudnn/; includes the cuDNN frontend, so only those two files
+// include it. What needs no frontend types is in fused_attn_cudnn_calls.h.
 #pragma once
 
 #define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING 1
@@ -17,34 +18,13 @@
 #include <vector>
 
 #include "../fused_attn.h"
+#include "fused_attn_cudnn_calls.h"
 #include "fused_attn_cudnn_rules.h"
 
 namespace nvte::cuda::cudnn_attn {
 namespace fe = cudnn_frontend;
-using attn::AttnParams;
 
-// Graph tensor ids (variant-pack keys). FP8 graphs add their scale tensors and amax outputs.
-enum Uid : int64_t {
-  kUQ = 1, kUK, kUV, kUO, kUStats, kUBias, kUSeqQ, kUSeqKV, kUSeed, kUOffset, kUdO, kUdQ, kUdK, kUdV, kUdBias,
-  kUDescaleQ, kUDescaleK, kUDescaleV, kUDescaleO, kUDescaledO, kUDescaleS, kUDescaledP,
-  kUScaleS, kUScaleO, kUScaledQ, kUScaledK, kUScaledV, kUScaledP,
-  kUAmaxS, kUAmaxO, kUAmaxdQ, kUAmaxdK, kUAmaxdV, kUAmaxdP,
-  kURaggedQ, kURaggedK, kURaggedV, kURaggedO,  // THD: ragged offsets of Q/dQ, K/dK, V/dV, O/dO
-  kUMax, kUSumExp,                              // return_max_logit: cuDNN's row max and sum of exp
-  kUPageK, kUPageV                              // paged K/V caches: the (clamped) page tables
-};
 
-// Element types of an FP8 call beyond Q/K/V (always E4M3): O (E4M3/E5M2, or float16/bfloat16),
-// dO (E4M3/E5M2; dS~ takes its format) and the gradients dQ = dK = dV (FP8 or float16/bfloat16).
-struct Fp8Types {
-  NVTEDType o = kNVTEFloat8E4M3, d_o = kNVTEFloat8E5M2, grad = kNVTEFloat8E5M2;
-};
-
-struct Built {
-  std::shared_ptr<fe::graph::Graph> graph;
-  int64_t workspace = 0;
-  std::string error;  // non-empty: cuDNN rejected the configuration (cached too)
-};
 
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
@@ -84,7 +64,6 @@ inline TensorPtr qkv_tensor(fe::graph::Graph &g, const AttnParams &p, int role, 
                       .set_dim({(int64_t)b, (int64_t)h, (int64_t)s, (int64_t)d})
                       .set_stride(strides_of(p.qkv.t[role], b, s)));
 }
-
 
 // A fresh graph in b whose inputs/outputs default to io_type (float32 intermediates and compute).
 inline void new_graph(Built &b, fe::DataType_t io_type) {
@@ -160,53 +139,5 @@ inline std::string finish(fe::graph::Graph &g, cudnnHandle_t h, Built &b) {
 // scales bound by uid (kUDescale*, kUScale*) and float32 [1] amax outputs (kUAmax*).
 std::string build_fp8_fwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t h, Built &b);
 std::string build_fp8_bwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t h, Built &b);
-
-// ------------------------------------------------------------------ calls (fused_attn_cudnn.cpp)
-
-using VariantPack = std::unordered_map<int64_t, void *>;
-
-// The built graph of a call (built on first use, then cached). Throws NOT_SUPPORTED with the
-// reason when the support rules or cuDNN reject it. fp8: the FP8 element types (FP8 calls only).
-std::shared_ptr<Built> graph_for(const AttnParams &call, bool bwd, bool has_dbias, cudaStream_t stream,
-                                 const Fp8Types *fp8 = nullptr);
-
-// Runs a built graph with the pointers of pack on stream.
-void execute(const Built &b, VariantPack &pack, void *ws, cudaStream_t stream);
-
-// Workspace layout (fused_attn_cudnn.cpp): cuDNN's own bytes, then the sequence lengths of padding
-// masks, then what each kind of call adds (THD: ragged offsets and scratch; FP8: scalars).
-size_t cudnn_bytes(const Built &b);
-size_t seqlen_bytes(const AttnParams &p);
-size_t total_bytes(const AttnParams &p, const Built &b);
-// FP8 calls: the float32 scalars in the workspace (descales the graph reads, amax values it writes).
-float *fp8_scalars(const AttnParams &p, const Built &b, char *ws);
-
-// The workspace's data pointer after checking that it holds `need` bytes (null when need is 0).
-char *workspace_ptr(Tensor *ws, size_t need);
-
-// Padding masks: computes seq_q / seq_kv from cu_seqlens into the workspace (`extra`: the bytes
-// after cuDNN's) and binds them; nothing otherwise.
-void bind_seqlens(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv, char *extra, VariantPack &pack,
-                  cudaStream_t stream);
-
-// BSHD/SBHD (THD: run_thd's ragged_zero_rows and row maps): after the graph ran, zeroes the rows of
-// a Q-side (kv_side false: O, dQ) or K/V-side (dK, dV) tensor that fused_attn.h defines as zero
-// and cuDNN may leave undefined (UnusedRows in fused_attn_seqlens.h); clear_unused_stats sets the
-// statistics of those query rows to -inf. Padding masks need the lengths bound by bind_seqlens.
-// No launch when the mask uses every row.
-void clear_unused_rows(const AttnParams &p, const VariantPack &pack, void *base, const attn::TensorPlacement &pl,
-                       bool kv_side, size_t heads, size_t d, NVTEDType dtype, cudaStream_t stream);
-void clear_unused_stats(const AttnParams &p, const VariantPack &pack, float *stats, cudaStream_t stream);
-
-inline void *data(const Tensor *t) { return t ? t->params[kNVTERowwiseData].data_ptr : nullptr; }
-
-inline size_t bytes_of(const Tensor &t) {
-  const NVTEBasicTensor &b = t.params[kNVTERowwiseData];
-  return numel(b.shape) * dtype_size(b.dtype);
-}
-
-// The FP8 calls (fused_attn_cudnn_fp8.cpp).
-void fp8_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream);
-void fp8_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream);
 
 }  // namespace nvte::cuda::cudnn_attn
