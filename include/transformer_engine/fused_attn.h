@@ -344,6 +344,40 @@ NVTE_API NVTEStatus nvte_fused_attn_bwd_workspace_size(
     int64_t window_size_left, int64_t window_size_right, bool bottom_right_diagonal,
     bool deterministic, size_t *bytes);
 
+/** \brief Writes the new tokens' keys and values of one step into a K/V cache (TE's argument list).
+ *
+ *  Sequence i (i < b) brings n_i = cu_new_lens[i + 1] - cu_new_lens[i] new tokens and holds
+ *  c_i = cu_cached_lens[i + 1] - cu_cached_lens[i] tokens after the step (the new ones included,
+ *  so c_i >= n_i): its new token j goes to position c_i - n_i + j of the sequence. Rows are copied
+ *  byte for byte (any dtype; FP8 caches keep their scales outside this call).
+ *
+ *  \param[in]  new_k, new_v  the step's keys [.., h_kv, d_k] and values [.., h_kv, d_v], dense:
+ *                            NVTE_BSHD [b, max_ctx_len, h, d] (token j of sequence i in row j of
+ *                            batch i), NVTE_SBHD [max_ctx_len, b, h, d], NVTE_THD [t, h, d]
+ *                            (sequence i's tokens in rows cu_new_lens[i] ..); other rows unread.
+ *  \param[in,out] k_cache, v_cache  dense caches, new_k's / new_v's dtype, heads and head dims.
+ *                            Paged: [num_pages, page_size, h, d], position p of sequence i in
+ *                            page page_table[i][p / page_size], slot p % page_size. Non-paged:
+ *                            [slots, max_seq_len, h, d], sequence i in slot page_table[i][0] (no
+ *                            page_table: slot i), position p in row p; nothing is moved (TE's
+ *                            non-paged cache may reorder slots: here the table says where each
+ *                            sequence lives).
+ *  \param[in]  page_table    int32 [>= b, max_pages_per_seq]; required when paged.
+ *  \param[in]  cu_new_lens, cu_cached_lens  int32 [>= b + 1], non-decreasing from 0.
+ *  \param[in]  max_ctx_len   BSHD/SBHD: new_k's sequence dimension (n_i <= max_ctx_len).
+ *  \param[in]  max_seq_len   the longest sequence the cache holds (c_i <= max_seq_len; paged:
+ *                            at most max_pages_per_seq * page_size).
+ *  \param[in]  is_non_paged  non-zero: the non-paged cache above.
+ *
+ *  Lengths, positions and page ids live on the device with the data. The CPU backend checks
+ *  them and fails with the offending sequence; the CUDA kernel cannot report them and skips
+ *  every row whose target lies outside the cache (so it never writes out of bounds). */
+NVTE_API NVTEStatus nvte_copy_to_kv_cache(NVTETensor new_k, NVTETensor new_v, NVTETensor k_cache,
+                                          NVTETensor v_cache, NVTETensor page_table, NVTETensor cu_new_lens,
+                                          NVTETensor cu_cached_lens, NVTE_QKV_Format qkv_format, int b,
+                                          int max_ctx_len, int max_seq_len, int max_pages_per_seq,
+                                          int is_non_paged, cudaStream_t stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -224,6 +224,19 @@ void bind_fused_attn(py::module_ &m) {
         py::arg("attn_mask_type"), py::arg("softmax_type"), py::arg("window_size_left") = -1,
         py::arg("window_size_right") = -1, py::arg("bottom_right_diagonal") = false,
         py::arg("deterministic") = false);
+
+  m.def("copy_to_kv_cache",
+        [](const Tensor &new_k, const Tensor &new_v, Tensor &k_cache, Tensor &v_cache, const Tensor *page_table,
+           const Tensor &cu_new_lens, const Tensor &cu_cached_lens, NVTE_QKV_Format fmt, int b, int max_ctx_len,
+           int max_seq_len, int max_pages_per_seq, int is_non_paged, uintptr_t stream) {
+          check(nvte_copy_to_kv_cache(new_k.handle(), new_v.handle(), k_cache.handle(), v_cache.handle(),
+                                      handle(page_table), cu_new_lens.handle(), cu_cached_lens.handle(), fmt, b,
+                                      max_ctx_len, max_seq_len, max_pages_per_seq, is_non_paged, to_stream(stream)));
+        },
+        py::arg("new_k"), py::arg("new_v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table").none(true),
+        py::arg("cu_new_lens"), py::arg("cu_cached_lens"), py::arg("qkv_format"), py::arg("b"),
+        py::arg("max_ctx_len"), py::arg("max_seq_len"), py::arg("max_pages_per_seq"), py::arg("is_non_paged"),
+        py::arg("stream") = 0);
 }
 
 }  // namespace nvte_py

@@ -26,10 +26,12 @@ call reads it as a plain BSHD cache. The library's fused attention reads the cac
 (THD, SBHD and BSHD queries; nvte_fused_attn_fwd's paged layouts), so queries are never converted
 (allow_query_conversion is accepted and has no effect).
 
-The per-iteration index data (cu_seqlens, page table, the cache rows of the new tokens) lives in
-persistent device buffers that each pre_step overwrites in place, so a decode step can be captured
-once as a CUDA graph and replayed after every pre_step while the batch keeps its shape and, for a
-non-paged cache, its slots (tests/pytorch/test_inference_kv_cache.py).
+The new keys and values go into the caches with one nvte_copy_to_kv_cache call per layer (both
+caches, every sequence). The per-iteration index data (cu_seqlens, the page table) is uploaded
+once per pre_step, in one copy, into persistent device buffers that each pre_step overwrites in
+place, so a decode step can be captured once as a CUDA graph and replayed after every pre_step
+while the batch keeps its shape and, for a non-paged cache, its slots
+(tests/pytorch/test_inference_kv_cache.py).
 
 Differences from TE worth knowing: a continuing sequence advances by its step_dict value (TE
 assumes 1); num_heads_kv, head_dim_k and dtype may be left out and are then taken from the first
@@ -43,7 +45,13 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+from torch import Tensor
+from torch.library import custom_op
 
+from transformer_engine import _nvte
+
+from . import _ops
+from .custom_ops import eager_or_op
 from .module.base import default_device
 
 __all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager"]
@@ -74,14 +82,9 @@ def _views(buf: torch.Tensor, arrays: List[np.ndarray], offs: List[int]) -> List
     return [buf[o:o + a.nbytes].view(_TORCH[a.dtype]).view(a.shape) for a, o in zip(arrays, offs)]
 
 
-def upload(arrays: List[np.ndarray], device: torch.device) -> List[torch.Tensor]:
-    """Host-made index arrays (int32 / int64) as new tensors on device, in one copy."""
-    host, offs = _pack(arrays)
-    return _views(host.to(device, non_blocking=True), arrays, offs)
-
-
 class _Uploads:
-    """upload() into one persistent device buffer: each iteration's arrays overwrite the last ones.
+    """Host-made index arrays (int32 / int64) copied, in one copy, into one persistent device
+    buffer, and views of them: each iteration's arrays overwrite the last ones.
     The copy is queued on the current stream after the kernels that read the last contents, so
     this is safe while the cache is used from one stream (as TE's persistent cu_seqlens are); the
     views are remade only when the arrays' shapes change (decode steps keep them)."""
@@ -103,6 +106,30 @@ class _Uploads:
         if v is None:
             v = self.views[key] = _views(self.buf, arrays, offs)
         return v
+
+
+_FORMAT = {"bshd": _nvte.NVTE_QKV_Format.NVTE_BSHD, "sbhd": _nvte.NVTE_QKV_Format.NVTE_SBHD,
+           "thd": _nvte.NVTE_QKV_Format.NVTE_THD}
+
+
+@custom_op("transformer_engine::copy_to_kv_cache", mutates_args=("k_cache", "v_cache"))
+def copy_to_kv_cache(new_k: Tensor, new_v: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
+                     cu_new: Tensor, cu_cached: Tensor, qkv_format: str, max_ctx_len: int) -> None:
+    """nvte_copy_to_kv_cache: the step's new keys / values (contiguous, in qkv_format) into paged
+    caches [pages, page_size, h, d] through page_table [b, pages per sequence] (one launch)."""
+    b = page_table.shape[0]
+    _nvte.copy_to_kv_cache(_ops._tensor(new_k), _ops._tensor(new_v), _ops._tensor(k_cache), _ops._tensor(v_cache),
+                           _ops._tensor(page_table), _ops._tensor(cu_new), _ops._tensor(cu_cached),
+                           _FORMAT[qkv_format], b, max_ctx_len, page_table.shape[1] * k_cache.shape[1],
+                           page_table.shape[1], 0, _ops._stream(new_k))
+
+
+@copy_to_kv_cache.register_fake
+def _(new_k, new_v, k_cache, v_cache, page_table, cu_new, cu_cached, qkv_format, max_ctx_len):
+    return None
+
+
+copy_to_kv_cache = eager_or_op(copy_to_kv_cache)
 
 
 class KVCacheManager:
@@ -145,17 +172,15 @@ class PagedKVCacheManager(KVCacheManager):
         self.device = torch.device(device) if device is not None else None
         self.free_pages: List[int] = list(range(self.total_num_pages))
         self.allocated_pages: Dict[object, List[int]] = {}
-        self.page_table: Optional[torch.Tensor] = None
-        self._dst: Optional[torch.Tensor] = None  # this iteration's cache rows of the new tokens (device)
-        self._seq_r: Optional[Tuple[np.ndarray, np.ndarray]] = None  # (batch index, row in its step) per new token
-        self._src: Dict[tuple, Optional[torch.Tensor]] = {}  # input rows to read, per input format and shape
+        self.page_table: Optional[torch.Tensor] = None  # this iteration's, on the device
+        self._host_table: Optional[np.ndarray] = None  # the same, made by pre_step (uploaded once)
         self._uploads = _Uploads()
 
     def reset(self) -> None:
         super().reset()
         self.free_pages = list(range(self.total_num_pages))
         self.allocated_pages = {}
-        self.page_table, self._dst, self._seq_r, self._src = None, None, None, {}
+        self.page_table, self._host_table = None, None
 
     def _device(self) -> torch.device:
         if self.device is None:
@@ -188,48 +213,38 @@ class PagedKVCacheManager(KVCacheManager):
             pages = self.allocated_pages.setdefault(seq, [])
             while len(pages) * self.page_size < total:
                 pages.append(self.free_pages.pop(0))
-        start = np.fromiter((self.sequences.get(seq, 0) for seq in step_dict), np.int64, len(step_dict))
         self.sequences = lengths
-        b, n = len(step_dict), np.fromiter(step_dict.values(), np.int64, len(step_dict))
-        table = np.zeros((b, self.max_pages_per_seq), np.int32)
+        table = np.zeros((len(step_dict), self.max_pages_per_seq), np.int32)
         for i, seq in enumerate(lengths):
             pages = self.allocated_pages[seq]
             table[i, :len(pages)] = pages
-        seq_of = np.repeat(np.arange(b), n)  # batch index of each new token
-        r = np.arange(seq_of.size) - np.repeat(np.cumsum(n) - n, n)  # its row within its sequence's step
-        pos = start[seq_of] + r  # its position in the sequence
-        dst = table[seq_of, pos // self.page_size].astype(np.int64) * self.page_size + pos % self.page_size
-        self.page_table, self._dst = self._uploads([table, dst], self._device())  # (int64 rows: index_copy_'s)
-        self._seq_r, self._src = (seq_of, r), {}
+        self._host_table, self.page_table = table, None  # (InferenceParams uploads it with its own arrays)
         return self.sequences
 
-    def _source_rows(self, new_k: torch.Tensor, qkv_format: str) -> Optional[torch.Tensor]:
-        """Rows of the flattened input holding the new tokens, in the order of the cache rows, or
-        None when they are all its rows in order; once per iteration and input shape."""
-        key = (qkv_format, tuple(new_k.shape[:-2]))
-        if key not in self._src:
-            seq_of, r = self._seq_r
-            if qkv_format == "thd":
-                src = np.arange(seq_of.size)
-            else:
-                s = new_k.shape[1] if qkv_format == "bshd" else new_k.shape[0]
-                src = seq_of * s + r if qkv_format == "bshd" else r * len(self.sequences) + seq_of
-            whole = src.size == new_k.numel() // (new_k.shape[-1] * new_k.shape[-2])
-            in_order = whole and bool((src == np.arange(src.size)).all())
-            self._src[key] = None if in_order else upload([src.astype(np.int64)], new_k.device)[0]
-        return self._src[key]
+    def host_arrays(self) -> List[np.ndarray]:
+        """This iteration's host-made index arrays, for InferenceParams' one upload per pre_step."""
+        return [self._host_table]
 
-    def _write(self, layer_number, new_k, new_v, qkv_format):
+    def set_device_arrays(self, arrays: List[torch.Tensor]) -> None:
+        """host_arrays() on the device (the views InferenceParams uploaded)."""
+        (self.page_table,) = arrays
+
+    def _write(self, layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens, qkv_format):
+        """One nvte_copy_to_kv_cache call: new token j of sequence i goes to position
+        cached_i - new_i + j of its pages."""
         k_cache, v_cache = self.cache[layer_number]
-        src = self._source_rows(new_k, qkv_format)
-        for new, cache in ((new_k, k_cache), (new_v, v_cache)):
-            flat = new.reshape(-1, *new.shape[-2:])
-            rows = flat if src is None else flat.index_select(0, src)
-            cache.view(-1, *cache.shape[-2:]).index_copy_(0, self._dst, rows)
+        if self.page_table is None:  # (pre_step not driven by InferenceParams)
+            self.page_table = self._uploads([self._host_table], new_k.device)[0]
+        if qkv_format == "thd":
+            ctx = 0
+        else:
+            ctx = new_k.shape[1] if qkv_format == "bshd" else new_k.shape[0]
+        copy_to_kv_cache(new_k.contiguous(), new_v.contiguous(), k_cache, v_cache, self.page_table, cu_new_seqlens,
+                         cu_cached_seqlens, qkv_format, ctx)
         return k_cache, v_cache
 
     def step(self, layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens, qkv_format):
-        k_cache, v_cache = self._write(layer_number, new_k, new_v, qkv_format)
+        k_cache, v_cache = self._write(layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens, qkv_format)
         return k_cache, v_cache, self.page_table
 
 
@@ -251,7 +266,7 @@ class NonPagedKVCacheManager(PagedKVCacheManager):
         return self.sequences
 
     def step(self, layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens, qkv_format):
-        k_cache, v_cache = self._write(layer_number, new_k, new_v, qkv_format)
+        k_cache, v_cache = self._write(layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens, qkv_format)
         if self._in_place:
             b = len(self.sequences)
             return k_cache[:b], v_cache[:b], None
@@ -381,8 +396,13 @@ class InferenceParams:
         np.cumsum(lens_kv, out=cu[1, 1:])
         if cu[1, -1] >= np.iinfo(np.int32).max:
             raise ValueError("InferenceParams: the batch holds more than 2^31 cached tokens")
-        self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens = self._uploads(
-            [cu[0].astype(np.int32), cu[1].astype(np.int32), (lens_kv - lens_q).astype(np.int32)], self._device())
+        m = self.cache_manager
+        extra = m.host_arrays() if m is not None and hasattr(m, "host_arrays") else []
+        views = self._uploads([cu[0].astype(np.int32), cu[1].astype(np.int32), (lens_kv - lens_q).astype(np.int32),
+                               *extra], self._device())  # one host-to-device copy per iteration
+        self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens = views[:3]
+        if extra:
+            m.set_device_arrays(views[3:])
 
     def get_seqlens_pre_step(self) -> torch.Tensor:
         """int32 [b]: the tokens each sequence had cached before this iteration."""
@@ -431,7 +451,7 @@ class InferenceParams:
         if not m.cache and isinstance(m, PagedKVCacheManager) and m._device() != new_k.device:
             # no cache allocated yet: the caches follow the first keys (not the default device)
             m.device = new_k.device
-            m.page_table, m._dst = m.page_table.to(new_k.device), m._dst.to(new_k.device)
+            m.page_table = None  # (uploaded to the keys' device by the first write)
         if self.cu_seqlens_q.device != new_k.device:
             self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens = (
                 x.to(new_k.device) for x in (self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens))
