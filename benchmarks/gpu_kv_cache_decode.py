@@ -157,6 +157,22 @@ def diagnose(rows, q1, k1, v1):
                 pre = host_us(lambda: r.params.pre_step(r.step_dict), calls=16)
                 att = host_us(lambda: r.dpa(*args, inference_params=r.params), calls=16)
             print(f"[diagnose] {name}: host us pre_step {pre:.1f}, DotProductAttention call {att:.1f}")
+        if isinstance(r, OursGraph):  # which part of a graph step waits behind queued GPU work
+            args = r.shape(q1, k1, v1)
+            cp = host_us(lambda: [dst.copy_(src) for dst, src in zip(r.static, args)], calls=16)
+            rep = host_us(lambda: r.graph.replay(), calls=16)
+            print(f"[diagnose] {name}: host us (each behind ~20 ms of queued GPU work) input copies {cp:.1f}, "
+                  f"replay {rep:.1f}")
+    # control: a captured graph of one small kernel, replayed the same way
+    x = torch.zeros(1024, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+        x.add_(1.0)
+    torch.cuda.current_stream().wait_stream(side)
+    print(f"[diagnose] control: replay of a one-kernel graph, host us {host_us(lambda: g.replay(), calls=16):.1f}; "
+          f"eager add_ {host_us(lambda: x.add_(1.0), calls=16):.1f}")
 
 
 def main():

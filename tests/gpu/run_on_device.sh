@@ -18,7 +18,7 @@
 # per seed in QUICKSTART_SEEDS, default 0; QUICKSTART_ARGS adds options, QUICKSTART_TAG names the
 # logs). host: benchmarks/host_overhead.py --device cuda (host time per module call).
 # kvdecode: benchmarks/gpu_kv_cache_decode.py (a decode step through DotProductAttention +
-# InferenceParams against torch's own cache; $OUT/kv_decode.log).
+# InferenceParams against torch's own cache; $OUT/kv_decode.log; KVDECODE_ARGS, KVDECODE_BASE below).
 # SANITIZE_TESTS / PYTORCH_TESTS: the test paths for sanitize / pytorch; GPU_TESTS: the test
 # paths for test (default tests/gpu); GPU_TEST_ARGS: extra pytest arguments for test (e.g. -s);
 # SANITIZE_ARGS: extra pytest arguments for sanitize.
@@ -104,7 +104,7 @@ if [[ " $steps " == *" memcheck_all "* ]]; then
     [transpose]="tests/gpu/test_transpose_gpu.py"
     [gemm_recipe]="tests/gpu/test_gemm_gpu.py tests/gpu/test_gemm_fp8_gpu.py tests/gpu/test_gemm_epilogue_gpu.py tests/gpu/test_gemm_autotune_gpu.py tests/gpu/test_recipe_gpu.py"
     [attention]="tests/gpu/test_fused_attn_gpu.py tests/gpu/test_fused_attn_thd_gpu.py tests/gpu/test_fused_attn_fp8_gpu.py"
-    [attention_kv_cache]="tests/gpu/test_fused_attn_kv_cache_gpu.py")
+    [attention_kv_cache]="tests/gpu/test_fused_attn_kv_cache_gpu.py tests/gpu/test_copy_to_kv_cache_gpu.py")
   for name in "${!shards[@]}"; do
     timeout "${MEMCHECK_TIMEOUT:-540}" compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
       $PY -m pytest -q ${shards[$name]} -p no:cacheprovider -k "not large" >"$OUT/memcheck_$name.log" 2>&1 &
@@ -147,8 +147,18 @@ if [[ " $steps " == *" pytorch "* ]]; then
   took pytorch
 fi
 if [[ " $steps " == *" kvdecode "* ]]; then
-  $PY benchmarks/gpu_kv_cache_decode.py 2>&1 | tee "$OUT/kv_decode.log" | tail -14
+  # KVDECODE_ARGS: the benchmark's options (e.g. --diagnose). KVDECODE_BASE: a folder of adapter
+  # .py files (bindings/pytorch/.../pytorch/ names) to run the benchmark again with, after this
+  # tree's: a before/after on the same machine ($OUT/kv_decode_base.log).
+  $PY benchmarks/gpu_kv_cache_decode.py ${KVDECODE_ARGS:-} 2>&1 | tee "$OUT/kv_decode.log" | tail -14
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  if [ -n "${KVDECODE_BASE:-}" ]; then
+    rm -rf /tmp/nvte_pkg_base && cp -r "$STAGE" /tmp/nvte_pkg_base \
+      && cp "$KVDECODE_BASE"/*.py /tmp/nvte_pkg_base/transformer_engine/pytorch/
+    PYTHONPATH=/tmp/nvte_pkg_base $PY benchmarks/gpu_kv_cache_decode.py 2>&1 | tee "$OUT/kv_decode_base.log" \
+      | tail -14
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  fi
   took kvdecode
 fi
 

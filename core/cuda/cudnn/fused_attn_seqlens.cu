@@ -42,27 +42,33 @@ __device__ void zero_chunk(uint8_t *p) {
   }
 }
 
+// The block zeroes the `heads` head slices (row_bytes each, head_stride apart) of one token row:
+// one run of chunks when the heads are back to back, else chunk by chunk with its head.
+template <size_t kChunk>
+__device__ void zero_row(uint8_t *row, size_t heads, size_t head_stride, size_t row_bytes) {
+  const unsigned chunks = (unsigned)(row_bytes / kChunk), per_row = (unsigned)heads * chunks;
+  if (head_stride == row_bytes) {
+    for (unsigned x = threadIdx.x; x < per_row; x += blockDim.x) zero_chunk<kChunk>(row + (size_t)x * kChunk);
+  } else {
+    for (unsigned x = threadIdx.x; x < per_row; x += blockDim.x) {
+      const unsigned h = x / chunks;
+      zero_chunk<kChunk>(row + h * head_stride + (size_t)(x - h * chunks) * kChunk);
+    }
+  }
+}
+
 template <size_t kChunk>
 __global__ void zero_unused_rows_kernel(uint8_t *base, UnusedRows u) {
   const size_t r0 = (size_t)blockIdx.x * kTileRows;
   const size_t r1 = r0 + kTileRows < u.rows ? r0 + kTileRows : u.rows;
-  const unsigned chunks = (unsigned)(u.row_bytes / kChunk), per_row = (unsigned)u.heads * chunks;
-  const bool span = u.head_stride == u.row_bytes;  // heads back to back: one run of per_row chunks
   for (size_t b = blockIdx.y; b < u.batch; b += gridDim.y) {
     const int64_t lq = u.seq_q ? u.seq_q[b] : (int64_t)u.max_q, lkv = u.seq_kv ? u.seq_kv[b] : (int64_t)u.max_kv;
     const attn::KeyRange keep =
         u.key_side ? attn::keys_with_rows(u.rule, lq, lkv) : attn::rows_with_keys(u.rule, lq, lkv);
     for (size_t r = r0; r < r1; ++r) {
       if ((int64_t)r >= keep.lo && (int64_t)r <= keep.hi) continue;
-      uint8_t *row = base + (u.sbhd ? r * u.batch + b : b * u.rows + r) * u.row_stride;
-      if (span) {
-        for (unsigned x = threadIdx.x; x < per_row; x += blockDim.x) zero_chunk<kChunk>(row + (size_t)x * kChunk);
-      } else {
-        for (unsigned x = threadIdx.x; x < per_row; x += blockDim.x) {
-          const unsigned h = x / chunks;
-          zero_chunk<kChunk>(row + h * u.head_stride + (size_t)(x - h * chunks) * kChunk);
-        }
-      }
+      zero_row<kChunk>(base + (u.sbhd ? r * u.batch + b : b * u.rows + r) * u.row_stride, u.heads, u.head_stride,
+                       u.row_bytes);
     }
   }
 }
@@ -259,15 +265,8 @@ template <size_t kChunk>
 __global__ void zero_unmarked_rows_kernel(uint8_t *base, const uint8_t *map, size_t rows, size_t row_stride,
                                           size_t heads, size_t head_stride, size_t row_bytes) {
   const size_t r0 = (size_t)blockIdx.x * kTileRows, r1 = r0 + kTileRows < rows ? r0 + kTileRows : rows;
-  const unsigned chunks = (unsigned)(row_bytes / kChunk), per_row = (unsigned)heads * chunks;
-  for (size_t r = r0; r < r1; ++r) {
-    if (map[r]) continue;
-    uint8_t *row = base + r * row_stride;
-    for (unsigned x = threadIdx.x; x < per_row; x += blockDim.x) {
-      const unsigned h = x / chunks;
-      zero_chunk<kChunk>(row + h * head_stride + (size_t)(x - h * chunks) * kChunk);
-    }
-  }
+  for (size_t r = r0; r < r1; ++r)
+    if (!map[r]) zero_row<kChunk>(base + r * row_stride, heads, head_stride, row_bytes);
 }
 
 // One thread applies the ops in order: several may fold into the same buffer (the PyTorch

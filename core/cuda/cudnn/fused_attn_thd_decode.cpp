@@ -17,14 +17,12 @@
 #include <cuda_runtime.h>
 
 #include "../cuda_check.h"
+#include "fused_attn_cudnn_calls.h"
 #include "fused_attn_seqlens.h"
 
 namespace nvte::cuda::cudnn_attn {
 namespace {
 
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
-
-void *data(const Tensor *t) { return t ? t->params[kNVTERowwiseData].data_ptr : nullptr; }
 const int32_t *i32(const Tensor *t) { return static_cast<const int32_t *>(data(t)); }
 
 Tensor device_tensor(void *ptr, NVTEDType dtype, std::initializer_list<size_t> dims) {
