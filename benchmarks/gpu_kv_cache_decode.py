@@ -159,10 +159,13 @@ def diagnose(rows, q1, k1, v1):
             print(f"[diagnose] {name}: host us pre_step {pre:.1f}, DotProductAttention call {att:.1f}")
         if isinstance(r, OursGraph):  # which part of a graph step waits behind queued GPU work
             args = r.shape(q1, k1, v1)
-            cp = host_us(lambda: [dst.copy_(src) for dst, src in zip(r.static, args)], calls=16)
-            rep = host_us(lambda: r.graph.replay(), calls=16)
-            print(f"[diagnose] {name}: host us (each behind ~20 ms of queued GPU work) input copies {cp:.1f}, "
-                  f"replay {rep:.1f}")
+            pre = lambda: r.params.pre_step(r.step_dict)
+            cp = lambda: [dst.copy_(src) for dst, src in zip(r.static, args)]
+            parts = {"input copies": cp, "replay": r.graph.replay, "pre_step + replay": lambda: (pre(), r.graph.replay()),
+                     "input copies + replay": lambda: (cp(), r.graph.replay()), "pre_step + input copies":
+                     lambda: (pre(), cp()), "whole step": lambda: (pre(), cp(), r.graph.replay())}
+            print(f"[diagnose] {name}: host us, each behind ~20 ms of queued GPU work: " +
+                  ", ".join(f"{k} {host_us(f, calls=32):.1f}" for k, f in parts.items()))
     # control: a captured graph of one small kernel, replayed the same way
     x = torch.zeros(1024, device="cuda")
     g = torch.cuda.CUDAGraph()
@@ -173,6 +176,13 @@ def diagnose(rows, q1, k1, v1):
     torch.cuda.current_stream().wait_stream(side)
     print(f"[diagnose] control: replay of a one-kernel graph, host us {host_us(lambda: g.replay(), calls=16):.1f}; "
           f"eager add_ {host_us(lambda: x.add_(1.0), calls=16):.1f}")
+    dst = torch.empty(64, dtype=torch.int32, device="cuda")
+    for kind in ("pageable", "pinned"):  # a small H2D copy followed by a graph replay / an eager kernel
+        src = torch.arange(64, dtype=torch.int32, pin_memory=kind == "pinned")
+        with_graph = host_us(lambda: (dst.copy_(src, non_blocking=True), g.replay()), calls=32)
+        with_kernel = host_us(lambda: (dst.copy_(src, non_blocking=True), x.add_(1.0)), calls=32)
+        print(f"[diagnose] control: {kind} H2D copy + graph replay, host us {with_graph:.1f}; "
+              f"{kind} H2D copy + eager kernel {with_kernel:.1f}")
 
 
 def main():

@@ -174,13 +174,14 @@ class PagedKVCacheManager(KVCacheManager):
         self.allocated_pages: Dict[object, List[int]] = {}
         self.page_table: Optional[torch.Tensor] = None  # this iteration's, on the device
         self._host_table: Optional[np.ndarray] = None  # the same, made by pre_step (uploaded once)
+        self._table_order: Optional[tuple] = None  # the sequences _host_table lists, in its row order
         self._uploads = _Uploads()
 
     def reset(self) -> None:
         super().reset()
         self.free_pages = list(range(self.total_num_pages))
         self.allocated_pages = {}
-        self.page_table, self._host_table = None, None
+        self.page_table, self._host_table, self._table_order = None, None, None
 
     def _device(self) -> torch.device:
         if self.device is None:
@@ -206,19 +207,25 @@ class PagedKVCacheManager(KVCacheManager):
         if need > len(self.free_pages) + freed:
             raise RuntimeError(f"InferenceParams: the K/V cache is full: this step needs {need} more pages of "
                                f"{self.page_size} tokens, {len(self.free_pages) + freed} are free")
-        for seq in finished:
-            self.free_pages.extend(self.allocated_pages.pop(seq, ()))
-        self.free_pages.sort()
+        if finished:
+            for seq in finished:
+                self.free_pages.extend(self.allocated_pages.pop(seq, ()))
+            self.free_pages.sort()  # (kept sorted: pages are taken lowest id first)
+        grew = False
         for seq, total in lengths.items():
             pages = self.allocated_pages.setdefault(seq, [])
             while len(pages) * self.page_size < total:
                 pages.append(self.free_pages.pop(0))
+                grew = True
         self.sequences = lengths
-        table = np.zeros((len(step_dict), self.max_pages_per_seq), np.int32)
-        for i, seq in enumerate(lengths):
-            pages = self.allocated_pages[seq]
-            table[i, :len(pages)] = pages
-        self._host_table, self.page_table = table, None  # (InferenceParams uploads it with its own arrays)
+        order = tuple(lengths)
+        if grew or order != self._table_order:  # (a decode step mostly keeps the last table)
+            table = np.zeros((len(step_dict), self.max_pages_per_seq), np.int32)
+            for i, seq in enumerate(lengths):
+                pages = self.allocated_pages[seq]
+                table[i, :len(pages)] = pages
+            self._host_table, self._table_order = table, order
+        self.page_table = None  # (InferenceParams uploads the table with its own arrays)
         return self.sequences
 
     def host_arrays(self) -> List[np.ndarray]:
