@@ -161,9 +161,10 @@ def diagnose(rows, q1, k1, v1):
             args = r.shape(q1, k1, v1)
             pre = lambda: r.params.pre_step(r.step_dict)
             cp = lambda: [dst.copy_(src) for dst, src in zip(r.static, args)]
-            parts = {"input copies": cp, "replay": r.graph.replay, "pre_step + replay": lambda: (pre(), r.graph.replay()),
-                     "input copies + replay": lambda: (cp(), r.graph.replay()), "pre_step + input copies":
-                     lambda: (pre(), cp()), "whole step": lambda: (pre(), cp(), r.graph.replay())}
+            rep = lambda: r.graph.replay()  # (host_us passes an index to bound methods)
+            parts = {"input copies": cp, "replay": rep, "pre_step + replay": lambda: (pre(), rep()),
+                     "input copies + replay": lambda: (cp(), rep()), "pre_step + input copies": lambda: (pre(), cp()),
+                     "whole step": lambda: (pre(), cp(), rep())}
             print(f"[diagnose] {name}: host us, each behind ~20 ms of queued GPU work: " +
                   ", ".join(f"{k} {host_us(f, calls=32):.1f}" for k, f in parts.items()))
     # control: a captured graph of one small kernel, replayed the same way
