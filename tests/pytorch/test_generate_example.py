@@ -17,3 +17,20 @@ def test_cached_generation_matches_recompute(paged):
         assert r["max_logit_diff"] <= 0.05 * r["max_logit"] and r["agree"] >= 0.9 * r["total"], r
     else:
         assert r["agree"] == r["total"] and r["max_logit_diff"] < 1e-5 * r["max_logit"], r
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need a CUDA device (NVTE_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("paged", [False, True], ids=["nonpaged", "paged"])
+def test_cuda_graph_decode_matches_recompute(paged):
+    """--cuda-graph: every decode step of the whole model is one replay of a graph captured at the
+    first step; the logits must still follow the recomputed ones (pages of 8 tokens: the sequences
+    take new pages between replays, which only pre_step's table upload tells the graph)."""
+    args = ["--device", "cuda", "--steps", "30", "--new", "12", "--cuda-graph"]
+    r = load_example("generate").main(args + (["--paged", "--page-size", "8"] if paged else []))
+    assert r["total"] == 36
+    assert r["max_logit_diff"] <= 0.05 * r["max_logit"] and r["agree"] >= 0.9 * r["total"], r
+
+
+def test_cuda_graph_needs_cuda():
+    with pytest.raises(SystemExit):
+        load_example("generate").main(["--device", "cpu", "--cuda-graph"])
