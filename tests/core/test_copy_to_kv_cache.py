@@ -198,3 +198,15 @@ def test_too_many_new_tokens_raises(rng):
 def test_non_paged_capacity_is_checked(rng):
     c = make_case(rng, "bshd", 3, 2, 4, 4, np.float32, False, 6, 1, ctx=2)
     assert "exceeds the non-paged caches' 6 rows" in bad_call(c, max_seq_len=7, non_paged=1, table=None)
+
+
+def test_lengths_without_data_raise(rng):
+    """A handle with a shape but no buffer (cu_cached_lens here) is rejected before anything is read."""
+    c = make_case(rng, "bshd", 3, 2, 4, 4, np.float32, True, 4, 2, ctx=2)
+    empty = nvte.Tensor()
+    empty.set_param(nvte.Param.kRowwiseData, 0, [4], DT.kInt32)
+    kc = c["kc"].copy()
+    with pytest.raises(nvte.Error, match="cu_cached_lens rowwise data pointer is NULL"):
+        nvte.copy_to_kv_cache(T(c["nk"]), T(c["nv"]), T(kc), T(c["vc"].copy()), T(c["table"]), T(c["cu_new"]), empty,
+                              F.NVTE_BSHD, 3, c["ctx"], 8, 2, 0)
+    assert np.array_equal(kc, c["kc"])
