@@ -487,15 +487,15 @@ class MultiheadAttention(torch.nn.Module):
                           self.qkv_weight_interleaved)
         if torch.compiler.is_compiling():
             return _fa8.split_qkv(mixed, h, g, d, inter)
-        return _pk.SplitPacked.apply(mixed, lambda t: _fa8.split_qkv(t, h, g, d, inter),
-                                     lambda t: _fa8.split_qkv(t, h, g, d, inter, grouped_q=True))
+        return custom_ops.run_function(_pk.SplitPacked, mixed, lambda t: _fa8.split_qkv(t, h, g, d, inter),
+                                       lambda t: _fa8.split_qkv(t, h, g, d, inter, grouped_q=True))
 
     def _split_kv(self, mixed: torch.Tensor):
         g, d, inter = self.num_gqa_groups, self.hidden_size_per_attention_head, self.qkv_weight_interleaved
         if torch.compiler.is_compiling():
             return _fa8.split_kv(mixed, g, d, inter)
         split = lambda t: _fa8.split_kv(t, g, d, inter)  # noqa: E731
-        return _pk.SplitPacked.apply(mixed, split, split)
+        return custom_ops.run_function(_pk.SplitPacked, mixed, split, split)
 
     def _rotate(self, q, k, rotary_pos_emb, inference_params, cu_seqlens_q, cu_seqlens_kv):
         """q, k with RoPE (rope.py): rotary_pos_emb is one angle table for both or a (q, k) pair. With

@@ -405,6 +405,30 @@ def _plain(args) -> bool:
     return True
 
 
+class _NoGradCtx:
+    """The ctx a Function's forward gets from run_function when autograd records nothing: what the
+    forward keeps for a backward is dropped with it."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+def run_function(fn, *args):
+    """fn.apply(*args) (fn: a torch.autograd.Function); with grad mode off, in eager mode and with
+    plain tensors, fn.forward itself. Function.apply's bookkeeping (argument unwrapping, the graph
+    node it would not record anyway) costs several microseconds of host time per call, and a decode
+    step of a TransformerLayer under torch.no_grad() makes about ten such calls."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or not _plain(args):
+        return fn.apply(*args)
+    return fn.forward(_NoGradCtx(), *args)
+
+
 def eager_or_op(op):
     """The registered op while tracing (torch.compile, or any tensor subclass), its Python body in
     eager mode (every op of the adapter, the fused-attention ones included). The dispatcher's

@@ -21,6 +21,7 @@ from torch.library import custom_op
 from transformer_engine import _nvte
 
 from . import _ops
+from . import custom_ops
 from .custom_ops import eager_or_op
 from .module.base import default_device
 
@@ -162,4 +163,4 @@ def apply_rotary_pos_emb(t: Tensor, freqs: Tensor, tensor_format: str = "sbhd", 
     freqs = freqs.to(device=dev, dtype=torch.float32).contiguous()
     start = None if start_positions is None else start_positions.to(device=dev, dtype=torch.int32).contiguous()
     cu = None if cu_seqlens is None or tensor_format != "thd" else cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
-    return _FusedRoPE.apply(t, freqs, start, cu, tensor_format, bool(interleaved))
+    return custom_ops.run_function(_FusedRoPE, t, freqs, start, cu, tensor_format, bool(interleaved))

@@ -228,7 +228,7 @@ def linear_fn(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if (cfg.fp8_input or cfg.fp8_output) and (cfg.scaling != "delayed" or cfg.gelu):
         raise RuntimeError("linear_fn: FP8 hand-offs need delayed scaling and no GELU epilogue")
     w = (qweight.data, qweight.transpose, qweight.scale_inv) if qweight is not None else (None, None, None)
-    return _LinearFn.apply(x2, weight, bias, *w, *meta, cfg, norm_weight, norm_bias, rows)
+    return ops.run_function(_LinearFn, x2, weight, bias, *w, *meta, cfg, norm_weight, norm_bias, rows)
 
 
 def grad_needs(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):

@@ -47,11 +47,11 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 def layernorm_fn(x2, weight, bias, eps: float, zero_centered_gamma: bool):
-    return _LayerNormFn.apply(x2, weight, bias, float(eps), bool(zero_centered_gamma))
+    return custom_ops.run_function(_LayerNormFn, x2, weight, bias, float(eps), bool(zero_centered_gamma))
 
 
 def rmsnorm_fn(x2, weight, eps: float, zero_centered_gamma: bool):
-    return _RMSNormFn.apply(x2, weight, float(eps), bool(zero_centered_gamma))
+    return custom_ops.run_function(_RMSNormFn, x2, weight, float(eps), bool(zero_centered_gamma))
 
 
 def norm_fn(normalization: str, x2, weight, bias, eps: float, zero_centered_gamma: bool):

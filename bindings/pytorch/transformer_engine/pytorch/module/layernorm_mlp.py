@@ -43,7 +43,7 @@ def activation_fn(x: torch.Tensor, name: str) -> torch.Tensor:
     """The library activation `name` applied to x ([tokens, features]); gated ones halve the features."""
     if name not in ACTIVATIONS:
         raise ValueError(f"unknown activation {name!r}; expected one of {list(ACTIVATIONS)}")
-    return _ActFn.apply(x, name)
+    return custom_ops.run_function(_ActFn, x, name)
 
 
 class LayerNormMLP(TransformerEngineBaseModule):
