@@ -1,8 +1,8 @@
 // cuda/copy_to_kv_cache.cu - the K/V-cache write of one generation step on the GPU.
 //
 // Design: one block per row of new_k / new_v (one token: h x d_k and h x d_v elements). Each
-// thread of it finds the token's sequence itself (THD: a binary search of cu_new_lens, a few
-// cached loads; no shared memory, no barrier), maps the position to its cache row with
+// thread of it finds the token's sequence itself (THD: thd_rows.h's binary search of cu_new_lens;
+// no shared memory, no barrier), maps the position to its cache row with
 // core/common/kv_cache.h's rule, shared with the CPU reference, and the block copies the K row and
 // the V row in 16-byte units where both rows and all four buffers allow (else 4, 2 or 1 bytes).
 // One launch writes K and V for every sequence: the PyTorch adapter's decode step used two
@@ -10,6 +10,8 @@
 // sequence's new tokens) exit at once.
 #include "common.cuh"
 #include "copy_to_kv_cache.h"
+
+#include "../common/thd_rows.h"
 
 namespace nvte::cuda {
 namespace {
@@ -23,14 +25,9 @@ __global__ void __launch_bounds__(kThreads)
                 const int32_t *__restrict__ cn, const int32_t *__restrict__ cc) {
   const int64_t r = blockIdx.x;
   int64_t seq, j;
-  if (p.format == kv_cache::Format::THD) {  // the last sequence starting at or before row r
-    int64_t lo = 0, hi = p.b - 1;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (cn[mid] <= r) lo = mid;
-      else hi = mid - 1;
-    }
-    seq = lo;
+  if (p.format == kv_cache::Format::THD) {
+    seq = thd_sequence_of_row(cn, p.b, r);
+    if (seq < 0) return;  // a row of no sequence
     j = r - cn[seq];
   } else {
     kv_cache::dense_token(p, r, seq, j);

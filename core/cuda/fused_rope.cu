@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "../common/dtype_switch.h"
+#include "../common/thd_rows.h"
 
 namespace nvte::cuda {
 namespace {
@@ -55,17 +56,9 @@ __global__ void __launch_bounds__(kThreads)
   // Every thread finds the row's sequence and position itself (a few cached loads): no barrier
   // before the angles.
   int64_t seq, pos;
-  if (p.thd) {  // the last sequence starting at or before r (an empty range: none)
-    seq = -1;
-    pos = 0;
-    if (p.b > 0 && cu[0] <= r) {
-      int64_t lo = 0, hi = p.b;  // cu[lo] <= r; the answer is in [lo, hi)
-      while (hi - lo > 1) {
-        const int64_t mid = (lo + hi) / 2;
-        if (cu[mid] <= r) lo = mid; else hi = mid;
-      }
-      if (r < cu[lo + 1]) seq = lo, pos = r - cu[lo];
-    }
+  if (p.thd) {
+    seq = thd_sequence_of_row(cu, p.b, r);
+    pos = seq >= 0 ? r - cu[seq] : 0;
   } else {
     rope::dense_row(p, r, seq, pos);
   }
