@@ -24,9 +24,11 @@ RopeParams validate(const RopeCall &c, NVTE_QKV_Format fmt, bool interleaved, bo
                     int stride_d) {
   NVTE_CHECK(fmt == NVTE_SBHD || fmt == NVTE_BSHD || fmt == NVTE_THD,
              "qkv_format must be NVTE_SBHD, NVTE_BSHD or NVTE_THD, got ", (int)fmt);
-  if (cp_size != 1 || cp_rank != 0)
-    NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "context parallelism (cp_size ", cp_size, ", cp_rank ", cp_rank,
-              ") is not implemented; cp_size must be 1 and cp_rank 0");
+  NVTE_CHECK(cp_size >= 1 && cp_rank >= 0 && cp_rank < cp_size, "context parallelism needs cp_size >= 1 and 0 <= "
+             "cp_rank < cp_size, got cp_size ", cp_size, ", cp_rank ", cp_rank);
+  if (cp_size > 1 && present(c.start_positions))
+    NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "start_positions (inference) with context parallelism (cp_size ", cp_size,
+              ") is not supported");
   const Tensor &x = require(c.x, c.x_name);
   Tensor &y = require_mut(c.y, c.y_name);
   const NVTEDType dt = logical_dtype(x);
@@ -45,6 +47,7 @@ RopeParams validate(const RopeCall &c, NVTE_QKV_Format fmt, bool interleaved, bo
   p.interleaved = interleaved;
   p.backward = backward;
   p.b = b, p.h = h, p.d = d, p.d2 = d2;
+  p.cp_size = cp_size, p.cp_rank = cp_rank;
   p.stride_t = stride_t, p.stride_b = p.thd ? 0 : stride_b, p.stride_h = stride_h, p.stride_d = stride_d;
   const NVTEShape ys = logical_shape(y);
   if (p.thd) {
@@ -59,6 +62,8 @@ RopeParams validate(const RopeCall &c, NVTE_QKV_Format fmt, bool interleaved, bo
                shape_str(cs));
   } else {
     p.s = s;
+    NVTE_CHECK(cp_size == 1 || s % 2 == 0, "with context parallelism (cp_size ", cp_size,
+               ") each rank holds two equal chunks of every sequence, so s must be even; got s ", s);
     const size_t want[4] = {(size_t)(p.bshd ? b : s), (size_t)(p.bshd ? s : b), (size_t)h, (size_t)d};
     NVTE_CHECK(ys.ndim == 4 && ys.data[0] == want[0] && ys.data[1] == want[1] && ys.data[2] == want[2] &&
                    ys.data[3] == want[3],

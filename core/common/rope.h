@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "numeric.h"  // NVTE_HD
+#include "thd_rows.h"
 
 namespace nvte::rope {
 
@@ -15,6 +16,7 @@ struct RopeParams {
   int64_t s = 0, b = 0, h = 0, d = 0, d2 = 0;
   int64_t stride_t = 0, stride_b = 0, stride_h = 0, stride_d = 0;  // of the strided tensor read
   int64_t freq_rows = 0;       // positions freqs covers
+  int64_t cp_size = 1, cp_rank = 0;  // context parallelism: this rank's share of each sequence
 };
 
 // Row r of the dense output: (sequence index in the batch, row within it) for SBHD / BSHD.
@@ -26,6 +28,44 @@ NVTE_HD void dense_row(const RopeParams &p, int64_t r, int64_t &seq, int64_t &po
     seq = r % p.b;
     pos = r / p.b;
   }
+}
+
+// Context parallelism splits each sequence of n = cp_size * len tokens into 2 cp_size equal chunks
+// and gives rank k chunks k and 2 cp_size - 1 - k (so causal attention work is balanced), back to
+// back: local row j < len/2 is at position k len/2 + j, the rest at (2 cp_size - 1 - k) len/2 +
+// (j - len/2). len must be even (checked where it is known).
+NVTE_HD int64_t cp_position(const RopeParams &p, int64_t j, int64_t len) {
+  if (p.cp_size == 1) return j;
+  const int64_t half = len / 2;
+  return j < half ? p.cp_rank * half + j : (2 * p.cp_size - 1 - p.cp_rank) * half + (j - half);
+}
+
+// Row r of the output: its sequence (seq; -1 for a THD row of no sequence) and position before
+// start_positions. THD with cp_size > 1: cu_seqlens holds the whole sequences' offsets, so this
+// rank's rows of sequence i are [cu[i] / cp_size, cu[i + 1] / cp_size). Returns false when the
+// row's THD sequence cannot be split that way (cu[i] not a multiple of cp_size or its length not a
+// multiple of 2 cp_size); the CPU reports it, the GPU writes NaN.
+NVTE_HD bool row_position(const RopeParams &p, const int32_t *cu, int64_t r, int64_t &seq, int64_t &pos) {
+  int64_t j, len;
+  if (p.thd) {
+    seq = thd_sequence_of_row(cu, p.b, r * p.cp_size);
+    if (seq < 0) {
+      pos = 0;
+      return true;
+    }
+    const int64_t lo = cu[seq], n = cu[seq + 1] - lo;
+    if (p.cp_size > 1 && (lo % p.cp_size != 0 || n % (2 * p.cp_size) != 0)) {
+      pos = 0;
+      return false;
+    }
+    j = r - lo / p.cp_size;
+    len = n / p.cp_size;
+  } else {
+    dense_row(p, r, seq, j);
+    len = p.s;
+  }
+  pos = cp_position(p, j, len);
+  return true;
 }
 
 // Element offset of (row r, head hh, channel k) in the strided input.

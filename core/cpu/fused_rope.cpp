@@ -5,7 +5,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 #include "../common/dtype_switch.h"
 #include "parallel.h"
@@ -16,27 +15,22 @@ void fused_rope(const rope::RopeParams &p, const Tensor &x, const Tensor *cu_seq
                 const Tensor *start, Tensor &y) {
   const float *f = static_cast<const float *>(freqs.params[kNVTERowwiseData].data_ptr);
   const int32_t *st = start ? static_cast<const int32_t *>(start->params[kNVTERowwiseData].data_ptr) : nullptr;
-  // THD: the sequence of each row (-1 outside every sequence) and its row within it.
-  std::vector<int64_t> seq_of, pos_of;
-  if (p.thd) {
-    const int32_t *cu = static_cast<const int32_t *>(cu_seqlens->params[kNVTERowwiseData].data_ptr);
-    seq_of.assign((size_t)p.rows, -1);
-    pos_of.assign((size_t)p.rows, 0);
+  const int32_t *cu = p.thd ? static_cast<const int32_t *>(cu_seqlens->params[kNVTERowwiseData].data_ptr) : nullptr;
+  if (p.thd) {  // cu_seqlens: the whole sequences' offsets (context parallelism: this rank holds 1 / cp_size)
     NVTE_CHECK(cu[0] >= 0, "cu_seqlens[0] = ", cu[0], " is negative");
     for (int64_t i = 0; i < p.b; ++i) {
-      NVTE_CHECK(cu[i + 1] >= cu[i] && cu[i + 1] <= p.rows, "cu_seqlens must be non-decreasing within [0, t = ",
-                 p.rows, "]; cu_seqlens[", i, "] = ", cu[i], ", cu_seqlens[", i + 1, "] = ", cu[i + 1]);
-      for (int64_t r = cu[i]; r < cu[i + 1]; ++r) seq_of[(size_t)r] = i, pos_of[(size_t)r] = r - cu[i];
+      NVTE_CHECK(cu[i + 1] >= cu[i] && cu[i + 1] <= p.rows * p.cp_size, "cu_seqlens must be non-decreasing within "
+                 "[0, t * cp_size = ", p.rows * p.cp_size, "]; cu_seqlens[", i, "] = ", cu[i], ", cu_seqlens[", i + 1,
+                 "] = ", cu[i + 1]);
+      NVTE_CHECK(p.cp_size == 1 || (cu[i] % p.cp_size == 0 && (cu[i + 1] - cu[i]) % (2 * p.cp_size) == 0),
+                 "with context parallelism (cp_size ", p.cp_size, ") cu_seqlens must be multiples of cp_size and "
+                 "every length a multiple of 2 cp_size (pad the sequences); sequence ", i, " spans [", cu[i], ", ",
+                 cu[i + 1], ")");
     }
   }
   auto position = [&](int64_t r, int64_t &seq) {  // -1: a THD row of no sequence
     int64_t pos;
-    if (p.thd) {
-      seq = seq_of[(size_t)r];
-      pos = pos_of[(size_t)r];
-    } else {
-      rope::dense_row(p, r, seq, pos);
-    }
+    rope::row_position(p, cu, r, seq, pos);  // (cu_seqlens checked above: always splittable)
     if (seq < 0) return (int64_t)-1;
     return pos + (st ? st[seq] : 0);
   };

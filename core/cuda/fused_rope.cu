@@ -1,7 +1,8 @@
 // cuda/fused_rope.cu - rotary position embedding (fused_rope.h) on the GPU.
 //
 // Design: one block per output row (the h x d elements of one token), which shares one position:
-// each thread finds it (THD: a binary search of cu_seqlens), the block puts cos and sin of the
+// each thread finds it (THD: a binary search of cu_seqlens; context parallelism maps it to this
+// rank's chunks, core/common/rope.h), the block puts cos and sin of the
 // row's d2 angles in shared memory (sincosf once per angle, not once per head; one barrier),
 // then a 2D thread grid (x: units of channels, y: heads) walks the row with no index division. A
 // unit is W channels and the W channels they pair with (non-interleaved: the same W in the other
@@ -16,7 +17,6 @@
 #include <cmath>
 
 #include "../common/dtype_switch.h"
-#include "../common/thd_rows.h"
 
 namespace nvte::cuda {
 namespace {
@@ -56,18 +56,13 @@ __global__ void __launch_bounds__(kThreads)
   // Every thread finds the row's sequence and position itself (a few cached loads): no barrier
   // before the angles.
   int64_t seq, pos;
-  if (p.thd) {
-    seq = thd_sequence_of_row(cu, p.b, r);
-    pos = seq >= 0 ? r - cu[seq] : 0;
-  } else {
-    rope::dense_row(p, r, seq, pos);
-  }
+  const bool splittable = rope::row_position(p, cu, r, seq, pos);
   const bool rotate_row = seq >= 0;
   if (rotate_row) {
     pos += start ? start[seq] : 0;
-    const bool valid = pos >= 0 && pos < p.freq_rows;
+    const bool valid = splittable && pos >= 0 && pos < p.freq_rows;
     for (int64_t k = tid; k < p.d2; k += nthreads) {
-      float sn = __int_as_float(0x7fc00000), c = sn;  // NaN: a position past freqs
+      float sn = __int_as_float(0x7fc00000), c = sn;  // NaN: a position past freqs or a bad CP split
       if (valid) sincosf(freqs[pos * p.d2 + k], &sn, &c);
       cs[k] = c;
       cs[p.d2 + k] = sn;

@@ -22,7 +22,15 @@
  * Math in float32 on the GPU (sincosf), float64 on the CPU reference; results rounded to the
  * output dtype. A position past the last row of freqs is an error on the CPU; the GPU cannot see
  * device-side lengths and writes NaN for such elements (so they cannot pass unnoticed).
- * Context parallelism (cp_size > 1) is not implemented: NVTE_ERROR_NOT_SUPPORTED.
+ * Context parallelism (cp_size > 1, 0 <= cp_rank < cp_size; TE's load-balanced split): every
+ * sequence of n tokens is cut into 2 cp_size chunks of n / (2 cp_size) and this rank holds chunks
+ * cp_rank and 2 cp_size - 1 - cp_rank, back to back, so its local row j of len = n / cp_size is at
+ * position cp_rank len/2 + j for j < len/2, else (2 cp_size - 1 - cp_rank) len/2 + j - len/2.
+ * SBHD/BSHD: s is the local length (even); freqs must cover s cp_size positions. THD: cu_seqlens
+ * gives the whole sequences (TE's cu_seqlens_padded: each length a multiple of 2 cp_size), and this
+ * rank's rows of sequence i are [cu_seqlens[i] / cp_size, cu_seqlens[i + 1] / cp_size); another
+ * length is an error on the CPU and NaN rows on the GPU. start_positions with cp_size > 1:
+ * NVTE_ERROR_NOT_SUPPORTED (as in TE, they serve inference).
  * For SBHD/BSHD, s and b are the input's sequence and batch sizes; for THD, s is ignored (the
  * token count is the input's first dim) and b must be cu_seqlens' length - 1.
  */

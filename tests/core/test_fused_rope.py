@@ -63,7 +63,7 @@ def rope_ref(x, freqs, pos, d2, interleaved, backward=False):
     return out
 
 
-def run(x_view, freqs, fmt, interleaved, cu=None, start=None, backward=False, base=None, out_dtype=None):
+def run(x_view, freqs, fmt, interleaved, cu=None, start=None, backward=False, base=None, out_dtype=None, cp=(1, 0)):
     """Calls the library on x_view (a view into base, or its own array); returns the dense output."""
     base = x_view if base is None else base
     item = x_view.itemsize
@@ -88,7 +88,7 @@ def run(x_view, freqs, fmt, interleaved, cu=None, start=None, backward=False, ba
     y = poisoned(shape, name)
     fn = nvte.fused_rope_backward if backward else nvte.fused_rope_forward
     fn(T(flat), None if cu is None else T(np.asarray(cu, np.int32)), T(freqs),
-       None if start is None else T(np.asarray(start, np.int32)), T(y), FMT[fmt], interleaved, 1, 0, s, b, h, d, d2,
+       None if start is None else T(np.asarray(start, np.int32)), T(y), FMT[fmt], interleaved, *cp, s, b, h, d, d2,
        st_t, st_b, st_h, st_d)
     return y
 
@@ -170,9 +170,13 @@ def test_errors(rng):
     call()
     with pytest.raises(nvte.Error, match="d2 .* must be even"):
         call(d2=7, f=rng.standard_normal((4, 1, 1, 7)).astype(np.float32))
-    with pytest.raises(nvte.Error, match="context parallelism") as e:
-        call(cp=2)
+    with pytest.raises(nvte.Error, match="start_positions .* with context parallelism") as e:
+        call(cp=2, start=T(np.array([0, 0], np.int32)))
     assert e.value.args[1] == int(nvte.Status.NOT_SUPPORTED)
+    with pytest.raises(nvte.Error, match="cp_rank < cp_size"):
+        call(cp=0)
+    with pytest.raises(nvte.Error, match="s must be even"):
+        call(cp=2, s=3, x=x[:3], y=y[:3])
     with pytest.raises(nvte.Error, match="freqs has 3 rows"):
         call(f=angles(3, 8, rng))
     with pytest.raises(nvte.Error, match="start_positions must be int32"):
@@ -193,3 +197,65 @@ def test_errors(rng):
     with pytest.raises(nvte.Error, match="non-decreasing"):
         call(fmt=F.NVTE_THD, x=x.reshape(8, 2, 8), y=np.zeros((8, 2, 8), np.float32), strides=(16, 0, 8, 1),
              cu=T(np.array([0, 5, 3], np.int32)))
+
+
+def cp_chunks(n, cp_size, rank):
+    """Indices of a sequence of n tokens that context-parallel rank `rank` holds (TE's split: chunks
+    rank and 2 cp_size - 1 - rank of 2 cp_size)."""
+    c = n // (2 * cp_size)
+    return np.concatenate([np.arange(rank * c, (rank + 1) * c),
+                           np.arange((2 * cp_size - 1 - rank) * c, (2 * cp_size - rank) * c)])
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("cp_size", [2, 3])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("backward", [False, True])
+def test_context_parallel_is_rope_of_the_whole_sequence(rng, fmt, cp_size, interleaved, backward):
+    """Each rank's output equals its chunks of RoPE applied to the whole sequences (float64
+    reference at positions 0..n-1, then split as TE splits): the rank's positions are the global ones."""
+    h, d, d2, b = 3, 12, 8, 2
+    if fmt == "thd":
+        lens = [4 * cp_size, 0, 2 * cp_size, 6 * cp_size]  # multiples of 2 cp_size, one empty
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        full = rng.standard_normal((cu[-1], h, d))
+        freqs = angles(max(lens), d2, rng)
+        pos_full = np.concatenate([np.arange(n) for n in lens])
+        ref_full = rope_ref(full, freqs.reshape(-1, d2), pos_full, d2, interleaved, backward)
+    else:
+        n = 6 * cp_size
+        full = rng.standard_normal((n, b, h, d) if fmt == "sbhd" else (b, n, h, d))
+        freqs = angles(n, d2, rng)
+        rows = dense_rows(full, fmt)
+        ref_full = rope_ref(rows, freqs.reshape(-1, d2), positions(fmt, n, b, None), d2, interleaved,
+                            backward).reshape(full.shape)
+    for rank in range(cp_size):
+        if fmt == "thd":
+            idx = np.concatenate([cu[i] + cp_chunks(lens[i], cp_size, rank) for i in range(len(lens))])
+            x, want = full[idx].astype(np.float32), ref_full[idx]
+            got = run(x, freqs, fmt, interleaved, cu=cu, backward=backward, cp=(cp_size, rank))
+        else:
+            idx = cp_chunks(n, cp_size, rank)
+            axis = 0 if fmt == "sbhd" else 1
+            x = np.take(full, idx, axis=axis).astype(np.float32)
+            want = np.take(ref_full, idx, axis=axis)
+            got = run(x, freqs, fmt, interleaved, backward=backward, cp=(cp_size, rank))
+        assert_close(got.astype(np.float64), want, "float32")
+
+
+def test_context_parallel_errors(rng):
+    h, d = 2, 8
+    freqs = angles(16, d, rng)
+
+    def thd(cu, t, cp=(2, 0)):
+        return run(rng.standard_normal((t, h, d)).astype(np.float32), freqs, "thd", False, cu=cu, cp=cp)
+
+    thd([0, 8, 12], 6)  # lengths 8 and 4: multiples of 2 cp_size
+    with pytest.raises(nvte.Error, match="every length a multiple of 2 cp_size .* sequence 1 spans \\[8, 14\\)"):
+        thd([0, 8, 14], 7)
+    with pytest.raises(nvte.Error, match="t \\* cp_size = 10"):
+        thd([0, 8, 12], 5)  # 5 local rows hold at most 10 tokens of the whole sequences
+    x = rng.standard_normal((10, 1, h, d)).astype(np.float32)
+    run(x, freqs, "sbhd", False, cp=(2, 1))  # rank 1 holds positions 5..14
+    with pytest.raises(nvte.Error, match="freqs has 16 rows"):  # rank 0 holds 0..4 and 15..19
+        run(x, freqs, "sbhd", False, cp=(2, 0))

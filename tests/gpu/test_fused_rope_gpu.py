@@ -1,7 +1,8 @@
 """Rotary position embedding (fused_rope.h) on the CUDA backend vs the CPU backend (the oracle,
 float64 math) on the same inputs: SBHD / BSHD / THD, float32 / float16 / bfloat16, full and
 partial rotation, interleaved pairs, start positions, strided inputs (a head slice of a packed
-QKV buffer), THD rows of no sequence (copied exactly), long rows (h * d = 4096), poisoned outputs.
+QKV buffer), THD rows of no sequence (copied exactly), long rows (h * d = 4096), context-parallel
+ranks (cp_size 2 and 3, every rank), poisoned outputs.
 
 Tolerance: the GPU computes in float32 (sincosf, two products and a sum per element) where the
 CPU uses float64, so the results differ by a few float32 ulps of |x| + |x_partner| before the
@@ -30,7 +31,7 @@ def angles(rows, d2, gen, base=10000.0):
     return f.float().reshape(rows, 1, 1, d2)
 
 
-def call(base_flat, shape, strides, freqs, fmt, interleaved, cu, start, backward, b, s):
+def call(base_flat, shape, strides, freqs, fmt, interleaved, cu, start, backward, b, s, cp=(1, 0)):
     h, d = shape[-2], shape[-1]
     y = torch.full(shape, float("nan"), dtype=base_flat.dtype, device=base_flat.device)
     fn = nvte.fused_rope_backward if backward else nvte.fused_rope_forward
@@ -42,12 +43,12 @@ def call(base_flat, shape, strides, freqs, fmt, interleaved, cu, start, backward
     else:
         args = (st[1], st[0], st[2], st[3])
     fn(T(base_flat).t, None if cu is None else T(cu).t, T(freqs).t, None if start is None else T(start).t, T(y).t,
-       FMT[fmt], interleaved, 1, 0, s, b, h, d, freqs.shape[-1], *args)
+       FMT[fmt], interleaved, *cp, s, b, h, d, freqs.shape[-1], *args)
     sync()
     return y
 
 
-def both(x, view_slice, freqs, fmt, interleaved, cu=None, start=None, backward=False):
+def both(x, view_slice, freqs, fmt, interleaved, cu=None, start=None, backward=False, cp=(1, 0)):
     """(cuda output, cpu output) of the view x[view_slice] (x: the packed CPU buffer)."""
     outs = []
     for device in ("cuda", "cpu"):
@@ -64,7 +65,7 @@ def both(x, view_slice, freqs, fmt, interleaved, cu=None, start=None, backward=F
             b, s = shape[0], shape[1]
         outs.append(call(flat, shape, v.stride(), freqs.to(device), fmt, interleaved,
                          None if cu is None else cu.to(device), None if start is None else start.to(device),
-                         backward, b, s))
+                         backward, b, s, cp))
     return outs
 
 
@@ -155,3 +156,47 @@ def test_narrow_access_paths(interleaved, case):
                 for dev in ("cuda", "cpu"))
     dense = torch.as_strided(views["cpu"], (s, b, h, d), strides)
     check(got, ref, dense.contiguous(), d, interleaved)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("cp_size", [2, 3])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("backward", [False, True])
+def test_context_parallel_cuda_matches_cpu(fmt, cp_size, interleaved, backward):
+    """Every rank of a context-parallel split, bfloat16, head slice of a packed buffer."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((fmt, cp_size, interleaved, backward)).encode()))
+    h, d, b = 4, 64, 3
+    s = 10 * cp_size  # local rows (even)
+    if fmt == "thd":
+        lens = [8 * cp_size, 0, 2 * cp_size, 20 * cp_size]  # whole lengths, multiples of 2 cp_size
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+        rows = int(cu[-1]) // cp_size + 3  # + 3 local rows of no sequence
+        shape, view = (rows, 3 * h, d), (slice(None), slice(h, 2 * h))
+        npos = max(lens)
+    else:
+        cu = None
+        shape = (s, b, 3 * h, d) if fmt == "sbhd" else (b, s, 3 * h, d)
+        view = (slice(None), slice(None), slice(h, 2 * h))
+        npos = s * cp_size
+    x = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    freqs = angles(npos, d, gen)
+    for rank in range(cp_size):
+        got, ref = both(x, view, freqs, fmt, interleaved, cu, None, backward, cp=(cp_size, rank))
+        check(got, ref, x[view].contiguous(), d, interleaved)
+        if fmt == "thd":
+            assert torch.equal(got[-3:].cpu(), x[view][-3:])
+
+
+def test_context_parallel_bad_thd_split_is_nan_on_the_gpu():
+    """A THD length that is not a multiple of 2 cp_size cannot be split: the CPU raises, the GPU
+    (which cannot see device-side lengths) writes NaN for that sequence's rows only."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 2, 8, generator=gen)
+    freqs = angles(16, 8, gen)
+    cu = torch.tensor([0, 8, 14], dtype=torch.int32)  # lengths 8 (rows 0..3) and 6 (not a multiple of 4)
+    y = call(x.cuda().reshape(-1), (9, 2, 8), x.stride(), freqs.cuda(), "thd", False, cu.cuda(), None, False, 2, 9,
+             cp=(2, 1))
+    assert not torch.isnan(y[:4]).any() and torch.isnan(y[4:7]).all()
+    assert torch.equal(y[7:].cpu(), x[7:])  # rows past cu[-1] / cp_size: copied
+    with pytest.raises(nvte.Error, match="every length a multiple of 2 cp_size"):
+        call(x.reshape(-1), (9, 2, 8), x.stride(), freqs, "thd", False, cu, None, False, 2, 9, cp=(2, 1))

@@ -1,6 +1,7 @@
 """Rotary position embedding through the PyTorch adapter (rope.py): apply_rotary_pos_emb forward
 and backward against a float64 torch reference (rotate-half / interleaved pairs, partial
-rotation, start positions, THD, strided inputs), RotaryPositionEmbedding's table, and
+rotation, start positions, THD, strided inputs, context-parallel ranks' chunks),
+RotaryPositionEmbedding's table, and
 MultiheadAttention / TransformerLayer with rotary_pos_emb: shifting every position leaves causal
 self-attention unchanged (RoPE sees relative positions only), and generation with a K/V cache
 (the table of all positions, the cache's start positions) gives the rows of one full forward.
@@ -82,6 +83,47 @@ def test_apply_rotary_pos_emb_forward_backward(fmt, interleaved, partial, with_s
     ref.backward(g.double())
     close(packed.grad[..., h:2 * h, :], tr.grad, "grad")
     assert torch.count_nonzero(packed.grad[..., :h, :]) == 0 and torch.count_nonzero(packed.grad[..., 2 * h:, :]) == 0
+
+
+def cp_rows(n, cp_size, rank):
+    """The rows of a sequence of n tokens that context-parallel rank `rank` holds (TE's split)."""
+    c = n // (2 * cp_size)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange((2 * cp_size - 1 - rank) * c, (2 * cp_size - rank) * c)])
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_context_parallel_ranks_rotate_their_chunks_of_the_whole_sequence(fmt, interleaved):
+    """cp_size 2: each rank's output and input gradient are its chunks of the float64 RoPE of the
+    whole sequences (THD: cu_seqlens of the whole, padded sequences)."""
+    gen = torch.Generator().manual_seed(5)
+    cp_size, h, d, b = 2, 2, 16, 2
+    emb = RotaryPositionEmbedding(d, interleaved=interleaved)(24)
+    if fmt == "thd":
+        lens = [8, 4, 12]
+        cu = torch.tensor([0, 8, 12, 24], dtype=torch.int32)
+        full = torch.randn(24, h, d, generator=gen, dtype=torch.float64)
+    else:
+        n = 12
+        full = torch.randn((n, b, h, d) if fmt == "sbhd" else (b, n, h, d), generator=gen, dtype=torch.float64)
+    full.requires_grad_(True)
+    ref = rope_ref(full, emb, fmt, interleaved=interleaved, cu=cu if fmt == "thd" else None)
+    g_full = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    ref.backward(g_full)
+    for rank in range(cp_size):
+        if fmt == "thd":
+            idx = torch.cat([int(cu[i]) + cp_rows(lens[i], cp_size, rank) for i in range(3)])
+            pick = lambda a: a[idx]
+        else:
+            idx = cp_rows(n, cp_size, rank)
+            pick = lambda a: a.index_select(0 if fmt == "sbhd" else 1, idx)
+        t = pick(full.detach()).to(DT).to(DEVICE).requires_grad_(True)
+        out = apply_rotary_pos_emb(t, emb.to(DEVICE), fmt, interleaved=interleaved,
+                                   cu_seqlens=cu.to(DEVICE) if fmt == "thd" else None, cp_size=cp_size, cp_rank=rank)
+        close(out, pick(ref.detach()), f"out rank {rank}")
+        out.backward(pick(g_full).to(DT).to(DEVICE))
+        close(t.grad, pick(full.grad), f"grad rank {rank}")
 
 
 def test_rotary_position_embedding_table():
@@ -216,7 +258,12 @@ def test_errors():
         apply_rotary_pos_emb(t, emb[:3], "sbhd")
     with pytest.raises(ValueError, match="must not exceed the head size"):
         apply_rotary_pos_emb(t, RotaryPositionEmbedding(16)(4), "sbhd")
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        apply_rotary_pos_emb(t, emb, "sbhd", cp_size=2)
+    with pytest.raises(ValueError, match="cp_rank < cp_size"):
+        apply_rotary_pos_emb(t, emb, "sbhd", cp_size=2, cp_rank=2)
+    with pytest.raises(ValueError, match="start_positions .* cp_size > 1"):
+        apply_rotary_pos_emb(t, RotaryPositionEmbedding(8)(8).to(DEVICE), "sbhd",
+                             start_positions=torch.zeros(2, dtype=torch.int32, device=DEVICE), cp_size=2)
+    with pytest.raises(ValueError, match="fewer than the sequence length 8 .* 2 context-parallel ranks"):
+        apply_rotary_pos_emb(t, emb, "sbhd", cp_size=2)  # 4 local rows of 8 positions
     with pytest.raises(ValueError, match="even"):
         RotaryPositionEmbedding(7)

@@ -86,35 +86,35 @@ def _strided(t: Tensor):
 
 
 def _call(backward: bool, x: Tensor, freqs: Tensor, start: Optional[Tensor], cu: Optional[Tensor], fmt: str,
-          interleaved: bool) -> Tensor:
+          interleaved: bool, cp_size: int, cp_rank: int) -> Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s, b, h, d, strides = _geometry(x, fmt, cu)
     fn = _nvte.fused_rope_backward if backward else _nvte.fused_rope_forward
     fn(_strided(x), None if cu is None else _ops._tensor(cu), _ops._tensor(freqs),
-       None if start is None else _ops._tensor(start), _ops._tensor(y), _FORMATS[fmt], interleaved, 1, 0, s, b, h, d,
+       None if start is None else _ops._tensor(start), _ops._tensor(y), _FORMATS[fmt], interleaved, cp_size, cp_rank, s, b, h, d,
        freqs.shape[-1], *strides, _ops._stream(x))
     return y
 
 
 @custom_op("transformer_engine::fused_rope_fwd", mutates_args=())
 def fused_rope_fwd(x: Tensor, freqs: Tensor, start: Optional[Tensor], cu: Optional[Tensor], fmt: str,
-                   interleaved: bool) -> Tensor:
-    return _call(False, x, freqs, start, cu, fmt, interleaved)
+                   interleaved: bool, cp_size: int, cp_rank: int) -> Tensor:
+    return _call(False, x, freqs, start, cu, fmt, interleaved, cp_size, cp_rank)
 
 
 @custom_op("transformer_engine::fused_rope_bwd", mutates_args=())
 def fused_rope_bwd(g: Tensor, freqs: Tensor, start: Optional[Tensor], cu: Optional[Tensor], fmt: str,
-                   interleaved: bool) -> Tensor:
-    return _call(True, g, freqs, start, cu, fmt, interleaved)
+                   interleaved: bool, cp_size: int, cp_rank: int) -> Tensor:
+    return _call(True, g, freqs, start, cu, fmt, interleaved, cp_size, cp_rank)
 
 
 @fused_rope_fwd.register_fake
-def _(x, freqs, start, cu, fmt, interleaved):
+def _(x, freqs, start, cu, fmt, interleaved, cp_size, cp_rank):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @fused_rope_bwd.register_fake
-def _(g, freqs, start, cu, fmt, interleaved):
+def _(g, freqs, start, cu, fmt, interleaved, cp_size, cp_rank):
     return torch.empty_like(g, memory_format=torch.contiguous_format)
 
 
@@ -124,15 +124,16 @@ fused_rope_bwd = eager_or_op(fused_rope_bwd)
 
 class _FusedRoPE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, freqs, start, cu, fmt, interleaved):
+    def forward(ctx, t, freqs, start, cu, fmt, interleaved, cp_size, cp_rank):
         ctx.save_for_backward(freqs, start, cu)
-        ctx.fmt, ctx.interleaved = fmt, interleaved
-        return fused_rope_fwd(t, freqs, start, cu, fmt, interleaved)
+        ctx.fmt, ctx.interleaved, ctx.cp = fmt, interleaved, (cp_size, cp_rank)
+        return fused_rope_fwd(t, freqs, start, cu, fmt, interleaved, cp_size, cp_rank)
 
     @staticmethod
     def backward(ctx, g):
         freqs, start, cu = ctx.saved_tensors
-        return fused_rope_bwd(g, freqs, start, cu, ctx.fmt, ctx.interleaved), None, None, None, None, None
+        return (fused_rope_bwd(g, freqs, start, cu, ctx.fmt, ctx.interleaved, *ctx.cp),
+                None, None, None, None, None, None, None)
 
 
 def apply_rotary_pos_emb(t: Tensor, freqs: Tensor, tensor_format: str = "sbhd", start_positions: Optional[Tensor] = None,
@@ -141,11 +142,16 @@ def apply_rotary_pos_emb(t: Tensor, freqs: Tensor, tensor_format: str = "sbhd", 
     """t rotated by the angles freqs ([s_f, 1, 1, d2]: row p for position p), as TE's function: t
     [s, b, h, d] ("sbhd"), [b, s, h, d] ("bshd") or [t, h, d] ("thd", cu_seqlens int32 [b + 1]
     required); the first d2 channels rotate (d2 <= d), the rest pass through. Differentiable in t;
-    the result is a new contiguous tensor."""
+    the result is a new contiguous tensor. cp_size > 1: t holds context-parallel rank cp_rank's two
+    chunks of every sequence (TE's split into 2 cp_size chunks: rank k holds k and 2 cp_size - 1 - k),
+    rotated at their positions in the whole sequence; "thd" then takes the whole sequences'
+    cu_seqlens (TE's cu_seqlens_padded, lengths multiples of 2 cp_size); no start_positions."""
     if tensor_format not in _FORMATS:
         raise ValueError(f"apply_rotary_pos_emb: tensor_format must be one of {_FORMAT_NAMES}, got {tensor_format!r}")
-    if cp_size != 1 or cp_rank != 0:
-        raise NotImplementedError(f"apply_rotary_pos_emb: context parallelism (cp_size={cp_size}) is not implemented")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"apply_rotary_pos_emb: needs 0 <= cp_rank < cp_size, got cp_rank={cp_rank}, cp_size={cp_size}")
+    if cp_size > 1 and start_positions is not None:
+        raise ValueError("apply_rotary_pos_emb: start_positions (inference) with cp_size > 1 is not supported")
     if not isinstance(t, Tensor) or t.dim() != (3 if tensor_format == "thd" else 4):
         raise ValueError(f"apply_rotary_pos_emb: t must be {'3' if tensor_format == 'thd' else '4'}D in "
                          f"{tensor_format!r}, got {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
@@ -155,12 +161,14 @@ def apply_rotary_pos_emb(t: Tensor, freqs: Tensor, tensor_format: str = "sbhd", 
         raise ValueError(f"apply_rotary_pos_emb: freqs' last dim ({freqs.shape[-1]}) must not exceed the head size "
                          f"({t.shape[-1]})")
     if tensor_format != "thd" and start_positions is None:
-        s = t.shape[0] if tensor_format == "sbhd" else t.shape[1]
+        s = (t.shape[0] if tensor_format == "sbhd" else t.shape[1]) * cp_size
         rows = freqs.numel() // max(freqs.shape[-1], 1)
         if rows < s:
-            raise ValueError(f"apply_rotary_pos_emb: freqs has {rows} positions, fewer than the sequence length {s}")
+            raise ValueError(f"apply_rotary_pos_emb: freqs has {rows} positions, fewer than the sequence length {s}"
+                             + (f" (the whole sequence of the {cp_size} context-parallel ranks)" if cp_size > 1 else ""))
     dev = t.device
     freqs = freqs.to(device=dev, dtype=torch.float32).contiguous()
     start = None if start_positions is None else start_positions.to(device=dev, dtype=torch.int32).contiguous()
     cu = None if cu_seqlens is None or tensor_format != "thd" else cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
-    return custom_ops.run_function(_FusedRoPE, t, freqs, start, cu, tensor_format, bool(interleaved))
+    return custom_ops.run_function(_FusedRoPE, t, freqs, start, cu, tensor_format, bool(interleaved), int(cp_size),
+                                   int(cp_rank))
