@@ -36,6 +36,15 @@ def handle(x, dtype=None):
     return t
 
 
+def aux_buffers(described, rng):
+    """Buffers for the aux pack the forward described ([(shape, dtype)]): zeros, except that the
+    rng_state slot (int64 [2]) is the rng_state itself. Without dropout the backward does not read
+    it, and a slot that is the rng_state needs no device copy (the PyTorch adapter's choice too)."""
+    dt = {nvte.DType.kFloat32: torch.float32, nvte.DType.kInt64: torch.int64}
+    return [rng if d == nvte.DType.kInt64 else torch.zeros(shape, dtype=dt[d], device=rng.device)
+            for shape, d in described]
+
+
 def workspace_for(H, s, sc):
     """One device workspace for both the forward and the backward of (Q, K, V) handles H."""
     wf = nvte.fused_attn_fwd_workspace_size(*H, None, s, s, True, False, 0.0, sc["qkv_layout"], sc["bias_type"],
@@ -75,9 +84,7 @@ class Ours:
                        rng_state=handle(self.rng), is_training=True, return_max_logit=False, cuda_graph=False,
                        workspace=handle(self.ws), stream=torch.cuda.current_stream().cuda_stream, **self.sc)
         self.ot = handle(self.o)
-        described = nvte.fused_attn_fwd(*self.H, O=self.ot, aux=[], **self.kw)
-        dt = {nvte.DType.kFloat32: torch.float32, nvte.DType.kInt64: torch.int64}
-        self.aux_bufs = [torch.zeros(shape, dtype=dt[d], device=dev) for shape, d in described]
+        self.aux_bufs = aux_buffers(nvte.fused_attn_fwd(*self.H, O=self.ot, aux=[], **self.kw), self.rng)
         self.aux = [handle(a) for a in self.aux_bufs]
         self.G = [handle(x) for x in (self.dq, self.dk, self.dv)]
         self.dot = handle(self.do)
@@ -113,7 +120,6 @@ class OursFp8:
     E4M3, E5M2 = nvte.DType.kFloat8E4M3, nvte.DType.kFloat8E5M2
 
     def __init__(self, base):
-        dev = "cuda"
         s = base.sc["max_seqlen_q"]
         self.sc = base.sc
         q8 = lambda x, sc, fmt: (x.float() * sc).to(fmt).view(torch.uint8)
@@ -130,9 +136,7 @@ class OursFp8:
         self.ot = with_meta(handle(self.o, self.E4M3), scale=self.o_scale, amax=0.0, scale_inv=1.0)
         self.kw = dict(base.kw)
         self.kw.update(S=self.S, workspace=handle(self.ws))
-        described = nvte.fused_attn_fwd(*self.H, O=self.ot, aux=[], **self.kw)
-        dt = {nvte.DType.kFloat32: torch.float32, nvte.DType.kInt64: torch.int64}
-        self.aux_bufs = [torch.zeros(shape, dtype=dt[d], device=dev) for shape, d in described]
+        self.aux_bufs = aux_buffers(nvte.fused_attn_fwd(*self.H, O=self.ot, aux=[], **self.kw), base.rng)
         self.aux = [handle(a) for a in self.aux_bufs]
         self.G = [with_meta(handle(x, self.E5M2), scale=64.0, amax=0.0, scale_inv=1.0) for x in (self.dq, self.dk, self.dv)]
         self.oin = with_meta(handle(self.o, self.E4M3), scale_inv=1.0 / self.o_scale)

@@ -301,3 +301,24 @@ def test_default_cuda_choice(monkeypatch):
     assert s.fwd == 2
     ref = ref_fused(q, k, v, "bshd", 1.0 / math.sqrt(8), ref_mask("causal", 2, 4, 4))
     assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_rng_state_copy_only_with_dropout(dropout):
+    """The forward keeps a copy of rng_state for the backward only when there is dropout (without,
+    the backward never reads it and the aux slot gets no buffer: no device copy); the backward runs
+    either way and repeats the forward's dropout mask (dQ of a second identical call agrees)."""
+    q, k, v = (dev(x).to(DT) for x in make_qkv("bshd", 2, 16, 16, 2, 2, 8, seed=3, dtype=torch.float32))
+    rng = torch.tensor([1234, 0], dtype=torch.int64, device=DEVICE)
+    args = (None, None, None, None, None, rng, 16, 16, True, 8 ** -0.5, dropout, fa.LAYOUTS["bshd"],
+            fa.BIAS_INT["no_bias"], fa.MASK_INT["no_mask"], -1, -1, False)
+    o, stats, rng_copy, bias_copy = fa.fused_attn_fwd(q, k, v, *args)
+    if dropout > 0.0:
+        assert torch.equal(rng_copy, rng)
+    else:
+        assert rng_copy.numel() == 0
+    do = torch.ones_like(o)
+    grads = [fa.fused_attn_bwd(q, k, v, o, do, stats, rng_copy, bias_copy, None, None, None, None, 16, 16,
+                               8 ** -0.5, dropout, fa.LAYOUTS["bshd"], fa.BIAS_INT["no_bias"],
+                               fa.MASK_INT["no_mask"], -1, -1, False, False)[0] for _ in range(2)]
+    assert torch.isfinite(grads[0]).all() and torch.equal(grads[0], grads[1])

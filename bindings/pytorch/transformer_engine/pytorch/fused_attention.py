@@ -50,6 +50,21 @@ def _handle(t: Optional[Tensor]):
     return None if t is None else _ops._tensor(t)
 
 
+def rng_copy_size(dropout: float) -> int:
+    """Elements of the forward's rng_state copy: 2 with dropout; 0 without, since the backward
+    then never reads it (one device copy and its launch less per training forward)."""
+    return 2 if dropout > 0.0 else 0
+
+
+def rng_slot(rng_copy: Tensor):
+    """The aux-pack slot of the rng_state copy. An empty copy (no dropout) becomes a slot without
+    data, which the forward points at the given rng_state (TE's rule for such a slot, no copy) and
+    the backward does not read."""
+    if rng_copy.numel():
+        return _handle(rng_copy)
+    return _ops._make(0, [2], _ops._TORCH_TO_NVTE[torch.int64])
+
+
 _stream = _ops._stream
 _workspace = _ops._workspace  # an _nvte.Tensor of nbytes, or None
 
@@ -142,11 +157,11 @@ def fused_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], cu_q
     qkv = (q, k, v)
     o = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     stats = torch.empty(stats_shape(q, layout, max_sq, cu_q), dtype=torch.float32, device=q.device)
-    rng_copy = torch.empty(2, dtype=torch.int64, device=q.device)
+    rng_copy = torch.empty(rng_copy_size(dropout), dtype=torch.int64, device=q.device)
     bias_copy = torch.empty_like(bias) if bias is not None else torch.empty(0, dtype=q.dtype, device=q.device)
     aux = None
     if is_training:
-        aux = [_handle(stats), _handle(rng_copy)] + ([_handle(bias_copy)] if bias is not None else [])
+        aux = [_handle(stats), rng_slot(rng_copy)] + ([_handle(bias_copy)] if bias is not None else [])
     call_fwd(c, qkv, [_handle(x) for x in qkv], bias, None, _handle(o), aux, (cu_q, cu_kv, cu_q_pad, cu_kv_pad),
              rng_state, is_training)
     return o, stats, rng_copy, bias_copy
@@ -158,7 +173,7 @@ def _(q, k, v, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, max_sq, max_sk
     o = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     stats = q.new_empty(stats_shape(q, layout, max_sq, cu_q), dtype=torch.float32)
     bias_copy = torch.empty_like(bias) if bias is not None else q.new_empty(0)
-    return o, stats, q.new_empty(2, dtype=torch.int64), bias_copy
+    return o, stats, q.new_empty(rng_copy_size(dropout), dtype=torch.int64), bias_copy
 
 
 @custom_op("transformer_engine::fused_attn_bwd", mutates_args=())
@@ -174,7 +189,7 @@ def fused_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, stats
     outs, (dq, dk, dv) = _pk.new_grads(layout, q, k, v, q.dtype)
     has_bias = bias_copy.numel() > 0
     dbias = torch.empty_like(bias_copy) if (has_bias and need_dbias) else q.new_empty(0)
-    aux = [_handle(stats), _handle(rng_copy)] + ([_handle(bias_copy)] if has_bias else [])
+    aux = [_handle(stats), rng_slot(rng_copy)] + ([_handle(bias_copy)] if has_bias else [])
     do = do.contiguous()  # a local: the handle only borrows its memory
     call_bwd(c, qkv, [_handle(x) for x in qkv], _handle(o), _handle(do), None, None, aux,
              [_handle(x) for x in (dq, dk, dv)], dbias if dbias.numel() else None, (cu_q, cu_kv, cu_q_pad, cu_kv_pad),

@@ -92,8 +92,8 @@ def _attn_fp8_fwd(qd, kd, vd, q_si, k_si, v_si, cu, rng_state, fwd_scale, fwd_hi
     s_h = _fp8(None, E4M3, scale=s_scale.data_ptr(), amax=_ops._slot_ptr(fwd_hist, SLOT_S))
     o_h = _fp8(o, E4M3, o_si, _ops._slot_ptr(fwd_scale, SLOT_O), _ops._slot_ptr(fwd_hist, SLOT_O))
     stats = torch.empty(_fa.stats_shape(qd, layout, max_sq, cu_q=cu[0]), dtype=torch.float32, device=dev)
-    rng_copy = torch.empty(2, dtype=torch.int64, device=dev)
-    aux = [_fa._handle(stats), _fa._handle(rng_copy)] if is_training else None
+    rng_copy = torch.empty(_fa.rng_copy_size(dropout), dtype=torch.int64, device=dev)
+    aux = [_fa._handle(stats), _fa.rng_slot(rng_copy)] if is_training else None
     _fa.call_fwd(c, qkv, H, None, s_h, o_h, aux, cu, rng_state, is_training)
     return s_scale, stats, rng_copy
 
@@ -121,7 +121,8 @@ def _(qd, kd, vd, q_si, k_si, v_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state,
       max_skv, is_training, scale, dropout, layout, mask, wl, wr, br):
     f32 = torch.float32
     return (qd.new_empty(_o_shape(qd, vd)), q_si.new_empty(1), q_si.new_empty(1),
-            q_si.new_empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=f32), qd.new_empty(2, dtype=torch.int64))
+            q_si.new_empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=f32),
+            qd.new_empty(_fa.rng_copy_size(dropout), dtype=torch.int64))
 
 
 @custom_op("transformer_engine::fused_attn_fp8_fwd_handoff", mutates_args=("fwd_hist",))
@@ -147,7 +148,8 @@ def _(qd, kd, vd, q_si, k_si, v_si, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state,
       max_skv, is_training, scale, dropout, layout, mask, wl, wr, br):
     f32 = torch.float32
     return (q_si.new_empty(handoff_words(*_o_rows_cols(qd, vd))), q_si.new_empty(1),
-            q_si.new_empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=f32), qd.new_empty(2, dtype=torch.int64))
+            q_si.new_empty(_fa.stats_shape(qd, layout, max_sq, cu_q), dtype=f32),
+            qd.new_empty(_fa.rng_copy_size(dropout), dtype=torch.int64))
 
 
 def _new_grad_bytes(layout: int, qd: Tensor, kd: Tensor, vd: Tensor):
@@ -199,7 +201,7 @@ def fused_attn_fp8_bwd(qd: Tensor, kd: Tensor, vd: Tensor, q_si: Tensor, k_si: T
     sis = [torch.empty(1, dtype=torch.float32, device=dev) for _ in range(3)]
     g_scale, g_amax = _ops._slot_ptr(bwd_scale, SLOT_DQKV), _ops._slot_ptr(bwd_hist, SLOT_DQKV)
     G = [_fp8(g, bwd_dtype, si, g_scale, g_amax) for g, si in zip(grads, sis)]
-    aux = [_fa._handle(stats), _fa._handle(rng_copy)]
+    aux = [_fa._handle(stats), _fa.rng_slot(rng_copy)]
     cu = (cu_q, cu_kv, cu_q_pad, cu_kv_pad)
     if seed:
         _ops.scale_from_history(dod, ops._dtype(bwd_dtype), bwd_scale, bwd_hist, SLOT_DO)
