@@ -23,7 +23,8 @@ def mask_enum(name):
 class Case:
     def __init__(self, layout="NVTE_BSHD_BSHD_BSHD", dtype="bfloat16", b=2, sq=64, skv=64, hq=4, hkv=4, d=64,
                  dv=None, mask="no_mask", bias=False, dropout=0.0, lens_q=None, lens_kv=None, seed=0, alibi=False,
-                 wl=-1):
+                 wl=-1, softmax="vanilla"):
+        self.softmax = softmax  # "vanilla", "off-by-one" or "learnable" (offsets from inputs())
         self.layout, self.dtype, self.b, self.sq, self.skv, self.alibi = layout, dtype, b, sq, skv, alibi
         self.wl = wl  # left window (keys i - wl .. of query i, top-left aligned), -1: unbounded
         self.hq, self.hkv, self.d, self.dv, self.mask, self.bias = hq, hkv, d, dv or d, mask, bias
@@ -73,15 +74,19 @@ def lengths(c):
     return padded, lq, lkv, cu(lq), cu(lkv)
 
 
+SOFTMAX = {"vanilla": ST.NVTE_VANILLA_SOFTMAX, "off-by-one": ST.NVTE_OFF_BY_ONE_SOFTMAX,
+           "learnable": ST.NVTE_LEARNABLE_SOFTMAX}
+
+
 def scalars(c):
     return dict(max_seqlen_q=c.sq, max_seqlen_kv=c.skv, attn_scale=1.0 / math.sqrt(c.d), dropout=c.dropout,
                 qkv_layout=getattr(L, c.layout),
                 bias_type=BT.NVTE_POST_SCALE_BIAS if c.bias else (BT.NVTE_ALIBI if c.alibi else BT.NVTE_NO_BIAS),
-                attn_mask_type=mask_enum(c.mask), softmax_type=ST.NVTE_VANILLA_SOFTMAX, window_size_left=c.wl,
+                attn_mask_type=mask_enum(c.mask), softmax_type=SOFTMAX[c.softmax], window_size_left=c.wl,
                 window_size_right=-1, bottom_right_diagonal=False)
 
 
-def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, training=True):
+def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, training=True, offset=None):
     """Forward (+ backward) on one backend. Returns canonical float64 O, dQ, dK, dV (CPU), the
     described aux pack ("described": [(shape, dtype)]) and its buffers after the forward ("aux",
     CPU copies). max_logit: return_max_logit, with the pack's float32 buffers poisoned with NaN
@@ -101,7 +106,8 @@ def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, tr
                                                sc["qkv_layout"], sc["bias_type"], sc["attn_mask_type"],
                                                sc["softmax_type"])
     wsf = torch.empty(max(ws_f, 1), dtype=torch.uint8, device=dev)
-    kw = dict(**side, SoftmaxOffset=None, S=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+    off_t = offset.float().view(1, c.hq, 1, 1).to(dev).contiguous() if c.softmax == "learnable" else None
+    kw = dict(**side, SoftmaxOffset=T(off_t).t if off_t is not None else None, S=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
               page_table_k=None, page_table_v=None, rng_state=rng, is_training=training, return_max_logit=max_logit,
               cuda_graph=False, workspace=T(wsf).t, **sc)
     ot = handle(o, nd)
@@ -127,10 +133,12 @@ def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, tr
                                                    sc["qkv_layout"], sc["bias_type"], sc["attn_mask_type"],
                                                    sc["softmax_type"])
         wsb = torch.empty(max(ws_b, 1), dtype=torch.uint8, device=dev)
-        nvte.fused_attn_bwd(*H, ot, handle(dO, nd), None, None, aux, *G, T(db).t if db is not None else None, None,
-                            side["cu_seqlens_q"], side["cu_seqlens_kv"], None, None, deterministic=True,
-                            cuda_graph=False, workspace=T(wsb).t, **sc)
-        res.update(dq=canon(gq), dk=canon(gk), dv=canon(gv), dbias=db.double().cpu() if db is not None else None)
+        doff = torch.full((1, c.hq, 1, 1), float("nan"), device=dev) if c.softmax == "learnable" else None
+        nvte.fused_attn_bwd(*H, ot, handle(dO, nd), None, None, aux, *G, T(db).t if db is not None else None,
+                            T(doff).t if doff is not None else None, side["cu_seqlens_q"], side["cu_seqlens_kv"], None,
+                            None, deterministic=True, cuda_graph=False, workspace=T(wsb).t, **sc)
+        res.update(dq=canon(gq), dk=canon(gk), dv=canon(gv), dbias=db.double().cpu() if db is not None else None,
+                   doffset=doff.view(-1).double().cpu() if doff is not None else None)
     if dev == "cuda":
         torch.cuda.synchronize()
     return res
@@ -155,8 +163,9 @@ def visible(c, dev="cpu"):
     return allowed
 
 
-def reference(c, q, k, v, do, bias, dtype=torch.float64, dev="cpu"):
-    """Attention in `dtype` with torch autograd: float64 reference or the naive low-precision one."""
+def reference(c, q, k, v, do, bias, dtype=torch.float64, dev="cpu", offset=None):
+    """Attention in `dtype` with torch autograd: float64 reference or the naive low-precision one.
+    Off-by-one / learnable softmax: one more term exp(offset[h]) (zeros: off-by-one) per row."""
     padded, lq, lkv, _, _ = lengths(c)
     leaf = lambda x: x.detach().to(dtype).to(dev).clone().requires_grad_(True)  # never the caller's tensor
     qq, kk, vv, dd = (leaf(x) for x in (q, k, v, do))
@@ -168,13 +177,22 @@ def reference(c, q, k, v, do, bias, dtype=torch.float64, dev="cpu"):
         s = s + bb
     allowed = visible(c, dev)
     s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s.float() if dtype != torch.float64 else s, -1).to(dtype)
+    sf = s.float() if dtype != torch.float64 else s
+    aa = None
+    if c.softmax != "vanilla":
+        aa = (offset if c.softmax == "learnable" else torch.zeros(c.hq, dtype=torch.float64)).detach()
+        aa = aa.to(sf.dtype).to(dev).clone().requires_grad_(True)
+        sink = aa.view(1, c.hq, 1, 1).expand(s.shape[0], c.hq, s.shape[2], 1)
+        p = torch.softmax(torch.cat([sf, sink], -1), -1)[..., :-1].to(dtype)
+    else:
+        p = torch.softmax(sf, -1).to(dtype)
     p = torch.nan_to_num(p, 0.0)  # fully masked rows
     o = torch.einsum("bhqk,bkhd->bqhd", p, vx)
     o.backward(dd)
     out = {"o": o.detach().double().cpu(), "dq": qq.grad.double().cpu(), "dk": kk.grad.double().cpu(),
            "dv": vv.grad.double().cpu()}
     out["dbias"] = bb.grad.double().cpu() if bb is not None else None
+    out["doffset"] = aa.grad.double().cpu() if c.softmax == "learnable" else None
     return out
 
 
@@ -187,6 +205,8 @@ def inputs(c):
     dt = DTYPES[c.dtype]
     q, k, v, do = (x.to(dt).double() for x in (q, k, v, do))  # exactly representable inputs
     bias = torch.randn(1, c.hq, c.sq, c.skv, generator=g, dtype=torch.float64).to(dt).double() if c.bias else None
+    if c.softmax == "learnable":  # float32 offsets around the logits' size
+        c.offset = torch.randn(c.hq, generator=g, dtype=torch.float64).float().double()
     return q, k, v, do, bias
 
 
@@ -210,16 +230,18 @@ def check(c, backward=True, max_logit=False, training=True):
     computed from that forward's aux pack, and check_logit_aux on the pack."""
     q, k, v, do, bias = inputs(c)
     rng_state = torch.tensor([123, 0], dtype=torch.int64)
-    got = run(c, "cuda", q, k, v, do, bias, rng_state, backward, max_logit, training)
-    cpu = run(c, "cpu", q, k, v, do, bias, rng_state, backward, max_logit, training)
-    ref = zero_padding(c, reference(c, q, k, v, do, bias))
-    naive = zero_padding(c, reference(c, q, k, v, do, bias, DTYPES[c.dtype], "cuda"))
+    off = getattr(c, "offset", None)
+    got = run(c, "cuda", q, k, v, do, bias, rng_state, backward, max_logit, training, off)
+    cpu = run(c, "cpu", q, k, v, do, bias, rng_state, backward, max_logit, training, off)
+    ref = zero_padding(c, reference(c, q, k, v, do, bias, offset=off))
+    naive = zero_padding(c, reference(c, q, k, v, do, bias, DTYPES[c.dtype], "cuda", offset=off))
     padded, lq, lkv, _, _ = lengths(c)
-    keys = ["o"] + (["dq", "dk", "dv"] + (["dbias"] if bias is not None else []) if backward else [])
+    keys = ["o"] + (["dq", "dk", "dv"] + (["dbias"] if bias is not None else []) +
+                    (["doffset"] if c.softmax == "learnable" else []) if backward else [])
     for key in keys:
         g = got[key]
         assert not torch.isnan(g).any(), f"{key}: NaN in the CUDA result (unwritten or poisoned element)"
-        if padded and key != "dbias":
+        if padded and key not in ("dbias", "doffset"):
             # Padded positions are written as zeros by the CUDA backend.
             for bi in range(c.b):
                 tail = g[bi, (lq if key in ("o", "dq") else lkv)[bi]:]
@@ -231,6 +253,10 @@ def check(c, backward=True, max_logit=False, training=True):
         bound = 2.0 * err_naive + 1e-3 * scale + 1e-6
         assert err <= bound, f"{key}: CUDA error {err:.3g} > 2 x naive {err_naive:.3g} (+floor); CPU {err_cpu:.3g}"
         assert (g - cpu[key]).abs().max().item() <= bound + err_cpu, f"{key}: CUDA vs CPU backend beyond the bound"
+    if c.softmax != "vanilla" and training:  # statistics with the sink term; the copied offset slot
+        assert got["described"] == cpu["described"], (got["described"], cpu["described"])
+        compare_rows("statistics", got["aux"][0], cpu["aux"][0])
+        assert torch.equal(got["aux"][-1], cpu["aux"][-1]), "softmax offset slot"
     if max_logit:
         plain = run(c, "cuda", q, k, v, do, bias, rng_state, False, False, training)
         check_logit_aux(got, cpu, plain if training else None)

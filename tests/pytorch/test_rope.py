@@ -107,7 +107,7 @@ def test_context_parallel_ranks_rotate_their_chunks_of_the_whole_sequence(fmt, i
     else:
         n = 12
         full = torch.randn((n, b, h, d) if fmt == "sbhd" else (b, n, h, d), generator=gen, dtype=torch.float64)
-    full.requires_grad_(True)
+    full = full.to(DT).double().requires_grad_(True)  # (values the ranks' DT inputs hold exactly)
     ref = rope_ref(full, emb, fmt, interleaved=interleaved, cu=cu if fmt == "thd" else None)
     g_full = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     ref.backward(g_full)

@@ -16,8 +16,12 @@
 // no bias or post-scale bias, ALiBi with the default slopes, GQA/MQA, head_dim_qk != head_dim_v
 // where cuDNN accepts it, dropout from rng_state (seed, offset) on the device, windows with
 // an unbounded right side or the causal one, paged K/V caches (below). Anything else (the
-// backward of THD queries over BSHD/SBHD K/V, pre-scale bias, custom ALiBi slopes, float32,
-// learnable softmax) reports NVTE_ERROR_NOT_SUPPORTED with the reason.
+// backward of THD queries over BSHD/SBHD K/V, pre-scale bias, custom ALiBi slopes, float32)
+// reports NVTE_ERROR_NOT_SUPPORTED with the reason.
+//
+// Off-by-one and learnable softmax (BSHD/SBHD, not with max_seqlen_q 1): cuDNN's sink token,
+// float32 [1, h_q, 1, 1] (the learnable offset, or zeros in the workspace for off-by-one). The
+// learnable offset's gradient is the library's own kernel (fused_attn_sink.h).
 //
 // Paged K/V caches (forward): cuDNN's paged attention. K, V are its containers [pages, h,
 // page_size, d] (the cache's BSHD/SBHD strides); the page tables [b, 1, ceil(max_seqlen_kv /
@@ -74,6 +78,7 @@
 #include "fused_attn_cudnn_internal.h"
 #include "fused_attn_cudnn_rules.h"
 #include "fused_attn_seqlens.h"
+#include "fused_attn_sink.h"
 #include "fused_attn_thd_decode.h"
 
 // The frontend's shim resolves every cuDNN symbol through this handle.
@@ -160,7 +165,7 @@ Key key_of(const AttnParams &p, bool bwd, bool has_dbias, const Fp8Types *fp8) {
        (int64_t)p.max_sq, (int64_t)p.max_skv, (int64_t)p.bias_type, (int64_t)p.padding, (int64_t)p.rule.causal,
        (int64_t)p.rule.bottom_right, p.rule.window_left, p.rule.window_right, (int64_t)(p.dropout > 0.0f),
        (int64_t)p.is_training, (int64_t)p.return_max_logit, (int64_t)p.bias_b, (int64_t)p.bias_h,
-       (int64_t)has_dbias, (int64_t)p.page_size, (int64_t)p.num_pages});
+       (int64_t)has_dbias, (int64_t)p.page_size, (int64_t)p.num_pages, (int64_t)p.softmax_type});
   for (const auto &t : p.qkv.t) add({(int64_t)t.format, (int64_t)t.row_stride, (int64_t)t.head_stride});
   add({(int64_t)p.out.format, (int64_t)p.out.row_stride, (int64_t)p.out.head_stride});
   int32_t sb;  // the scale and dropout probability are baked into the graph
@@ -210,6 +215,10 @@ void common_options(fe::graph::Graph &g, const AttnParams &p, Attr &a, bool has_
     }
   }
   if (p.bias_type == NVTE_ALIBI) a.set_alibi_mask(true);
+  if (p.softmax_type != NVTE_VANILLA_SOFTMAX) {
+    const int64_t h = (int64_t)p.h_q;
+    a.set_sink_token(input_tensor(g, "sink", kUSink, {1, h, 1, 1}, {h, 1, 1, 1}, fe::DataType_t::FLOAT));
+  }
   if (p.dropout > 0.0f) {
     a.set_dropout(p.dropout, scalar_tensor(g, kUSeed, "seed", fe::DataType_t::INT64),
                   scalar_tensor(g, kUOffset, "offset", fe::DataType_t::INT64));
@@ -342,6 +351,21 @@ namespace {
 
 // ------------------------------------------------------------------ float16 / bfloat16 calls
 
+// The sink token of an off-by-one / learnable softmax call: the learnable offset, or float32
+// zeros in the workspace for off-by-one; null for the vanilla softmax.
+const float *bind_sink(const AttnParams &p, const Built &b, const Tensor *offset, char *ws, VariantPack &pack,
+                       cudaStream_t stream) {
+  if (p.softmax_type == NVTE_VANILLA_SOFTMAX) return nullptr;
+  float *sink = static_cast<float *>(data(offset));
+  if (p.softmax_type == NVTE_OFF_BY_ONE_SOFTMAX) {
+    sink = reinterpret_cast<float *>(sink_area(p, b, ws));
+    NVTE_CHECK_CUDA(cudaMemsetAsync(sink, 0, p.h_q * sizeof(float), stream));
+  }
+  NVTE_CHECK(sink != nullptr, "internal: the learnable softmax without its offset tensor");
+  pack[kUSink] = sink;
+  return sink;
+}
+
 void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
   auto b = graph_for(p, false, false, stream);
   char *ws = workspace_ptr(workspace, total_bytes(p, *b));
@@ -356,6 +380,7 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
     pack[kUStats] = stats;
   }
   if (p.bias_type == NVTE_POST_SCALE_BIAS) pack[kUBias] = data(t.bias);
+  const float *sink = bind_sink(p, *b, t.softmax_offset, ws, pack, stream);
   if (p.dropout > 0.0f) {
     int64_t *rng = static_cast<int64_t *>(data(t.rng_state));
     pack[kUSeed] = rng;
@@ -374,7 +399,7 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   if (p.layout.paged) bind_page_tables(p, *b, t.page_k, t.page_v, 0, ws, pack, stream);
   execute(*b, pack, ws, stream);
   clear_unused_rows(p, pack, data(t.o), p.out, false, p.h_q, p.d_v, p.dtype, stream);
-  if (p.is_training && !p.return_max_logit) clear_unused_stats(p, pack, stats, stream);
+  if (p.is_training && !p.return_max_logit) clear_unused_stats(p, pack, stats, sink, stream);
   if (p.return_max_logit) {
     const auto seq = [&](int64_t uid) { return p.padding ? static_cast<const int32_t *>(pack.at(uid)) : nullptr; };
     logit_stats(stats, max_logit, seq(kUSeqQ), seq(kUSeqKV), p.batch, p.h_q, p.max_sq, p.max_skv, p.rule, stream);
@@ -390,6 +415,7 @@ void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspa
                                            {kUdQ, data(t.dq)}, {kUdK, data(t.dk)}, {kUdV, data(t.dv)}};
   if (p.bias_type == NVTE_POST_SCALE_BIAS) pack[kUBias] = data(t.bias);
   if (db) pack[kUdBias] = data(t.dbias);
+  const float *sink = bind_sink(p, *b, t.softmax_offset, ws, pack, stream);
   if (p.dropout > 0.0f) {
     int64_t *rng = static_cast<int64_t *>(data(t.rng_state));
     pack[kUSeed] = rng;
@@ -408,6 +434,20 @@ void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspa
   clear_unused_rows(p, pack, data(t.dq), p.qkv.t[attn::kQ], false, p.h_q, p.d_qk, p.dtype, stream);
   clear_unused_rows(p, pack, data(t.dk), p.qkv.t[attn::kK], true, p.h_kv, p.d_qk, p.dtype, stream);
   clear_unused_rows(p, pack, data(t.dv), p.qkv.t[attn::kV], true, p.h_kv, p.d_v, p.dtype, stream);
+  if (p.softmax_type == NVTE_LEARNABLE_SOFTMAX && t.dsoftmax_offset != nullptr) {
+    SinkGrad g;
+    g.o = data(t.o);
+    g.d_o = data(t.d_o);
+    g.dtype = p.dtype;
+    g.out = p.out;
+    g.batch = p.batch;
+    g.max_q = p.max_sq;
+    g.heads = p.h_q;
+    g.d_v = p.d_v;
+    g.stats = static_cast<const float *>(data(t.stats));
+    g.alpha = sink;
+    softmax_offset_grad(g, static_cast<float *>(data(t.dsoftmax_offset)), sink_grad_scratch(p, *b, ws), stream);
+  }
 }
 
 // The workspace queries see only Q, K, V: they size the graph of TE's HYBRID recipe (E4M3 O,
@@ -463,6 +503,13 @@ void fused_attn_fwd(const AttnParams &call, const attn::AttnFwdTensors &t, Tenso
   if (t.aux_bias && t.bias)
     NVTE_CHECK_CUDA(
         cudaMemcpyAsync(data(t.aux_bias), data(t.bias), bytes_of(*t.bias), cudaMemcpyDeviceToDevice, stream));
+  if (t.aux_offset) {  // the learnable offset, or zeros for the off-by-one softmax (as on the CPU)
+    if (t.softmax_offset)
+      NVTE_CHECK_CUDA(cudaMemcpyAsync(data(t.aux_offset), data(t.softmax_offset), bytes_of(*t.softmax_offset),
+                                      cudaMemcpyDeviceToDevice, stream));
+    else
+      NVTE_CHECK_CUDA(cudaMemsetAsync(data(t.aux_offset), 0, bytes_of(*t.aux_offset), stream));
+  }
 }
 
 void fused_attn_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {

@@ -8,6 +8,7 @@
 #include "fused_attn_cudnn_calls.h"
 #include "fused_attn_cudnn_rules.h"
 #include "fused_attn_seqlens.h"
+#include "fused_attn_sink.h"
 
 namespace nvte::cuda::cudnn_attn {
 
@@ -17,7 +18,8 @@ namespace nvte::cuda::cudnn_attn {
 // [b, h_q, max_sq] (b: the graph's batch; with return_max_logit two of them, cuDNN's Sum_exp and
 // Max) and the row maps of Q and K/V (a byte per token row), then (paged caches) the clamped page
 // tables of K and V (int32 [b, pages] each), then (FP8) a block of float32 scalars (descales the
-// graph reads, amax values it writes).
+// graph reads, amax values it writes), then (off-by-one / learnable softmax) float32 [h_q] (the
+// off-by-one softmax's zero sink token) and the partial sums of the learnable offset's gradient.
 size_t seqlen_bytes(const AttnParams &p) {
   const AttnParams g = graph_params(p);
   const size_t ragged = ragged_padding(p) ? 4 * align256((g.batch + 1) * 4) : 0;  // bind_seqlens' offsets
@@ -40,10 +42,20 @@ size_t ragged_bytes(const AttnParams &p) {
 }
 constexpr size_t kFp8ScalarBytes = 256;
 size_t fp8_scalar_bytes(const AttnParams &p) { return is_fp8(p.dtype) ? kFp8ScalarBytes : 0; }
+size_t sink_bytes(const AttnParams &p) {
+  if (p.softmax_type == NVTE_VANILLA_SOFTMAX) return 0;
+  return align256(p.h_q * 4) + softmax_offset_grad_scratch_bytes(p.h_q);
+}
 }  // namespace
 size_t cudnn_bytes(const Built &b) { return align256((size_t)b.workspace); }
 size_t total_bytes(const AttnParams &p, const Built &b) {
-  return cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + page_bytes(p) + fp8_scalar_bytes(p);
+  return cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + page_bytes(p) + fp8_scalar_bytes(p) + sink_bytes(p);
+}
+char *sink_area(const AttnParams &p, const Built &b, char *ws) {
+  return ws + cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + page_bytes(p) + fp8_scalar_bytes(p);
+}
+char *sink_grad_scratch(const AttnParams &p, const Built &b, char *ws) {
+  return sink_area(p, b, ws) + align256(p.h_q * 4);
 }
 float *fp8_scalars(const AttnParams &p, const Built &b, char *ws) {
   return reinterpret_cast<float *>(ws + cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + page_bytes(p));
@@ -90,10 +102,12 @@ void clear_unused_rows(const AttnParams &p, const VariantPack &pack, void *base,
   zero_unused_rows(base, u, stream);
 }
 
-void clear_unused_stats(const AttnParams &p, const VariantPack &pack, float *stats, cudaStream_t stream) {
+void clear_unused_stats(const AttnParams &p, const VariantPack &pack, float *stats, const float *sink,
+                        cudaStream_t stream) {
   if (thd(p)) return;
   UnusedRows u = unused_rows(p, pack);
   u.heads = p.h_q;
+  u.sink = sink;
   stats_unused_rows(stats, u, stream);
 }
 

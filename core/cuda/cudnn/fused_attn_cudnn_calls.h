@@ -27,7 +27,8 @@ enum Uid : int64_t {
   kUAmaxS, kUAmaxO, kUAmaxdQ, kUAmaxdK, kUAmaxdV, kUAmaxdP,
   kURaggedQ, kURaggedK, kURaggedV, kURaggedO,  // THD: ragged offsets of Q/dQ, K/dK, V/dV, O/dO
   kUMax, kUSumExp,                              // return_max_logit: cuDNN's row max and sum of exp
-  kUPageK, kUPageV                              // paged K/V caches: the (clamped) page tables
+  kUPageK, kUPageV,                             // paged K/V caches: the (clamped) page tables
+  kUSink                                        // off-by-one / learnable softmax: float32 [1, h_q, 1, 1]
 };
 
 // Element types of an FP8 call beyond Q/K/V (always E4M3): O (E4M3/E5M2, or float16/bfloat16),
@@ -61,6 +62,10 @@ size_t seqlen_bytes(const AttnParams &p);
 size_t total_bytes(const AttnParams &p, const Built &b);
 // FP8 calls: the float32 scalars in the workspace (descales the graph reads, amax values it writes).
 float *fp8_scalars(const AttnParams &p, const Built &b, char *ws);
+// Off-by-one / learnable softmax: float32 [h_q] (the off-by-one softmax's zero sink token), and
+// after it the scratch of softmax_offset_grad (fused_attn_sink.h).
+char *sink_area(const AttnParams &p, const Built &b, char *ws);
+char *sink_grad_scratch(const AttnParams &p, const Built &b, char *ws);
 
 // The workspace's data pointer after checking that it holds `need` bytes (null when need is 0).
 char *workspace_ptr(Tensor *ws, size_t need);
@@ -73,11 +78,14 @@ void bind_seqlens(const AttnParams &p, const Tensor *cu_q, const Tensor *cu_kv, 
 // BSHD/SBHD (THD: run_thd's ragged_zero_rows and row maps): after the graph ran, zeroes the rows of
 // a Q-side (kv_side false: O, dQ) or K/V-side (dK, dV) tensor that fused_attn.h defines as zero
 // and cuDNN may leave undefined (UnusedRows in fused_attn_seqlens.h); clear_unused_stats sets the
-// statistics of those query rows to -inf. Padding masks need the lengths bound by bind_seqlens.
-// No launch when the mask uses every row.
+// statistics of those query rows to -inf, or, with a sink token (`sink`: float32 [h_q], else
+// null), those of rows inside their sequence that see no key to the sink (the softmax has only
+// the sink's term there). Padding masks need the lengths bound by bind_seqlens. No launch when
+// the mask uses every row.
 void clear_unused_rows(const AttnParams &p, const VariantPack &pack, void *base, const attn::TensorPlacement &pl,
                        bool kv_side, size_t heads, size_t d, NVTEDType dtype, cudaStream_t stream);
-void clear_unused_stats(const AttnParams &p, const VariantPack &pack, float *stats, cudaStream_t stream);
+void clear_unused_stats(const AttnParams &p, const VariantPack &pack, float *stats, const float *sink,
+                        cudaStream_t stream);
 
 inline void *data(const Tensor *t) { return t ? t->params[kNVTERowwiseData].data_ptr : nullptr; }
 

@@ -185,7 +185,7 @@ void fp8_fwd(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   bind_seqlens(p, t.cu_q, t.cu_kv, ws + cudnn_bytes(*b), pack, stream);
   execute(*b, pack, ws, stream);
   clear_unused_rows(p, pack, data(t.o), p.out, false, p.h_q, p.d_v, ty.o, stream);  // byte 0 is +0 in FP8 too
-  if (p.is_training) clear_unused_stats(p, pack, static_cast<float *>(data(t.stats)), stream);
+  if (p.is_training) clear_unused_stats(p, pack, static_cast<float *>(data(t.stats)), nullptr, stream);
   ScalarOps post;
   // cuDNN quantizes the unnormalized exp(z - row max) (at most 1; O matches that on an H200)
   // but reports the amax of the normalized probabilities (0.2-0.4 in no-mask tests). A

@@ -79,6 +79,20 @@ std::string thd_unsupported_reason(const AttnParams &p) {
   return "";
 }
 
+// The off-by-one and learnable softmax run as cuDNN's sink token (cuDNN >= 9.13; the frontend
+// reports older versions at the graph build).
+std::string sink_unsupported_reason(const AttnParams &p) {
+  const char *what = p.softmax_type == NVTE_OFF_BY_ONE_SOFTMAX ? "the off-by-one softmax" : "the learnable softmax";
+  if (thd(p) || kv_thd(p))
+    return concat(what, " is not supported with THD layouts on the GPU (cuDNN 9.19's ragged backward takes no sink "
+                  "token; it needs 9.26)");
+  if (p.layout.paged) return concat(what, " is not supported with paged K/V caches on the GPU");
+  if (p.max_sq == 1)
+    return concat(what, " is not supported with max_seqlen_q 1 on the GPU (cuDNN's decode mode takes no sink token)");
+  if (p.return_max_logit) return concat(what, " is not supported with return_max_logit on the GPU");
+  return "";
+}
+
 size_t pow2_at_least(size_t x) {
   size_t n = 1;
   while (n < x) n *= 2;
@@ -101,7 +115,10 @@ std::string unsupported_reason(const AttnParams &p) {
     const std::string r = thd_unsupported_reason(p);
     if (!r.empty()) return r;
   }
-  if (p.softmax_type != NVTE_VANILLA_SOFTMAX) return "only the vanilla softmax is supported on the GPU";
+  if (p.softmax_type != NVTE_VANILLA_SOFTMAX) {
+    const std::string r = sink_unsupported_reason(p);
+    if (!r.empty()) return r;
+  }
   if (p.bias_type == NVTE_PRE_SCALE_BIAS) return "pre-scale bias is not supported by cuDNN";
   if (p.bias_type == NVTE_ALIBI && p.slopes_b != 0) return "ALiBi with caller-given slopes is not supported on the GPU";
   if (p.bias_type == NVTE_ALIBI && !p.rule.causal) return "cuDNN applies ALiBi only with a causal mask";
@@ -143,7 +160,9 @@ size_t graph_pages(const AttnParams &p) {
 
 bool ragged_padding(const AttnParams &p) {
   // (graph_params' padding: a bottom-right causal call with max_seqlen_q > max_seqlen_kv has it too)
-  if (!graph_params(p).padding || is_fp8(p.dtype) || p.layout.paged || p.bias_type != NVTE_NO_BIAS || p.max_sq < 2)
+  // (a sink token: cuDNN's ragged backward takes none before 9.26)
+  if (!graph_params(p).padding || is_fp8(p.dtype) || p.layout.paged || p.bias_type != NVTE_NO_BIAS || p.max_sq < 2 ||
+      p.softmax_type != NVTE_VANILLA_SOFTMAX)
     return false;
   if (p.layout.q_format == NVTE_THD || p.layout.kv_format == NVTE_THD) return false;
   const attn::TensorPlacement *pl[4] = {&p.qkv.t[attn::kQ], &p.qkv.t[attn::kK], &p.qkv.t[attn::kV], &p.out};

@@ -44,7 +44,8 @@ size_t graph_pages(const AttnParams &p);
 // faster than its padded ones for the same sequences (H100, b=4 h=32 d=128,
 // lengths 2048/1536/1024/512: forward 0.323 vs 0.261 ms, causal 0.236 vs 0.177). Not for FP8
 // (cuDNN's FP8 backward takes no ragged tensors on Hopper), bias or ALiBi (not taken with ragged
-// tensors), paged caches, max_seqlen_q 1 (the decode kernel) or offsets beyond int32.
+// tensors), paged caches, max_seqlen_q 1 (the decode kernel), the off-by-one / learnable softmax
+// (cuDNN's ragged backward takes no sink token before 9.26) or offsets beyond int32.
 bool ragged_padding(const AttnParams &p);
 
 // THD queries over BSHD/SBHD K/V or a paged cache with max_seqlen_q 1 (a decode step), forward,

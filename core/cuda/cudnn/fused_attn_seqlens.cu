@@ -81,7 +81,8 @@ __global__ void stats_unused_rows_kernel(float *stats, UnusedRows u) {
     const size_t b = bh / u.heads;
     const int64_t lq = u.seq_q ? u.seq_q[b] : (int64_t)u.max_q, lkv = u.seq_kv ? u.seq_kv[b] : (int64_t)u.max_kv;
     const attn::KeyRange keep = attn::rows_with_keys(u.rule, lq, lkv);
-    if ((int64_t)row < keep.lo || (int64_t)row > keep.hi) stats[bh * u.max_q + row] = -INFINITY;
+    if ((int64_t)row < keep.lo || (int64_t)row > keep.hi)
+      stats[bh * u.max_q + row] = u.sink && (int64_t)row < lq ? u.sink[bh % u.heads] : -INFINITY;
   }
 }
 

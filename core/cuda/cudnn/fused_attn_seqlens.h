@@ -42,6 +42,7 @@ struct UnusedRows {
   size_t rows = 0;        // the tensor's sequence dimension
   bool sbhd = false;      // [s, b, ...] instead of [b, s, ...]
   size_t row_stride = 0, heads = 0, head_stride = 0, row_bytes = 0;  // bytes; row_bytes = d * element size
+  const float *sink = nullptr;  // statistics: [heads] sink token, the value of in-sequence rows without keys
 };
 // True when some row can be out of range (always with per-sequence lengths; without them when
 // the mask rule leaves rows or keys unused at the maximum lengths): the calls below skip the
@@ -49,7 +50,8 @@ struct UnusedRows {
 bool unused_rows_possible(const UnusedRows &u);
 // Zeroes the tensor's out-of-range rows (all heads, row_bytes each).
 void zero_unused_rows(void *base, const UnusedRows &u, cudaStream_t stream);
-// Statistics [batch, heads, max_q]: -inf in the query rows out of range (u.key_side is ignored).
+// Statistics [batch, heads, max_q]: -inf in the query rows out of range (u.key_side is ignored);
+// with u.sink, rows inside their sequence that see no key get sink[head] instead.
 void stats_unused_rows(float *stats, const UnusedRows &u, cudaStream_t stream);
 
 // Paged K/V caches: the first `used` entries of `rows` rows of both page tables ([.., width] ->

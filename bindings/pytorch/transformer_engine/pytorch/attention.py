@@ -92,6 +92,29 @@ def fused_scale_mask_softmax(scores: torch.Tensor, kind: str, scale: float,
 
 
 # ------------------------------------------------------------ mask helpers
+def _explicit_mask(kind: str, mask, sq: int, sk: int, device):
+    """The bool mask (True = hidden, broadcastable to [b, h, sq, sk]) that softmax kernel family
+    `kind` of DotProductAttention._softmax_plan applies, or None."""
+    if kind == "upper_triang":
+        return _causal_mask(sq, sk, False, device)
+    if kind == "aligned_causal":
+        return _causal_mask(sq, sk, True, device)
+    return mask if kind == "masked" else None
+
+
+def softmax_with_sink(scores: torch.Tensor, scale: float, mask, offset: torch.Tensor) -> torch.Tensor:
+    """softmax(scale * scores) over the last dim with one more term in each row's denominator,
+    exp(offset[h]) (scores [b, h, sq, sk], offset [h]); hidden positions (mask True) get 0, and a row
+    with every key hidden gets zeros (the sink takes it all). float32 math, scores' dtype out;
+    differentiable in scores and offset."""
+    b, h, sq, _ = scores.shape
+    z = scores.float() * scale
+    if mask is not None:
+        z = z.masked_fill(mask, float("-inf"))
+    sink = offset.float().view(1, h, 1, 1).expand(b, h, sq, 1)
+    return torch.softmax(torch.cat([z, sink], dim=-1), dim=-1)[..., :-1].to(scores.dtype)
+
+
 def _causal_mask(sq: int, sk: int, bottom_right: bool, device) -> torch.Tensor:
     """[1, 1, sq, sk] bool, True where key j is after query i (aligned top-left or bottom-right)."""
     i = torch.arange(sq, device=device).view(sq, 1)
@@ -160,7 +183,7 @@ class DotProductAttention(torch.nn.Module):
                  sequence_parallel: bool = False, tp_size: int = 1, get_rng_state_tracker: Optional[Callable] = None,
                  tp_group=None, layer_number: Optional[int] = None, attention_type: str = "self",
                  cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p",
-                 softmax_scale: Optional[float] = None, **kwargs):
+                 softmax_scale: Optional[float] = None, softmax_type: str = "vanilla", **kwargs):
         super().__init__()
         if tp_size != 1:
             raise NotImplementedError(f"DotProductAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
@@ -189,6 +212,18 @@ class DotProductAttention(torch.nn.Module):
         self.attention_type = attention_type
         self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head_k) if softmax_scale is None
                               else float(softmax_scale))
+        # The attention sink (TE's softmax_type): the softmax of each row gets one more term in its
+        # denominator, exp(0) ("off-by-one") or exp(alpha_h) with a learnable alpha [heads] ("learnable",
+        # zeros at first, as in TE); "vanilla" has none.
+        if softmax_type not in _fa.SOFTMAX_INT:
+            raise ValueError(f"softmax_type must be one of {list(_fa.SOFTMAX_INT)}, got {softmax_type!r}")
+        self.softmax_type = softmax_type
+        if softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(self.num_attention_heads, device=default_device()))
+        elif softmax_type == "off-by-one":
+            self.softmax_offset = torch.zeros(self.num_attention_heads, device=default_device())
+        else:
+            self.softmax_offset = None
         self.sequence_parallel, self.get_rng_state_tracker, self.tp_group = (
             sequence_parallel, get_rng_state_tracker, tp_group)
         # delayed-scaling state of FP8 attention (fused_attention_fp8.py names the slots)
@@ -259,7 +294,11 @@ class DotProductAttention(torch.nn.Module):
         scores = torch.matmul(q, k.transpose(-1, -2))  # [b, h, sq, sk], unscaled
 
         kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device)
-        probs = fused_scale_mask_softmax(scores, kind, self.softmax_scale, mask)
+        if self.softmax_type == "vanilla":
+            probs = fused_scale_mask_softmax(scores, kind, self.softmax_scale, mask)
+        else:
+            probs = softmax_with_sink(scores, self.softmax_scale, _explicit_mask(kind, mask, sq, sk, scores.device),
+                                      self.sink_offset(scores.device))
         if self.training and self.attention_dropout > 0.0:
             probs = torch.nn.functional.dropout(probs, p=self.attention_dropout, training=True)
         ctx = torch.matmul(probs, v)  # [b, h, sq, dv]
@@ -268,6 +307,14 @@ class DotProductAttention(torch.nn.Module):
         else:
             ctx = ctx.permute(0, 2, 1, 3)
         return ctx.reshape(ctx.shape[0], ctx.shape[1], -1)
+
+    def sink_offset(self, device) -> Optional[torch.Tensor]:
+        """The per-head sink logits [heads] of softmax_type (zeros for "off-by-one"), None for "vanilla"."""
+        if self.softmax_type == "learnable":
+            return self.softmax_offset
+        if self.softmax_type == "off-by-one":
+            return torch.zeros(self.num_attention_heads, device=device)
+        return None
 
     def _fused(self, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes, seq=None,
                fp8=None):
@@ -410,7 +457,8 @@ class MultiheadAttention(torch.nn.Module):
                  set_parallel_mode: bool = False, fuse_qkv_params: bool = False, zero_centered_gamma: bool = False,
                  qkv_weight_interleaved: bool = True, bias: bool = True, normalization: str = "LayerNorm",
                  device=None, qkv_format: str = "sbhd", name: Optional[str] = None,
-                 softmax_scale: Optional[float] = None, rotary_pos_interleaved: bool = False, **kwargs):
+                 softmax_scale: Optional[float] = None, rotary_pos_interleaved: bool = False,
+                 softmax_type: str = "vanilla", **kwargs):
         super().__init__()
         if tp_size != 1:
             raise NotImplementedError(f"MultiheadAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
@@ -474,7 +522,8 @@ class MultiheadAttention(torch.nn.Module):
             self.num_attention_heads, kv, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
             qkv_format=self.qkv_format, attn_mask_type=self.attn_mask_type, window_size=window_size,
             layer_number=layer_number, attention_type=attention_type, softmax_scale=softmax_scale,
-            sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group)
+            sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group,
+            softmax_type=softmax_type)
         self.proj = Linear(q_out, self.hidden_size, init_method=output_layer_init_method, bias=bias,
                            return_bias=self.return_bias, params_dtype=params_dtype, device=device,
                            sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker)

@@ -264,6 +264,7 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
     if needs_fused and bias_type in ("pre_scale_bias", "post_scale_bias") and bias is None:
         raise ValueError(f"core_attention_bias_type {bias_type!r} needs core_attention_bias")
     why = ""
+    softmax = _fa.SOFTMAX_INT[getattr(dpa, "softmax_type", "vanilla")]
     if not _fa.want_fused(q.device, needs_fused):
         why = "NVTE_FUSED_ATTN=0"
     elif mask_type == "arbitrary":
@@ -272,6 +273,8 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
         why = "query/key/value dtypes differ"
     elif fp8 is not None and bias_type != "no_bias":
         why = "FP8 attention has no attention bias or ALiBi (as in TE)"
+    elif fp8 is not None and softmax:
+        why = f"FP8 attention takes the vanilla softmax only (softmax_type {dpa.softmax_type!r})"
     elif bias_type == "alibi" and alibi_slopes is not None and q.is_cuda:
         why = "ALiBi with caller-given slopes is not supported by the GPU backend (cuDNN uses its default slopes)"
     # q, k, v already in a packed placement (a fused QKV projection's split) go as they are
@@ -300,14 +303,16 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
                         why = "the padding mask is not right-padded (valid tokens first)"
         grads = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in
-            ((q, k, v, bias if bias_type != "alibi" else None) if handoff is None else handoff[0]))
+            ((q, k, v, bias if bias_type != "alibi" else None,
+              dpa.softmax_offset if softmax == _fa.SOFTMAX_INT["learnable"] else None)
+             if handoff is None else handoff[0]))
         is_training = grads or dropout > 0.0
         if not why:
             ok, reason = _fa.fused_backend_supports(q, k, v, layout, _fa.BIAS_INT[bias_type],
                                                     _fa.MASK_INT[mask_type], dropout, is_training, sq, sk,
                                                     wl, wr, fp8=fp8 is not None, br="causal" not in mask_type,
                                                     bias=bias if bias_type in ("pre_scale_bias", "post_scale_bias")
-                                                    else None)
+                                                    else None, softmax=softmax)
             why = "" if ok else reason
             if fmt == "thd" and handoff is None and (not ok or THD_AS_PADDED == "always"):
                 return _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_slopes, seq,
@@ -355,6 +360,9 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
         elif bias_type == "alibi" and alibi_slopes is not None:
             bias_t = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
         cfg = (sq, sk, is_training, float(dpa.softmax_scale), float(dropout), layout, _fa.BIAS_INT[bias_type],
-               mask, int(wl), int(wr), br)
-        o = _fa.FusedAttnFunc.apply(q, k, v, bias_t, *cu, rng, cfg)
+               mask, int(wl), int(wr), br, softmax)
+        offset = None
+        if dpa.softmax_type == "learnable":  # [h] -> [1, h, 1, 1] (a view: the gradient reaches the parameter)
+            offset = dpa.softmax_offset.float().view(1, -1, 1, 1)
+        o = _fa.FusedAttnFunc.apply(q, k, v, bias_t, *cu, rng, offset, cfg)
     return o.reshape(*o.shape[:-2], -1)

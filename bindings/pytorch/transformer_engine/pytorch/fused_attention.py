@@ -81,18 +81,29 @@ class AttnCfg(NamedTuple):
     wl: int
     wr: int
     br: bool
+    softmax: int = 0  # NVTE_Softmax_Type: vanilla, off-by-one, learnable
 
 
 @functools.lru_cache(maxsize=None)
-def _enums(layout: int, bias_type: int, mask: int):
+def _enums(layout: int, bias_type: int, mask: int, softmax: int = 0):
     """The binding's enums (layout, bias, mask, softmax) of the ops' plain-int arguments, made once."""
-    return L(layout), BT(bias_type), M(mask), ST.NVTE_VANILLA_SOFTMAX
+    return L(layout), BT(bias_type), M(mask), ST(softmax)
 
 
 def _tail(c: AttnCfg):
     """The trailing scalars nvte_fused_attn_fwd and _bwd share: scale, dropout, layout, bias type,
     mask, softmax type, window, bottom-right diagonal."""
-    return (c.scale, c.dropout, *_enums(c.layout, c.bias_type, c.mask), c.wl, c.wr, c.br)
+    return (c.scale, c.dropout, *_enums(c.layout, c.bias_type, c.mask, c.softmax), c.wl, c.wr, c.br)
+
+
+SOFTMAX_INT = {"vanilla": int(ST.NVTE_VANILLA_SOFTMAX), "off-by-one": int(ST.NVTE_OFF_BY_ONE_SOFTMAX),
+               "learnable": int(ST.NVTE_LEARNABLE_SOFTMAX)}
+
+
+def offset_slot(h: int):
+    """A data-less aux-pack slot for the softmax offset (float32 [1, h, 1, 1]): the forward points it
+    at the SoftmaxOffset given (no copy); the backward of the off-by-one softmax reads nothing there."""
+    return _ops._make(0, [1, h, 1, 1], _ops._TORCH_TO_NVTE[torch.float32])
 
 
 def attn_workspace(bwd: bool, c: AttnCfg, qkv, H, bias: Optional[Tensor], is_training: bool):
@@ -103,7 +114,7 @@ def attn_workspace(bwd: bool, c: AttnCfg, qkv, H, bias: Optional[Tensor], is_tra
            None if bias is None else (bias.shape, bias.dtype), is_training, c)
 
     def query():
-        enums = _enums(c.layout, c.bias_type, c.mask)
+        enums = _enums(c.layout, c.bias_type, c.mask, c.softmax)
         if bwd:
             return _nvte.fused_attn_bwd_workspace_size(*H, _handle(bias), c.max_sq, c.max_skv, c.dropout, *enums,
                                                        c.wl, c.wr, c.br)
@@ -113,27 +124,29 @@ def attn_workspace(bwd: bool, c: AttnCfg, qkv, H, bias: Optional[Tensor], is_tra
 
 
 def call_fwd(c: AttnCfg, qkv, H, bias, s_h, o_h, aux, cu, rng_state: Tensor, is_training: bool,
-             pages=(None, None)) -> None:
+             pages=(None, None), offset: Optional[Tensor] = None) -> None:
     """nvte_fused_attn_fwd (positional arguments: cheaper to pass than keywords). H: handles of q, k, v;
     s_h: FP8 S metadata or None; cu: (cu_seqlens_q, _kv, _q_padded, _kv_padded) tensors or Nones;
-    pages: the page tables (k, v) of a paged layout."""
+    pages: the page tables (k, v) of a paged layout; offset: the learnable softmax's [1, h, 1, 1]."""
     ws = attn_workspace(False, c, qkv, H, bias, is_training)
     # the binding's order: Q, K, V, Bias, SoftmaxOffset, S, O, aux, cu_seqlens (q, kv, q_padded, kv_padded),
     # page tables (k, v), rng_state, max_seqlen (q, kv), is_training, return_max_logit, cuda_graph, the
     # _tail scalars, workspace, stream
-    _nvte.fused_attn_fwd(*H, _handle(bias), None, s_h, o_h, aux, *[_handle(t) for t in cu], *map(_handle, pages),
+    _nvte.fused_attn_fwd(*H, _handle(bias), _handle(offset), s_h, o_h, aux, *[_handle(t) for t in cu], *map(_handle, pages),
                          _handle(rng_state), c.max_sq, c.max_skv, is_training, False, False, *_tail(c), ws,
                          _stream(qkv[0]))
 
 
-def call_bwd(c: AttnCfg, qkv, H, o_h, do_h, s_h, dp_h, aux, grads, dbias, cu, bias=None) -> None:
+def call_bwd(c: AttnCfg, qkv, H, o_h, do_h, s_h, dp_h, aux, grads, dbias, cu, bias=None,
+             doffset: Optional[Tensor] = None) -> None:
     """nvte_fused_attn_bwd (positional). grads: handles of dq, dk, dv; dbias: tensor or None; s_h / dp_h:
     FP8 metadata or None; cu as in call_fwd; bias: the forward's bias (copy), which describes the bias
     shape to the workspace query when no bias gradient is asked for (a bias without gradient)."""
     ws = attn_workspace(True, c, qkv, H, dbias if dbias is not None else bias, True)
     # the binding's order: Q, K, V, O, dO, S, dP, aux, dQ, dK, dV, dBias, dSoftmaxOffset, cu_seqlens (4),
     # max_seqlen (q, kv), the _tail scalars, deterministic, cuda_graph, workspace, stream
-    _nvte.fused_attn_bwd(*H, o_h, do_h, s_h, dp_h, aux, *grads, _handle(dbias), None, *[_handle(t) for t in cu],
+    _nvte.fused_attn_bwd(*H, o_h, do_h, s_h, dp_h, aux, *grads, _handle(dbias), _handle(doffset),
+                         *[_handle(t) for t in cu],
                          c.max_sq, c.max_skv, *_tail(c), True, False, ws, _stream(qkv[0]))
 
 
@@ -151,9 +164,11 @@ def stats_shape(q: Tensor, layout: int, max_sq: int, cu_q: Optional[Tensor]) -> 
 def fused_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], cu_q: Optional[Tensor],
                    cu_kv: Optional[Tensor], cu_q_pad: Optional[Tensor], cu_kv_pad: Optional[Tensor], rng_state: Tensor, max_sq: int, max_skv: int, is_training: bool,
                    scale: float, dropout: float, layout: int, bias_type: int, mask: int, wl: int,
-                   wr: int, br: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (O, softmax statistics, rng_state copy, bias copy or an empty placeholder)."""
-    c = AttnCfg(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br)
+                   wr: int, br: bool, softmax: int = 0,
+                   offset: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (O, softmax statistics, rng_state copy, bias copy or an empty placeholder). softmax:
+    SOFTMAX_INT; offset: the learnable softmax's float32 [1, h, 1, 1]."""
+    c = AttnCfg(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br, softmax)
     qkv = (q, k, v)
     o = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     stats = torch.empty(stats_shape(q, layout, max_sq, cu_q), dtype=torch.float32, device=q.device)
@@ -162,14 +177,16 @@ def fused_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], cu_q
     aux = None
     if is_training:
         aux = [_handle(stats), rng_slot(rng_copy)] + ([_handle(bias_copy)] if bias is not None else [])
+        if softmax:
+            aux.append(offset_slot(q.shape[-2]))
     call_fwd(c, qkv, [_handle(x) for x in qkv], bias, None, _handle(o), aux, (cu_q, cu_kv, cu_q_pad, cu_kv_pad),
-             rng_state, is_training)
+             rng_state, is_training, offset=offset)
     return o, stats, rng_copy, bias_copy
 
 
 @fused_attn_fwd.register_fake
 def _(q, k, v, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, max_sq, max_skv, is_training, scale, dropout,
-      layout, bias_type, mask, wl, wr, br):
+      layout, bias_type, mask, wl, wr, br, softmax=0, offset=None):
     o = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     stats = q.new_empty(stats_shape(q, layout, max_sq, cu_q), dtype=torch.float32)
     bias_copy = torch.empty_like(bias) if bias is not None else q.new_empty(0)
@@ -181,28 +198,33 @@ def fused_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, stats
                    bias_copy: Tensor, cu_q: Optional[Tensor], cu_kv: Optional[Tensor], cu_q_pad: Optional[Tensor],
                    cu_kv_pad: Optional[Tensor], max_sq: int, max_skv: int,
                    scale: float, dropout: float, layout: int, bias_type: int, mask: int, wl: int, wr: int,
-                   br: bool, need_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                   br: bool, need_dbias: bool, softmax: int = 0, offset: Optional[Tensor] = None,
+                   need_doffset: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (the gradients in attn_packing's three-output form (dQ, dK, dV unless the layout is
-    packed), dBias or an empty placeholder)."""
-    c = AttnCfg(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br)
+    packed), dBias or an empty placeholder, dSoftmaxOffset [1, h, 1, 1] or an empty placeholder)."""
+    c = AttnCfg(max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl, wr, br, softmax)
     qkv = (q, k, v)
     outs, (dq, dk, dv) = _pk.new_grads(layout, q, k, v, q.dtype)
     has_bias = bias_copy.numel() > 0
     dbias = torch.empty_like(bias_copy) if (has_bias and need_dbias) else q.new_empty(0)
     aux = [_handle(stats), rng_slot(rng_copy)] + ([_handle(bias_copy)] if has_bias else [])
+    if softmax:
+        aux.append(_handle(offset) if offset is not None else offset_slot(q.shape[-2]))
+    doffset = torch.empty(1, q.shape[-2], 1, 1, dtype=torch.float32, device=q.device) if need_doffset else None
     do = do.contiguous()  # a local: the handle only borrows its memory
     call_bwd(c, qkv, [_handle(x) for x in qkv], _handle(o), _handle(do), None, None, aux,
              [_handle(x) for x in (dq, dk, dv)], dbias if dbias.numel() else None, (cu_q, cu_kv, cu_q_pad, cu_kv_pad),
-             bias_copy if has_bias else None)
-    return outs[0], outs[1], outs[2], dbias
+             bias_copy if has_bias else None, doffset)
+    return outs[0], outs[1], outs[2], dbias, (doffset if need_doffset else q.new_empty(0, dtype=torch.float32))
 
 
 @fused_attn_bwd.register_fake
 def _(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_sq, max_skv, scale, dropout,
-      layout, bias_type, mask, wl, wr, br, need_dbias):
+      layout, bias_type, mask, wl, wr, br, need_dbias, softmax=0, offset=None, need_doffset=False):
     has = bias_copy.numel() > 0 and need_dbias
     dbias = torch.empty_like(bias_copy) if has else q.new_empty(0)
-    return _pk.fake_grads(layout, q, k, v, q.dtype) + (dbias,)
+    doffset = q.new_empty((1, q.shape[-2], 1, 1) if need_doffset else (0,), dtype=torch.float32)
+    return _pk.fake_grads(layout, q, k, v, q.dtype) + (dbias, doffset)
 
 
 # eager calls run the bodies directly (the dispatcher's custom-op path costs tens of microseconds)
@@ -212,26 +234,32 @@ fused_attn_bwd = eager_or_op(fused_attn_bwd)
 
 class FusedAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, cfg):
-        (max_sq, max_skv, is_training, scale, dropout, layout, bias_type, mask, wl, wr, br) = cfg
+    def forward(ctx, q, k, v, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state, offset, cfg):
+        """cfg: (max_sq, max_skv, is_training, scale, dropout, layout, bias_type, mask, wl, wr, br[, softmax]);
+        offset: the learnable softmax's float32 [1, h, 1, 1] (differentiable)."""
+        (max_sq, max_skv, is_training, scale, dropout, layout, bias_type, mask, wl, wr, br) = cfg[:11]
+        softmax = cfg[11] if len(cfg) > 11 else 0
         o, stats, rng_copy, bias_copy = fused_attn_fwd(q, k, v, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, rng_state,
                                                        max_sq, max_skv, is_training, scale, dropout, layout,
-                                                       bias_type, mask, wl, wr, br)
-        ctx.save_for_backward(q, k, v, o, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad, cu_kv_pad)
-        ctx.cfg = cfg
+                                                       bias_type, mask, wl, wr, br, softmax, offset)
+        ctx.save_for_backward(q, k, v, o, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad, cu_kv_pad, offset)
+        ctx.cfg, ctx.softmax = cfg, softmax
         ctx.need_dbias = (bias is not None and bias.requires_grad and
                           bias_type in (int(BT.NVTE_PRE_SCALE_BIAS), int(BT.NVTE_POST_SCALE_BIAS)))
+        ctx.need_doffset = offset is not None and offset.requires_grad
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad, cu_kv_pad = ctx.saved_tensors
-        (max_sq, max_skv, _, scale, dropout, layout, bias_type, mask, wl, wr, br) = ctx.cfg
-        dq, dk, dv, dbias = fused_attn_bwd(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad,
-                                           cu_kv_pad, max_sq, max_skv, scale, dropout, layout, bias_type, mask, wl,
-                                           wr, br, ctx.need_dbias)
+        q, k, v, o, stats, rng_copy, bias_copy, cu_q, cu_kv, cu_q_pad, cu_kv_pad, offset = ctx.saved_tensors
+        (max_sq, max_skv, _, scale, dropout, layout, bias_type, mask, wl, wr, br) = ctx.cfg[:11]
+        dq, dk, dv, dbias, doffset = fused_attn_bwd(q, k, v, o, do, stats, rng_copy, bias_copy, cu_q, cu_kv,
+                                                    cu_q_pad, cu_kv_pad, max_sq, max_skv, scale, dropout, layout,
+                                                    bias_type, mask, wl, wr, br, ctx.need_dbias, ctx.softmax, offset,
+                                                    ctx.need_doffset)
         dq, dk, dv = _pk.grads_from(layout, (dq, dk, dv), (q, k, v))
-        return dq, dk, dv, (dbias if ctx.need_dbias else None), None, None, None, None, None, None
+        return (dq, dk, dv, (dbias if ctx.need_dbias else None), None, None, None, None, None,
+                doffset if ctx.need_doffset else None, None)
 
 
 # ------------------------------------------------------------------ backend choice
@@ -246,7 +274,8 @@ def unfused_allowed() -> bool:
 
 def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_type: int, mask: int, dropout: float,
                            is_training: bool, max_sq: int, max_skv: int, wl: int, wr: int,
-                           fp8: bool = False, br: bool = False, bias: Optional[Tensor] = None) -> Tuple[bool, str]:
+                           fp8: bool = False, br: bool = False, bias: Optional[Tensor] = None,
+                           softmax: int = 0) -> Tuple[bool, str]:
     """(supported, reason) from nvte_get_fused_attn_backend for this configuration (fp8: Q, K, V
     will be passed as float8_e4m3). The query has no tensors and answers for the GPU when the
     library has one; host tensors run the CPU reference, which takes every configuration the
@@ -259,16 +288,16 @@ def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_ty
         return True, ""
     qdt, kdt = (_nvte.DType.kFloat8E4M3,) * 2 if fp8 else (_DT[q.dtype], _DT[k.dtype])
     ok, why = _backend_answer(q.device.index, is_training, qdt, kdt, layout, bias_type, mask, dropout, q.shape[-2],
-                              k.shape[-2], max_sq, max_skv, q.shape[-1], v.shape[-1], wl, wr)
+                              k.shape[-2], max_sq, max_skv, q.shape[-1], v.shape[-1], wl, wr, softmax)
     if ok and br and wl >= 0 and not fp8 and mask in _NON_CAUSAL:
         b4 = None if bias is None else (bias.shape if bias.dim() == 4 else (1, *bias.shape[-3:]))
         key = (q.device.index, q.dtype, *((tuple(x.shape), x.stride()) for x in (q, k, v)), b4, layout,
-               bias_type, mask, dropout, is_training, max_sq, max_skv, wl, wr)
+               bias_type, mask, dropout, is_training, max_sq, max_skv, wl, wr, softmax)
         answer = _ALIGNED_ANSWERS.get(key)
         if answer is None:  # asked once per configuration (a forward asks every time)
             answer = _ALIGNED_ANSWERS[key] = _bottom_right_window_answer(q, k, v, bias, b4, layout, bias_type,
                                                                          mask, dropout, is_training, max_sq,
-                                                                         max_skv, wl, wr)
+                                                                         max_skv, wl, wr, softmax)
         return answer
     return ok, why
 
@@ -278,15 +307,15 @@ _ALIGNED_ANSWERS = {}
 
 
 def _bottom_right_window_answer(q, k, v, bias, b4, layout, bias_type, mask, dropout, is_training, max_sq, max_skv,
-                                wl, wr) -> Tuple[bool, str]:
+                                wl, wr, softmax=0) -> Tuple[bool, str]:
     """The forward workspace query's answer for a bottom-right aligned call (the bias in the call's
     form: [b or 1, h, sq, skv] in q's dtype)."""
     if bias is not None:
         bias = bias.reshape(b4).to(q.dtype)
     try:
         _nvte.fused_attn_fwd_workspace_size(*[_handle(x) for x in (q, k, v)], _handle(bias), max_sq, max_skv,
-                                            is_training, False, dropout, *_enums(layout, bias_type, mask), wl, wr,
-                                            True)
+                                            is_training, False, dropout, *_enums(layout, bias_type, mask, softmax), wl,
+                                            wr, True)
     except _nvte.Error as e:  # (any other error: the call reports it)
         if len(e.args) > 1 and e.args[1] == int(_nvte.Status.NOT_SUPPORTED):
             return False, e.args[0]
@@ -295,11 +324,11 @@ def _bottom_right_window_answer(q, k, v, bias, b4, layout, bias_type, mask, drop
 
 @functools.lru_cache(maxsize=1024)
 def _backend_answer(device_index, is_training, qdt, kdt, layout, bias_type, mask, dropout, h, g, max_sq, max_skv,
-                    d_qk, d_v, wl, wr) -> Tuple[bool, str]:
+                    d_qk, d_v, wl, wr, softmax=0) -> Tuple[bool, str]:
     """nvte_get_fused_attn_backend's answer, asked once per configuration and device (a forward asks
     every time, and the answer depends only on these)."""
     be = _nvte.get_fused_attn_backend(is_training, qdt, kdt, L(layout), BT(bias_type), M(mask),
-                                      ST.NVTE_VANILLA_SOFTMAX, dropout, h, g, max_sq, max_skv, d_qk, d_v, wl, wr)
+                                      ST(softmax), dropout, h, g, max_sq, max_skv, d_qk, d_v, wl, wr)
     if be == _nvte.NVTE_Fused_Attn_Backend.NVTE_No_Backend:
         return False, _nvte.get_last_error()
     return True, ""

@@ -323,7 +323,7 @@ class FusedAttnFP8Func(torch.autograd.Function):
         q, k, v, o, stats, rng_copy, cu_q, cu_kv, cu_q_pad, cu_kv_pad = ctx.saved_tensors
         (max_sq, max_skv, _, scale, dropout, layout, mask, wl, wr, br) = ctx.cfg[:10]
         do = do if do.dtype == ctx.dtype else do.to(ctx.dtype)
-        dq, dk, dv, _ = _fa.fused_attn_bwd(q, k, v, o, do, stats, rng_copy, q.new_empty(0), cu_q, cu_kv, cu_q_pad,
+        dq, dk, dv, _, _ = _fa.fused_attn_bwd(q, k, v, o, do, stats, rng_copy, q.new_empty(0), cu_q, cu_kv, cu_q_pad,
                                            cu_kv_pad, max_sq, max_skv, scale, dropout, layout,
                                            int(_fa.BT.NVTE_NO_BIAS), mask, wl, wr, br, False)
         dq, dk, dv = _pk.grads_from(layout, (dq, dk, dv), (q, k, v))

@@ -80,6 +80,9 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
     layout = LAYOUTS[fmt, table is not None]
     q = q.contiguous()
     why = "NVTE_FUSED_ATTN=0" if _fa._env("NVTE_FUSED_ATTN") == "0" else ""
+    sink = dpa.sink_offset(q.device) if hasattr(dpa, "sink_offset") else None
+    if sink is not None and not why:  # (cuDNN takes no sink token in decode steps or with paged caches)
+        why = f"softmax_type {dpa.softmax_type!r} runs unfused with a K/V cache"
     if not why:
         ok, why = _fa.fused_backend_supports(q, k_cache, v_cache, layout, _fa.BIAS_INT["no_bias"], mask, 0.0, False,
                                              max_sq, max_skv, int(wl), int(wr), br=True)
@@ -88,7 +91,7 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
                                     float(dpa.softmax_scale), layout, mask, int(wl), int(wr))
     elif _fa.unfused_allowed():
         o = _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, int(max_sq), max(params.sequences.values()), fmt,
-                     "causal" in mask_type, (int(wl), int(wr)), float(dpa.softmax_scale))
+                     "causal" in mask_type, (int(wl), int(wr)), float(dpa.softmax_scale), sink)
     else:
         raise NotImplementedError(f"{who}: the fused attention path cannot run this call ({why}) and the unfused "
                                   "path is disabled (NVTE_UNFUSED_ATTN=0)")
@@ -97,11 +100,12 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
 
 
 def _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, max_sq: int, max_kv: int, fmt: str, causal: bool, window,
-             scale: float) -> Tensor:
+             scale: float, sink: Optional[Tensor] = None) -> Tensor:
     """The same attention unfused: each sequence's keys and values gathered from the cache
-    ([b, max_kv]), queries as [b, max_sq] rows, torch matmuls and the library's masked softmax;
-    rows of no query (padding) come out zero, as the fused path writes them."""
-    from .attention import fused_scale_mask_softmax  # (attention.py imports this module)
+    ([b, max_kv]), queries as [b, max_sq] rows, torch matmuls and the library's masked softmax
+    (with `sink` [h], the softmax with that extra term per row: softmax_type); rows of no query
+    (padding) come out zero, as the fused path writes them."""
+    from .attention import fused_scale_mask_softmax, softmax_with_sink  # (attention.py imports this module)
     b = cu_kv.numel() - 1
     dev = q.device
     if table is not None:  # pages of each sequence in order: [b, pages * page_size, h_kv, d]
@@ -128,7 +132,10 @@ def _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, max_sq: int, max_kv: int, 
     rep = qb.shape[2] // k.shape[2]
     kh, vh = (x.repeat_interleave(rep, dim=2).transpose(1, 2) for x in (k, v))  # [b, h, skv, d]
     scores = torch.matmul(qb.transpose(1, 2), kh.transpose(-1, -2))  # [b, h, sq, skv], unscaled
-    probs = fused_scale_mask_softmax(scores, "masked", scale, hidden.view(b, 1, max_sq, max_kv))
+    if sink is None:
+        probs = fused_scale_mask_softmax(scores, "masked", scale, hidden.view(b, 1, max_sq, max_kv))
+    else:
+        probs = softmax_with_sink(scores, scale, hidden.view(b, 1, max_sq, max_kv), sink)
     o = torch.matmul(probs, vh).transpose(1, 2)  # [b, sq, h, dv]
     o = o * (i.view(1, max_sq, 1, 1) < lq.view(b, 1, 1, 1))  # padding rows: zero
     if fmt == "thd":

@@ -84,7 +84,7 @@ class TransformerLayer(torch.nn.Module):
                  fuse_qkv_params: bool = False, zero_centered_gamma: bool = False,
                  qkv_weight_interleaved: bool = True, bias: bool = True, activation: str = "gelu",
                  normalization: str = "LayerNorm", device=None, attn_input_format: str = "sbhd",
-                 name: Optional[str] = None, **kwargs):
+                 name: Optional[str] = None, softmax_type: str = "vanilla", **kwargs):
         super().__init__()
         check_unsupported("TransformerLayer", tp_size, fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
                           set_parallel_mode=set_parallel_mode,
@@ -125,7 +125,7 @@ class TransformerLayer(torch.nn.Module):
                          input_layernorm=not self.output_layernorm, zero_centered_gamma=zero_centered_gamma,
                          qkv_weight_interleaved=qkv_weight_interleaved, bias=bias, normalization=normalization,
                          device=device, qkv_format=attn_input_format, params_dtype=params_dtype,
-                         fuse_qkv_params=fuse_qkv_params)
+                         fuse_qkv_params=fuse_qkv_params, softmax_type=softmax_type)
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type,
                                                  window_size=window_size, attention_type="self", **attn_args)
         if layer_type == "decoder":
