@@ -321,7 +321,7 @@ AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, cons
     NVTE_CHECK(buffer_set(side.bias->params[kNVTERowwiseData]), "ALiBi slopes need rowwise data");
     p.slopes_b = bs.ndim == 1 ? 1 : bs.data[0];
   }
-  if (s.softmax_type == NVTE_LEARNABLE_SOFTMAX) {
+  if (s.softmax_type == NVTE_LEARNABLE_SOFTMAX && (with_cu || given(side.softmax_offset))) {
     NVTE_CHECK(given(side.softmax_offset),
                "softmax_type learnable needs SoftmaxOffset, float32 [1, ", p.h_q, ", 1, 1]");
     check_exact(*side.softmax_offset, "SoftmaxOffset", kNVTEFloat32, make_shape({1, p.h_q, 1, 1}),

@@ -52,8 +52,9 @@ struct AttnSideTensors {
 
 // Full check of Q, K, V and the side tensors. Q/K/V of packed layouts must be views at the
 // right offsets of one buffer. with_cu == false (the workspace queries, which get no cu_seqlens)
-// skips the cu_seqlens checks; a pure THD layout then has batch 0 (unknown) and the batch
-// dimension of a Bias is not checked.
+// skips the cu_seqlens checks and the learnable softmax's SoftmaxOffset (which they do not get
+// either); a pure THD layout then has batch 0 (unknown) and the batch dimension of a Bias is not
+// checked.
 attn::AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, const Tensor &v,
                           const AttnSideTensors &side, bool with_cu = true);
 
