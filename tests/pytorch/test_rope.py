@@ -109,7 +109,7 @@ def test_context_parallel_ranks_rotate_their_chunks_of_the_whole_sequence(fmt, i
         full = torch.randn((n, b, h, d) if fmt == "sbhd" else (b, n, h, d), generator=gen, dtype=torch.float64)
     full = full.to(DT).double().requires_grad_(True)  # (values the ranks' DT inputs hold exactly)
     ref = rope_ref(full, emb, fmt, interleaved=interleaved, cu=cu if fmt == "thd" else None)
-    g_full = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    g_full = torch.randn(ref.shape, generator=gen, dtype=torch.float64).to(DT).double()  # (held exactly in DT)
     ref.backward(g_full)
     for rank in range(cp_size):
         if fmt == "thd":
