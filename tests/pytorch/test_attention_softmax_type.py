@@ -45,7 +45,8 @@ def ref_sink(q, k, v, fmt, scale, mask, offset, dtype=torch.float64, q_valid=Non
 
 
 def naive_doffset(q, k, v, fmt, scale, mask, offset, o, dy):
-    """The same-precision naive form of the offset's gradient that a flash-style backward computes:
+    """The same-precision naive form of the offset's gradient that a flash-style backward (the fused
+    path; the unfused one is autograd through ref_sink's dataflow) computes:
     -sum over rows of exp(offset - logsumexp) * (dO . O) with O the stored low-precision output.
     (Autograd through a naive implementation keeps P in float32 instead; the sum over rows of the
     bfloat16 rounding of O then makes the flash form's error a few times larger: a float64
@@ -96,10 +97,12 @@ def check(monkeypatch, softmax_type, fmt, mask_type, b, sq, sk, h, g, d, fused, 
     grads = [("dq", q.grad, q64.grad, None if naive is None else qn.grad),
              ("dk", k.grad, k64.grad, None if naive is None else kn.grad),
              ("dv", v.grad, v64.grad, None if naive is None else vn.grad)]
-    if softmax_type == "learnable":
-        nd = None if naive is None else naive_doffset(dev(q.detach()), dev(k.detach()), dev(v.detach()), fmt,
-                                                      1.0 / math.sqrt(d), dev(m), dev(off.detach()).float(),
-                                                      naive.detach(), dev(dy))
+    if softmax_type == "learnable":  # each path against the naive form of its own dataflow
+        nd = None
+        if naive is not None:
+            nd = on.grad if not fused else naive_doffset(dev(q.detach()), dev(k.detach()), dev(v.detach()), fmt,
+                                                         1.0 / math.sqrt(d), dev(m), dev(off.detach()).float(),
+                                                         naive.detach(), dev(dy))
         grads.append(("doffset", dpa.softmax_offset.grad, off.grad, nd))
     for name, got, want, nv in grads:
         assert got is not None, f"{name}: no gradient"
