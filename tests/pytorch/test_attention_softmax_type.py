@@ -18,7 +18,7 @@ from transformer_engine.pytorch import DotProductAttention
 
 from _util import DEVICE, dev
 from test_attention import make_qkv, padding_masks, ref_mask
-from test_fused_attention import DT, TOL, Spy, assert_close_fused
+from test_fused_attention import DT, TOL, Spy, assert_close_fused, check_out_and_backward
 from transformer_engine.pytorch import fused_attention as fa
 
 ON_GPU = DEVICE.type == "cuda"
@@ -88,12 +88,7 @@ def check(monkeypatch, softmax_type, fmt, mask_type, b, sq, sk, h, g, d, fused, 
         on = dev(off.detach()).float().requires_grad_(True)
         naive = ref_sink(qn, kn, vn, fmt, 1.0 / math.sqrt(d), dev(m), on, dtype=DT,
                          q_valid=None if q_valid is None else dev(q_valid))
-    assert_close_fused(out, ref, naive, TOL, "out")
-    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(11)).to(DT)
-    out.backward(dev(dy))
-    ref.backward(dy.double())
-    if naive is not None:
-        naive.backward(dev(dy))
+    dy = check_out_and_backward(out, ref, naive)
     grads = [("dq", q.grad, q64.grad, None if naive is None else qn.grad),
              ("dk", k.grad, k64.grad, None if naive is None else kn.grad),
              ("dv", v.grad, v64.grad, None if naive is None else vn.grad)]

@@ -85,6 +85,18 @@ def ref_fused(q, k, v, fmt, scale, mask, bias=None, q_valid=None, dtype=torch.fl
     return o.reshape(o.shape[0], o.shape[1], -1)
 
 
+def check_out_and_backward(out, ref, naive):
+    """assert_close_fused on the output, then one seeded output gradient (in DT) back through the
+    result, the float64 reference and the naive implementation (None on the CPU); returns it."""
+    assert_close_fused(out, ref, naive, TOL, "out")
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(11)).to(DT)
+    out.backward(dev(dy))
+    ref.backward(dy.double())
+    if naive is not None:
+        naive.backward(dev(dy))
+    return dy
+
+
 def run_check(spy, fmt, mask_type, b, sq, sk, h, g, d, attention_mask=None, window=None, bias=None,
               bias_type="no_bias", alibi=None, ref_bias=None, q_valid=None):
     dpa = DotProductAttention(h, d, num_gqa_groups=g, qkv_format=fmt, attn_mask_type=mask_type, window_size=window)
@@ -103,12 +115,7 @@ def run_check(spy, fmt, mask_type, b, sq, sk, h, g, d, attention_mask=None, wind
         bn = dev(bias.detach()).to(DT).requires_grad_(True) if bias is not None else None
         naive = ref_fused(qn, kn, vn, fmt, 1.0 / math.sqrt(d), dev(m), bn if bn is not None else dev(ref_bias),
                           dev(q_valid), dtype=DT)
-    assert_close_fused(out, ref, naive, TOL, "out")
-    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(11)).to(DT)
-    out.backward(dev(dy))
-    ref.backward(dy.double())
-    if naive is not None:
-        naive.backward(dev(dy))
+    check_out_and_backward(out, ref, naive)
     assert spy.bwd == 1
     for name, t, r, n in (("dq", q, q64, qn), ("dk", k, k64, kn), ("dv", v, v64, vn)):
         assert_close_fused(t.grad, r.grad, None if n is None else n.grad, 1e-4, name)
