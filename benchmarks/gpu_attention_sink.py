@@ -4,7 +4,9 @@ process (module calls: the learnable offset's gradient kernel and the off-by-one
 included), against PyTorch's SDPA (cuDNN backend, no sink: what the sink costs over plain
 attention) and against the same attention with the sink in eager torch (scores, softmax over the
 scores plus the sink column, matmuls: what a user without a fused sink runs).
-  python benchmarks/gpu_attention_sink.py [--seq 2048 8192]
+--profile: also the device time of the learnable offset's gradient kernels (torch.profiler, one
+learnable step per shape) against the whole step's.
+  python benchmarks/gpu_attention_sink.py [--seq 2048 8192] [--profile]
 """
 import argparse
 import os
@@ -55,9 +57,27 @@ def torch_step(mask, qkv, dy, sink):
     return eager
 
 
+def profile_sink(step, s, mask):
+    """Device time of the sink-gradient kernels (fused_attn_sink.cu) in one learnable step, and the step's."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+    ev = prof.key_averages()
+    sink = sum(us(e) for e in ev if "sink_" in e.key) / 3
+    total = sum(us(e) for e in ev) / 3
+    gbs = 2 * B * s * H * D * 2 / (sink * 1e-6) / 1e9 if sink else 0.0
+    print(f"[attention_sink] profile s={s} {mask} learnable: sink kernels {sink:.1f} us "
+          f"({gbs:.0f} GB/s of O + dO), step device time {total:.1f} us", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, nargs="*", default=[2048, 8192])
+    p.add_argument("--profile", action="store_true")
     a = p.parse_args(argv)
     print(f"[device] {torch.cuda.get_device_name()}")
     for s in a.seq:
@@ -73,6 +93,8 @@ def main(argv=None):
             base = ms[0]
             row = "  ".join(f"{n}={m:.3f}ms ({m / base:.3f}x vanilla)" for n, m in zip(names, ms))
             print(f"[attention_sink] fwd+bwd s={s} {mask}: {row}", flush=True)
+            if a.profile:
+                profile_sink(fns[2], s, mask)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 // cuda/cudnn/fused_attn_sink.cu - see fused_attn_sink.h. Memory-bound: one read of O and dO.
-// Grid (chunk, head): each warp takes rows (b, i) of its chunk, forms D = dO . O over d_v in
-// float32 (16-byte loads when aligned), weights it by the sink's probability exp(alpha - stats),
-// and the block sums its warps in a fixed order into one partial per (head, chunk); a second
-// kernel adds each head's partials in order, so the result does not depend on scheduling.
+// Grid (chunk, head): each warp takes rows (b, i) of its chunk (several at once when d_v is short),
+// forms D = dO . O over d_v in float32 (16-byte loads when aligned), weights it by the sink's
+// probability exp(alpha - stats), and the block sums its warps in a fixed order into one partial
+// per (head, chunk); a second kernel adds each head's partials in order, so the result does not
+// depend on scheduling.
 #include "../common.cuh"
 #include "../cuda_check.h"
 #include "fused_attn_sink.h"
@@ -13,38 +14,51 @@ namespace {
 constexpr int kWarps = 8;
 constexpr size_t kChunks = 64;  // partials per head
 
+// D = dO . O of one row over d_v, by the `lpr` lanes (a power of two) of the calling lane's group;
+// every lane of the warp calls it (the shuffles need them all), `active` lanes load.
 template <class T, int W>
-__device__ float row_dot(const T *a, const T *b, size_t d, int lane) {
+__device__ float row_dot(const T *a, const T *b, size_t d, int sl, int lpr, bool active) {
   float acc = 0.0f;
-  for (size_t k = (size_t)lane * W; k < d; k += 32 * W) {
-    if constexpr (W == 1) {
-      acc += load_f32(a[k]) * load_f32(b[k]);
-    } else {
-      const Vec<T, W> x = load_vec<T, W>(a + k), y = load_vec<T, W>(b + k);
+  if (active) {
+    for (size_t k = (size_t)sl * W; k < d; k += (size_t)lpr * W) {
+      if constexpr (W == 1) {
+        acc += load_f32(a[k]) * load_f32(b[k]);
+      } else {
+        const Vec<T, W> x = load_vec<T, W>(a + k), y = load_vec<T, W>(b + k);
 #pragma unroll
-      for (int j = 0; j < W; ++j) acc += load_f32(x.v[j]) * load_f32(y.v[j]);
+        for (int j = 0; j < W; ++j) acc += load_f32(x.v[j]) * load_f32(y.v[j]);
+      }
     }
   }
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  for (int off = lpr / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   return acc;
 }
 
+// A warp takes 32 / lpr rows at a time, lpr lanes each (lpr: d_v / W rounded up to a power of two,
+// at most 32), so that short rows (d_v 128: 16 lanes of 16-byte loads) keep every lane loading.
 template <class T, int W>
-__global__ void __launch_bounds__(kWarps * 32) sink_partial_kernel(SinkGrad g, float *partial) {
+__global__ void __launch_bounds__(kWarps * 32) sink_partial_kernel(SinkGrad g, int lpr, float *partial) {
   const size_t h = blockIdx.y, chunk = blockIdx.x, rows = g.batch * g.max_q;
   const size_t per = (rows + gridDim.x - 1) / gridDim.x, r0 = chunk * per, r1 = min(rows, r0 + per);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / lpr, sl = lane % lpr;
+  const size_t rpw = 32 / lpr;  // rows per warp step
   const float alpha = g.alpha[h];
   float acc = 0.0f;
-  for (size_t r = r0 + warp; r < r1; r += kWarps) {
-    const size_t b = r / g.max_q, i = r % g.max_q;
-    const float lse = g.stats[(b * g.heads + h) * g.max_q + i];
-    if (lse == -INFINITY) continue;  // (warp-uniform: one row per warp)
-    const size_t row = attn::token_row(g.out.format, b, i, g.batch, g.max_q, 0);
-    const size_t off = attn::element_offset(g.out, row, h);
-    const float d = row_dot<T, W>(static_cast<const T *>(g.o) + off, static_cast<const T *>(g.d_o) + off, g.d_v, lane);
-    acc += expf(alpha - lse) * d;
+  for (size_t base = r0 + warp * rpw; base < r1; base += kWarps * rpw) {  // (warp-uniform bound)
+    const size_t r = base + sub;
+    float lse = -INFINITY;
+    size_t off = 0;
+    if (r < r1) {
+      const size_t b = r / g.max_q, i = r % g.max_q;
+      lse = g.stats[(b * g.heads + h) * g.max_q + i];
+      off = attn::element_offset(g.out, attn::token_row(g.out.format, b, i, g.batch, g.max_q, 0), h);
+    }
+    const bool active = lse != -INFINITY;  // (padded rows and rows past the chunk contribute nothing)
+    const float d = row_dot<T, W>(static_cast<const T *>(g.o) + off, static_cast<const T *>(g.d_o) + off, g.d_v, sl,
+                                  lpr, active);
+    if (active && sl == 0) acc += expf(alpha - lse) * d;
   }
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   __shared__ float warp_sum[kWarps];
   if (lane == 0) warp_sum[warp] = acc;
   __syncthreads();
@@ -68,8 +82,11 @@ void launch(const SinkGrad &g, float *partial, size_t chunks, cudaStream_t strea
   const dim3 grid((unsigned)chunks, (unsigned)g.heads);
   const bool vec = g.d_v % 8 == 0 && g.out.row_stride % 8 == 0 && g.out.head_stride % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(g.o) % 16 == 0 && reinterpret_cast<uintptr_t>(g.d_o) % 16 == 0;
-  if (vec) sink_partial_kernel<T, 8><<<grid, kWarps * 32, 0, stream>>>(g, partial);
-  else sink_partial_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(g, partial);
+  const size_t w = vec ? 8 : 1, units = (g.d_v + w - 1) / w;
+  int lpr = 1;
+  while (lpr < 32 && (size_t)lpr < units) lpr *= 2;
+  if (vec) sink_partial_kernel<T, 8><<<grid, kWarps * 32, 0, stream>>>(g, lpr, partial);
+  else sink_partial_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(g, lpr, partial);
 }
 
 }  // namespace
