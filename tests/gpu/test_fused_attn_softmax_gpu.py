@@ -37,6 +37,12 @@ def test_gqa_bias_and_head_dim_128(softmax):
     check(Case(bias=True, sq=64, skv=64, softmax=softmax))
 
 
+@pytest.mark.parametrize("d,dv", [(64, 128), (128, 64), (32, 32)])
+def test_head_dims_of_the_offset_gradient(d, dv):
+    """The gradient kernel's lanes per row follow d_v (32 / 64 / 128: 4 / 8 / 16 lanes)."""
+    check(Case(d=d, dv=dv, sq=64, skv=64, mask="causal", softmax="learnable"))
+
+
 @pytest.mark.parametrize("softmax", SOFTMAX)
 def test_float16_and_inference(softmax):
     check(Case(dtype="float16", mask="causal", sq=72, skv=72, softmax=softmax))
