@@ -221,8 +221,8 @@ NVTE_API NVTE_QKV_Format nvte_get_kv_format(NVTE_QKV_Layout qkv_layout);
  *  (no bias or ALiBi, no FP8; THD queries over BSHD/SBHD K/V for inference only), paged K/V
  *  caches (forward), no pre-scale bias, ALiBi only causal with default slopes, FP8 without
  *  dropout/bias/max logit, no bottom-right causal mask with bias, ALiBi or dropout, the off-by-one /
- *  learnable softmax as cuDNN's sink token for BSHD/SBHD with max_seqlen_q > 1, no paged caches, no
- *  max logit and no FP8, ...); otherwise for the
+ *  learnable softmax for BSHD/SBHD queries without max logit or FP8 (paged caches and max_seqlen_q 1:
+ *  forward only), ...); otherwise for the
  *  CPU reference backend, which runs every valid configuration. cuDNN may still reject a
  *  concrete shape at the call (NVTE_ERROR_NOT_SUPPORTED with its reason). Returns
  *  NVTE_F16_arbitrary_seqlen (float inputs) or NVTE_FP8 (float8_e4m3 inputs) when supported and

@@ -119,7 +119,9 @@ def run_paged(c, dev, q, kv_caches, training, gaps=None):
     ws = nvte.fused_attn_fwd_workspace_size(*H, None, c.sq, c.skv, training, False, 0.0, sc["qkv_layout"],
                                             sc["bias_type"], sc["attn_mask_type"], sc["softmax_type"])
     wsf = torch.empty(max(ws, 1), dtype=torch.uint8, device=dev)
-    kw = dict(Bias=None, SoftmaxOffset=None, S=None, cu_seqlens_q=T(cuq.to(dev)).t,
+    off = getattr(c, "offset", None) if c.softmax == "learnable" else None  # (attn_gpu_util.inputs draws it)
+    off = T(off.float().view(1, c.hq, 1, 1).to(dev).contiguous()).t if off is not None else None
+    kw = dict(Bias=None, SoftmaxOffset=off, S=None, cu_seqlens_q=T(cuq.to(dev)).t,
               cu_seqlens_kv=T(cukv.to(dev)).t,
               cu_seqlens_q_padded=T(torch.tensor(thd_offsets(c, gaps), dtype=torch.int32, device=dev)).t if gaps
               else None, cu_seqlens_kv_padded=None,
@@ -150,8 +152,9 @@ def check_paged(c, page_size=16, spare=5, training=False, gaps=None):
     cpu, cpu_stats, cpu_gaps = run_paged(c, "cpu", q, caches, training, gaps)
     if gaps:
         assert (got_gaps == 0).all() and (cpu_gaps == 0).all(), "O rows between THD sequences are not zero"
-    ref = zero_padding(c, reference(c, q, k, v, do, None))["o"]
-    naive = zero_padding(c, reference(c, q, k, v, do, None, DTYPES[c.dtype], "cuda"))["o"]
+    off = getattr(c, "offset", None)
+    ref = zero_padding(c, reference(c, q, k, v, do, None, offset=off))["o"]
+    naive = zero_padding(c, reference(c, q, k, v, do, None, DTYPES[c.dtype], "cuda", offset=off))["o"]
     assert not torch.isnan(got).any(), "NaN in the CUDA result (unwritten element, or a cache slot leaked in)"
     _, lq, _, _, _ = lengths(c)
     for bi in range(c.b):
@@ -272,3 +275,14 @@ def test_paged_backend_query():
     assert nvte.get_fused_attn_backend(qkv_layout=L.NVTE_THD_BSHD_BSHD, **dict(args, is_training=True)) == \
         B.NVTE_No_Backend
     assert "for inference only" in nvte.get_last_error()
+
+
+@pytest.mark.parametrize("softmax", ["off-by-one", "learnable"])
+@pytest.mark.parametrize("sq,lens_q", [(1, [1, 1, 0, 1]), (40, [40, 9, 0, 23])])
+def test_paged_with_sink(softmax, sq, lens_q):
+    """Off-by-one / learnable softmax over a paged cache (a decode step and a prefill): cuDNN's paged
+    graphs take no sink token, so the vanilla graph's output is rescaled by each row's sink share
+    (sink_rescale); a sequence without keys keeps zero rows."""
+    check_paged(Case(layout="NVTE_Paged_KV_BSHD_BSHD_BSHD", b=4, sq=sq, skv=160, hq=8, hkv=2, d=128,
+                     mask="padding_causal_bottom_right", lens_q=lens_q, lens_kv=[160, 33, 0, 97], softmax=softmax),
+                page_size=16)

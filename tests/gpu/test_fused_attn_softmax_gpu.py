@@ -4,7 +4,9 @@ own kernel. Held to test_fused_attn_gpu.py's rule against a float64 reference wh
 the extra exp(offset[h]) term in every row (check() in attn_gpu_util.py), and to the CPU
 backend; the statistics (which include the sink term) against the CPU's, rows that see no key
 included (there they equal the offset); dSoftmaxOffset (float32 [1, h, 1, 1]) under the same
-rule. Configurations cuDNN 9.19 cannot run with a sink answer NVTE_No_Backend with the reason."""
+rule. Decode steps (max_seqlen_q 1) run forward only, as a rescaled vanilla forward (paged caches:
+test_fused_attn_kv_cache_gpu.py). Configurations cuDNN 9.19 cannot run with a sink answer
+NVTE_No_Backend with the reason."""
 import pytest
 
 from transformer_engine import _nvte as nvte
@@ -49,7 +51,17 @@ def test_float16_and_inference(softmax):
     check(Case(mask="causal", softmax=softmax), backward=False, training=False)
 
 
-@pytest.mark.parametrize("layout,sq,why", [("NVTE_THD_THD_THD", 64, "THD"), ("NVTE_BSHD_BSHD_BSHD", 1, "max_seqlen_q 1")])
+@pytest.mark.parametrize("softmax", SOFTMAX)
+@pytest.mark.parametrize("layout", ["NVTE_BSHD_BSHD_BSHD", "NVTE_SBHD_SBHD_SBHD"])
+def test_decode_step_rescales_a_vanilla_forward(softmax, layout):
+    """max_seqlen_q 1 (cuDNN's decode mode takes no sink token), inference: the vanilla graph with
+    statistics, each output row then scaled by its sink share; a sequence without keys stays zero."""
+    check(Case(layout=layout, mask="padding_causal_bottom_right", sq=1, skv=200, hq=8, hkv=2, d=128, b=3,
+               lens_q=[1, 1, 1], lens_kv=[200, 0, 57], softmax=softmax), backward=False, training=False)
+
+
+@pytest.mark.parametrize("layout,sq,why", [("NVTE_THD_THD_THD", 64, "THD"),
+                                           ("NVTE_BSHD_BSHD_BSHD", 1, "forward only")])
 def test_unsupported_sink_configurations_answer_no_backend(layout, sq, why):
     BK = nvte.NVTE_Fused_Attn_Backend
     bf16 = nvte.DType.kBFloat16

@@ -3,7 +3,8 @@
 Parameter [heads], zeros at first). Against a float64 torch reference with that extra term:
 output, dQ/dK/dV and the offset's gradient, on the fused path (the library: CPU reference or
 cuDNN's sink token) and on the unfused one (torch); THD (fused only); MultiheadAttention and
-TransformerLayer pass softmax_type down; a K/V-cache decode equals the rows of one full forward;
+TransformerLayer pass softmax_type down; a K/V-cache decode (non-paged and paged) equals the rows
+of one full forward;
 FP8 attention and bad names are clear errors. CPU: float32, rel_err < 2e-5 (gradients 1e-4).
 CUDA: bfloat16 under test_fused_attention.py's rule (2x a naive bfloat16 implementation)."""
 import math
@@ -176,9 +177,11 @@ def test_modules_pass_softmax_type_down(module):
 
 
 @pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
-def test_kv_cache_decode_matches_full_forward(softmax_type):
-    """Generation with InferenceParams (the unfused K/V-cache path takes the sink): each decode
-    step's row equals the same row of one causal forward over the whole sequence."""
+@pytest.mark.parametrize("paged", [False, True])
+def test_kv_cache_decode_matches_full_forward(softmax_type, paged):
+    """Generation with InferenceParams (non-paged or paged cache; on the GPU the decode steps rescale
+    a vanilla cuDNN forward by the sink share): each step's row equals the same row of one causal
+    forward over the whole sequence."""
     b, h, d, steps = 2, 2, 16, 4
     dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal", softmax_type=softmax_type,
                               layer_number=1).to(DEVICE)
@@ -189,7 +192,8 @@ def test_kv_cache_decode_matches_full_forward(softmax_type):
     q, k, v = (dev(torch.randn(b, 3 + steps, h, d, generator=gen).to(DT)) for _ in range(3))
     with torch.no_grad():
         full = dpa(q, k, v)
-        params = te.InferenceParams(b, 16, h, d, DT)
+        kw = dict(is_paged=True, page_size=4, total_num_pages=b * 16 // 4) if paged else {}
+        params = te.InferenceParams(b, 16, h, d, DT, **kw)
         params.pre_step(OrderedDict((i, 3) for i in range(b)))
         rows = [dpa(q[:, :3], k[:, :3], v[:, :3], inference_params=params, attn_mask_type="padding_causal")]
         for t in range(3, 3 + steps):

@@ -19,9 +19,11 @@
 // backward of THD queries over BSHD/SBHD K/V, pre-scale bias, custom ALiBi slopes, float32)
 // reports NVTE_ERROR_NOT_SUPPORTED with the reason.
 //
-// Off-by-one and learnable softmax (BSHD/SBHD, not with max_seqlen_q 1): cuDNN's sink token,
-// float32 [1, h_q, 1, 1] (the learnable offset, or zeros in the workspace for off-by-one). The
-// learnable offset's gradient is the library's own kernel (fused_attn_sink.h).
+// Off-by-one and learnable softmax (BSHD/SBHD): cuDNN's sink token, float32 [1, h_q, 1, 1] (the
+// learnable offset, or zeros in the workspace for off-by-one). The learnable offset's gradient is
+// the library's own kernel (fused_attn_sink.h). Where cuDNN takes no sink token (paged caches,
+// max_seqlen_q 1: decode steps), the forward runs the vanilla graph with statistics into the
+// workspace and rescales each output row by its sink share afterwards (sink_rescale).
 //
 // Paged K/V caches (forward): cuDNN's paged attention. K, V are its containers [pages, h,
 // page_size, d] (the cache's BSHD/SBHD strides); the page tables [b, 1, ceil(max_seqlen_kv /
@@ -352,7 +354,8 @@ namespace {
 // ------------------------------------------------------------------ float16 / bfloat16 calls
 
 // The sink token of an off-by-one / learnable softmax call: the learnable offset, or float32
-// zeros in the workspace for off-by-one; null for the vanilla softmax.
+// zeros in the workspace for off-by-one; null for the vanilla softmax. Bound to the graph unless
+// the call rescales a vanilla graph's output (sink_rescale).
 const float *bind_sink(const AttnParams &p, const Built &b, const Tensor *offset, char *ws, VariantPack &pack,
                        cudaStream_t stream) {
   if (p.softmax_type == NVTE_VANILLA_SOFTMAX) return nullptr;
@@ -362,7 +365,7 @@ const float *bind_sink(const AttnParams &p, const Built &b, const Tensor *offset
     NVTE_CHECK_CUDA(cudaMemsetAsync(sink, 0, p.h_q * sizeof(float), stream));
   }
   NVTE_CHECK(sink != nullptr, "internal: the learnable softmax without its offset tensor");
-  pack[kUSink] = sink;
+  if (!sink_rescale(p)) pack[kUSink] = sink;
   return sink;
 }
 
@@ -381,6 +384,8 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   }
   if (p.bias_type == NVTE_POST_SCALE_BIAS) pack[kUBias] = data(t.bias);
   const float *sink = bind_sink(p, *b, t.softmax_offset, ws, pack, stream);
+  float *rescale_stats = sink_rescale(p) ? reinterpret_cast<float *>(sink_scratch(p, *b, ws)) : nullptr;
+  if (rescale_stats) pack[kUStats] = rescale_stats;  // (the vanilla graph's statistics: forward only)
   if (p.dropout > 0.0f) {
     int64_t *rng = static_cast<int64_t *>(data(t.rng_state));
     pack[kUSeed] = rng;
@@ -399,6 +404,20 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   if (p.layout.paged) bind_page_tables(p, *b, t.page_k, t.page_v, 0, ws, pack, stream);
   execute(*b, pack, ws, stream);
   clear_unused_rows(p, pack, data(t.o), p.out, false, p.h_q, p.d_v, p.dtype, stream);
+  if (rescale_stats) {
+    clear_unused_stats(p, pack, rescale_stats, nullptr, stream);  // (-inf: rows left alone)
+    SinkRescale r;
+    r.o = data(t.o);
+    r.dtype = p.dtype;
+    r.out = p.out;
+    r.batch = p.batch;
+    r.max_q = p.max_sq;
+    r.heads = p.h_q;
+    r.d_v = p.d_v;
+    r.stats = rescale_stats;
+    r.alpha = sink;
+    sink_rescale_rows(r, stream);
+  }
   if (p.is_training && !p.return_max_logit) clear_unused_stats(p, pack, stats, sink, stream);
   if (p.return_max_logit) {
     const auto seq = [&](int64_t uid) { return p.padding ? static_cast<const int32_t *>(pack.at(uid)) : nullptr; };
@@ -446,7 +465,7 @@ void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspa
     g.d_v = p.d_v;
     g.stats = static_cast<const float *>(data(t.stats));
     g.alpha = sink;
-    softmax_offset_grad(g, static_cast<float *>(data(t.dsoftmax_offset)), sink_grad_scratch(p, *b, ws), stream);
+    softmax_offset_grad(g, static_cast<float *>(data(t.dsoftmax_offset)), sink_scratch(p, *b, ws), stream);
   }
 }
 

@@ -19,7 +19,8 @@ namespace nvte::cuda::cudnn_attn {
 // Max) and the row maps of Q and K/V (a byte per token row), then (paged caches) the clamped page
 // tables of K and V (int32 [b, pages] each), then (FP8) a block of float32 scalars (descales the
 // graph reads, amax values it writes), then (off-by-one / learnable softmax) float32 [h_q] (the
-// off-by-one softmax's zero sink token) and the partial sums of the learnable offset's gradient.
+// off-by-one softmax's zero sink token) and either the statistics [b, h_q, max_sq] of a
+// sink_rescale call or the partial sums of the learnable offset's gradient.
 size_t seqlen_bytes(const AttnParams &p) {
   const AttnParams g = graph_params(p);
   const size_t ragged = ragged_padding(p) ? 4 * align256((g.batch + 1) * 4) : 0;  // bind_seqlens' offsets
@@ -44,7 +45,9 @@ constexpr size_t kFp8ScalarBytes = 256;
 size_t fp8_scalar_bytes(const AttnParams &p) { return is_fp8(p.dtype) ? kFp8ScalarBytes : 0; }
 size_t sink_bytes(const AttnParams &p) {
   if (p.softmax_type == NVTE_VANILLA_SOFTMAX) return 0;
-  return align256(p.h_q * 4) + softmax_offset_grad_scratch_bytes(p.h_q);
+  const AttnParams g = graph_params(p);
+  return align256(p.h_q * 4) + (sink_rescale(p) ? align256(g.batch * p.h_q * g.max_sq * 4)
+                                                  : softmax_offset_grad_scratch_bytes(p.h_q));
 }
 }  // namespace
 size_t cudnn_bytes(const Built &b) { return align256((size_t)b.workspace); }
@@ -54,9 +57,7 @@ size_t total_bytes(const AttnParams &p, const Built &b) {
 char *sink_area(const AttnParams &p, const Built &b, char *ws) {
   return ws + cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + page_bytes(p) + fp8_scalar_bytes(p);
 }
-char *sink_grad_scratch(const AttnParams &p, const Built &b, char *ws) {
-  return sink_area(p, b, ws) + align256(p.h_q * 4);
-}
+char *sink_scratch(const AttnParams &p, const Built &b, char *ws) { return sink_area(p, b, ws) + align256(p.h_q * 4); }
 float *fp8_scalars(const AttnParams &p, const Built &b, char *ws) {
   return reinterpret_cast<float *>(ws + cudnn_bytes(b) + seqlen_bytes(p) + ragged_bytes(p) + page_bytes(p));
 }

@@ -63,9 +63,10 @@ size_t total_bytes(const AttnParams &p, const Built &b);
 // FP8 calls: the float32 scalars in the workspace (descales the graph reads, amax values it writes).
 float *fp8_scalars(const AttnParams &p, const Built &b, char *ws);
 // Off-by-one / learnable softmax: float32 [h_q] (the off-by-one softmax's zero sink token), and
-// after it the scratch of softmax_offset_grad (fused_attn_sink.h).
+// after it a scratch: a sink_rescale call's statistics, else softmax_offset_grad's partial sums
+// (fused_attn_sink.h).
 char *sink_area(const AttnParams &p, const Built &b, char *ws);
-char *sink_grad_scratch(const AttnParams &p, const Built &b, char *ws);
+char *sink_scratch(const AttnParams &p, const Built &b, char *ws);
 
 // The workspace's data pointer after checking that it holds `need` bytes (null when need is 0).
 char *workspace_ptr(Tensor *ws, size_t need);

@@ -86,10 +86,11 @@ std::string sink_unsupported_reason(const AttnParams &p) {
   if (thd(p) || kv_thd(p))
     return concat(what, " is not supported with THD layouts on the GPU (cuDNN 9.19's ragged backward takes no sink "
                   "token; it needs 9.26)");
-  if (p.layout.paged) return concat(what, " is not supported with paged K/V caches on the GPU");
-  if (p.max_sq == 1)
-    return concat(what, " is not supported with max_seqlen_q 1 on the GPU (cuDNN's decode mode takes no sink token)");
   if (p.return_max_logit) return concat(what, " is not supported with return_max_logit on the GPU");
+  if (sink_rescale(p) && p.is_training)
+    return concat(what, " with ", p.layout.paged ? "a paged K/V cache" : "max_seqlen_q 1",
+                  " runs forward only (inference) on the GPU: cuDNN takes no sink token there, and the library "
+                  "rescales a vanilla graph's output instead");
   return "";
 }
 
@@ -129,8 +130,16 @@ std::string unsupported_reason(const AttnParams &p) {
   return bottom_right_reason(p);
 }
 
+bool sink_rescale(const AttnParams &p) {
+  return p.softmax_type != NVTE_VANILLA_SOFTMAX && (p.layout.paged || p.max_sq == 1) && !thd(p) && !kv_thd(p);
+}
+
 AttnParams graph_params(const AttnParams &p) {
   AttnParams g = p;
+  if (sink_rescale(p)) {  // a vanilla graph whose statistics rescale its output (sink_rescale)
+    g.softmax_type = NVTE_VANILLA_SOFTMAX;
+    g.is_training = true;
+  }
   if (!thd(p)) {
     // cuDNN's bottom-right causal mask takes max_seqlen_q > max_seqlen_kv only with its padding
     // mask (frontend validation): such a call runs the padding graph with every length at its

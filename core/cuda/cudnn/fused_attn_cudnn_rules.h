@@ -27,12 +27,19 @@ bool causal_hides_nothing(const AttnParams &p);
 // Why cuDNN cannot run the call ("" when it can), FP8 or float16/bfloat16.
 std::string unsupported_reason(const AttnParams &p);
 
-// The parameters a graph is built from: p itself (with the padding mask for a bottom-right causal
+// The parameters a graph is built from: p itself (sink_rescale: vanilla, with statistics; with the
+// padding mask for a bottom-right causal
 // mask with max_seqlen_q > max_seqlen_kv, which cuDNN takes only so), or for THD p with the padding mask,
 // max_seqlen of each THD side rounded up to a power of two (THD's max_seqlen changes from batch
 // to batch: this bounds the number of graphs) and the run's batch (THD Q with BSHD/SBHD K/V: the
 // call's batch, one run). They depend only on what the workspace queries see.
 AttnParams graph_params(const AttnParams &p);
+
+// Off-by-one / learnable softmax where cuDNN takes no sink token (paged caches, max_seqlen_q 1;
+// BSHD/SBHD queries), forward only: the call runs the vanilla graph with statistics (graph_params)
+// and scales each output row by 1 / (1 + exp(offset - lse)) afterwards, the share of the row's
+// softmax that the visible keys keep beside the sink (fused_attn_sink.h).
+bool sink_rescale(const AttnParams &p);
 
 // Paged K/V caches: the pages a graph reads per sequence (cuDNN's page tables are [b, 1, pages, 1]);
 // 0 for other layouts.

@@ -89,7 +89,30 @@ void launch(const SinkGrad &g, float *partial, size_t chunks, cudaStream_t strea
   else sink_partial_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(g, lpr, partial);
 }
 
+// One warp per (row, head): the row's d_v elements times its sink factor, rounded once more.
+template <class T>
+__global__ void sink_rescale_kernel(SinkRescale r) {
+  const size_t idx = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (idx >= r.batch * r.max_q * r.heads) return;
+  const size_t h = idx % r.heads, row = idx / r.heads, b = row / r.max_q, i = row % r.max_q;
+  const float lse = r.stats[(b * r.heads + h) * r.max_q + i];
+  if (!(lse > -INFINITY)) return;  // (padded rows, rows without keys: zero already)
+  const float f = 1.0f / (1.0f + expf(r.alpha[h] - lse));
+  T *p = static_cast<T *>(r.o) + attn::element_offset(r.out, attn::token_row(r.out.format, b, i, r.batch, r.max_q, 0), h);
+  for (size_t k = lane; k < r.d_v; k += 32) p[k] = store_f32<T>(load_f32(p[k]) * f);
+}
+
 }  // namespace
+
+void sink_rescale_rows(const SinkRescale &r, cudaStream_t stream) {
+  const size_t warps = r.batch * r.max_q * r.heads;
+  if (warps == 0) return;
+  const unsigned blocks = (unsigned)((warps * 32 + 255) / 256);
+  if (r.dtype == kNVTEBFloat16) sink_rescale_kernel<bf16><<<blocks, 256, 0, stream>>>(r);
+  else sink_rescale_kernel<fp16><<<blocks, 256, 0, stream>>>(r);
+  NVTE_CHECK_LAUNCH();
+}
 
 size_t softmax_offset_grad_scratch_bytes(size_t heads) { return (heads * kChunks * 4 + 255) / 256 * 256; }
 

@@ -1,5 +1,6 @@
 // fused_attn_sink.h - the gradient of the learnable softmax offset (the attention "sink" of
-// NVTE_LEARNABLE_SOFTMAX) on the GPU. cuDNN takes the offset as its sink token; the frontend's
+// NVTE_LEARNABLE_SOFTMAX) on the GPU, and the rescaling of a vanilla forward's output by the
+// sink's share where cuDNN takes no sink token. cuDNN takes the offset as its sink token; the frontend's
 // dSink graph (1.32) sums exp(sink - stats) * D over every row, padded ones included (statistics
 // -inf there), with no minus sign, so the library computes the gradient itself from O, dO and the
 // statistics.
@@ -30,5 +31,18 @@ size_t softmax_offset_grad_scratch_bytes(size_t heads);
 // the sink's share of row (b, i) times its softmax_sum D. Rows with statistics -inf (padding)
 // contribute nothing. Deterministic: fixed-order partial sums per head in `scratch`, then one sum.
 void softmax_offset_grad(const SinkGrad &g, float *dalpha, void *scratch, cudaStream_t stream);
+
+// A forward whose graph had no sink token (sink_rescale in fused_attn_cudnn_rules.h): each row of
+// O is scaled by 1 / (1 + exp(alpha[h] - lse)), lse the vanilla graph's statistic of the row (the
+// visible keys' share of the softmax with the sink); rows whose lse is -inf (padded, no key) stay.
+struct SinkRescale {
+  void *o = nullptr;
+  NVTEDType dtype = kNVTEBFloat16;
+  attn::TensorPlacement out{};
+  size_t batch = 0, max_q = 0, heads = 0, d_v = 0;
+  const float *stats = nullptr;  // [batch, heads, max_q]
+  const float *alpha = nullptr;  // [heads]
+};
+void sink_rescale_rows(const SinkRescale &r, cudaStream_t stream);
 
 }  // namespace nvte::cuda

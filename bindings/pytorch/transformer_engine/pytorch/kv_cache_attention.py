@@ -39,18 +39,20 @@ LAYOUTS = {(f, paged): int(getattr(L, f"NVTE_{'Paged_KV_' if paged else ''}{f.up
 @custom_op("transformer_engine::fused_attn_fwd_kv_cache", mutates_args=())
 def fused_attn_fwd_kv_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Optional[Tensor],
                             cu_q: Tensor, cu_kv: Tensor, max_sq: int, max_skv: int, scale: float, layout: int,
-                            mask: int, wl: int, wr: int) -> Tensor:
-    """O of q over the caches (page_table: the paged layouts' table, used for K and V)."""
-    c = _fa.AttnCfg(max_sq, max_skv, scale, 0.0, layout, _fa.BIAS_INT["no_bias"], mask, wl, wr, True)
+                            mask: int, wl: int, wr: int, softmax: int = 0, offset: Optional[Tensor] = None) -> Tensor:
+    """O of q over the caches (page_table: the paged layouts' table, used for K and V); softmax /
+    offset: the softmax type and the learnable softmax's float32 [1, h, 1, 1] (fused_attention.py)."""
+    c = _fa.AttnCfg(max_sq, max_skv, scale, 0.0, layout, _fa.BIAS_INT["no_bias"], mask, wl, wr, True, softmax)
     o = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=q.dtype, device=q.device)
     qkv = (q, k_cache, v_cache)
     _fa.call_fwd(c, qkv, [_fa._handle(x) for x in qkv], None, None, _fa._handle(o), None, (cu_q, cu_kv, None, None),
-                 _zero_rng_state(q.device), False, pages=(page_table, page_table))
+                 _zero_rng_state(q.device), False, pages=(page_table, page_table), offset=offset)
     return o
 
 
 @fused_attn_fwd_kv_cache.register_fake
-def _(q, k_cache, v_cache, page_table, cu_q, cu_kv, max_sq, max_skv, scale, layout, mask, wl, wr):
+def _(q, k_cache, v_cache, page_table, cu_q, cu_kv, max_sq, max_skv, scale, layout, mask, wl, wr, softmax=0,
+      offset=None):
     return q.new_empty(q.shape[:-1] + (v_cache.shape[-1],))
 
 
@@ -80,15 +82,17 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
     layout = LAYOUTS[fmt, table is not None]
     q = q.contiguous()
     why = "NVTE_FUSED_ATTN=0" if _fa._env("NVTE_FUSED_ATTN") == "0" else ""
-    sink = dpa.sink_offset(q.device) if hasattr(dpa, "sink_offset") else None
-    if sink is not None and not why:  # (cuDNN takes no sink token in decode steps or with paged caches)
-        why = f"softmax_type {dpa.softmax_type!r} runs unfused with a K/V cache"
+    softmax_type = getattr(dpa, "softmax_type", "vanilla")
+    sink = dpa.sink_offset(q.device) if softmax_type != "vanilla" else None
     if not why:
         ok, why = _fa.fused_backend_supports(q, k_cache, v_cache, layout, _fa.BIAS_INT["no_bias"], mask, 0.0, False,
-                                             max_sq, max_skv, int(wl), int(wr), br=True)
+                                             max_sq, max_skv, int(wl), int(wr), br=True,
+                                             softmax=_fa.SOFTMAX_INT[softmax_type])
     if not why:
+        offset = sink.float().view(1, -1, 1, 1) if softmax_type == "learnable" else None
         o = fused_attn_fwd_kv_cache(q, k_cache, v_cache, table, cu_q, cu_kv, int(max_sq), int(max_skv),
-                                    float(dpa.softmax_scale), layout, mask, int(wl), int(wr))
+                                    float(dpa.softmax_scale), layout, mask, int(wl), int(wr),
+                                    _fa.SOFTMAX_INT[softmax_type], offset)
     elif _fa.unfused_allowed():
         o = _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, int(max_sq), max(params.sequences.values()), fmt,
                      "causal" in mask_type, (int(wl), int(wr)), float(dpa.softmax_scale), sink)
