@@ -10,8 +10,10 @@ Columns: GPU ms per step (gpu_harness.time_ms: the host queues each batch while 
 so host cost is not counted) timed alternately, and host us per step (gpu_harness.host_us: the
 Python + dispatch cost, which bounds a decode loop that the GPU outruns). Each timed call appends
 one token, so the sequences grow by a few hundred tokens during the run, the same number of
-steps on every row. Rows: ours non-paged BSHD, ours paged (page 64), ours THD queries, and the
-BSHD rows with the attention call captured as a CUDA graph and replayed after each pre_step.
+steps on every row. Rows: ours non-paged BSHD, ours paged (page 64), ours THD queries, the two
+BSHD rows with a learnable attention sink (softmax_type; cuDNN's decode takes no sink token, so the
+library rescales a vanilla forward), and the BSHD rows with the attention call captured as a CUDA
+graph and replayed after each pre_step.
 --diagnose: first, per row, the synchronizing calls of a step, its GPU kernels (torch.profiler)
 and its host time by function (cProfile)."""
 import math
@@ -34,12 +36,12 @@ TIMING = dict(rounds=3, iters=15, warmup=3, inner=4)
 class Ours:
     """A DotProductAttention and its InferenceParams, prefilled with CTX tokens per sequence."""
 
-    def __init__(self, fmt, paged, k, v):
+    def __init__(self, fmt, paged, k, v, softmax_type="vanilla"):
         cap = CTX + ROOM
         kw = dict(is_paged=True, page_size=PAGE, total_num_pages=B * cap // PAGE) if paged else {}
         self.params = te.InferenceParams(B, cap, HKV, D, torch.bfloat16, qkv_format=fmt, **kw)
         self.dpa = te.DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format=fmt, attn_mask_type="padding_causal",
-                                          layer_number=1)
+                                          layer_number=1, softmax_type=softmax_type).cuda()
         self.fmt = fmt
         q = torch.randn(B, CTX, HQ, D, device="cuda", dtype=torch.bfloat16)
         self.params.pre_step(OrderedDict((i, CTX) for i in range(B)))
@@ -194,6 +196,9 @@ def main():
     v = torch.randn(B, CTX, HKV, D, generator=g, device="cuda").to(torch.bfloat16)
     rows = [("ours non-paged bshd", Ours("bshd", False, k, v)), ("ours paged bshd (page 64)", Ours("bshd", True, k, v)),
             ("ours non-paged thd", Ours("thd", False, k, v)),
+            # (the learnable offsets start at zero: next to ~4096 keys the sink moves O by ~1e-4)
+            ("ours non-paged bshd, learnable sink", Ours("bshd", False, k, v, "learnable")),
+            ("ours paged bshd, learnable sink", Ours("bshd", True, k, v, "learnable")),
             ("ours non-paged bshd, CUDA graph", OursGraph("bshd", False, k, v)),
             ("ours paged bshd, CUDA graph", OursGraph("bshd", True, k, v))]
     for name, be in (("torch flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION),
