@@ -369,6 +369,22 @@ const float *bind_sink(const AttnParams &p, const Built &b, const Tensor *offset
   return sink;
 }
 
+// The rows of a BSHD/SBHD call's O (and dO) for the sink kernels (fused_attn_sink.h).
+SinkRows sink_rows(const AttnParams &p, void *o, const void *d_o, const float *stats, const float *alpha) {
+  SinkRows r;
+  r.o = o;
+  r.d_o = d_o;
+  r.dtype = p.dtype;
+  r.out = p.out;
+  r.batch = p.batch;
+  r.max_q = p.max_sq;
+  r.heads = p.h_q;
+  r.d_v = p.d_v;
+  r.stats = stats;
+  r.alpha = alpha;
+  return r;
+}
+
 void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
   auto b = graph_for(p, false, false, stream);
   char *ws = workspace_ptr(workspace, total_bytes(p, *b));
@@ -406,17 +422,7 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
   clear_unused_rows(p, pack, data(t.o), p.out, false, p.h_q, p.d_v, p.dtype, stream);
   if (rescale_stats) {
     clear_unused_stats(p, pack, rescale_stats, nullptr, stream);  // (-inf: rows left alone)
-    SinkRescale r;
-    r.o = data(t.o);
-    r.dtype = p.dtype;
-    r.out = p.out;
-    r.batch = p.batch;
-    r.max_q = p.max_sq;
-    r.heads = p.h_q;
-    r.d_v = p.d_v;
-    r.stats = rescale_stats;
-    r.alpha = sink;
-    sink_rescale_rows(r, stream);
+    sink_rescale_rows(sink_rows(p, data(t.o), nullptr, rescale_stats, sink), stream);
   }
   if (p.is_training && !p.return_max_logit) clear_unused_stats(p, pack, stats, sink, stream);
   if (p.return_max_logit) {
@@ -454,17 +460,7 @@ void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspa
   clear_unused_rows(p, pack, data(t.dk), p.qkv.t[attn::kK], true, p.h_kv, p.d_qk, p.dtype, stream);
   clear_unused_rows(p, pack, data(t.dv), p.qkv.t[attn::kV], true, p.h_kv, p.d_v, p.dtype, stream);
   if (p.softmax_type == NVTE_LEARNABLE_SOFTMAX && t.dsoftmax_offset != nullptr) {
-    SinkGrad g;
-    g.o = data(t.o);
-    g.d_o = data(t.d_o);
-    g.dtype = p.dtype;
-    g.out = p.out;
-    g.batch = p.batch;
-    g.max_q = p.max_sq;
-    g.heads = p.h_q;
-    g.d_v = p.d_v;
-    g.stats = static_cast<const float *>(data(t.stats));
-    g.alpha = sink;
+    const SinkRows g = sink_rows(p, data(t.o), data(t.d_o), static_cast<const float *>(data(t.stats)), sink);
     softmax_offset_grad(g, static_cast<float *>(data(t.dsoftmax_offset)), sink_scratch(p, *b, ws), stream);
   }
 }

@@ -37,7 +37,7 @@ __device__ float row_dot(const T *a, const T *b, size_t d, int sl, int lpr, bool
 // A warp takes 32 / lpr rows at a time, lpr lanes each (lpr: d_v / W rounded up to a power of two,
 // at most 32), so that short rows (d_v 128: 16 lanes of 16-byte loads) keep every lane loading.
 template <class T, int W>
-__global__ void __launch_bounds__(kWarps * 32) sink_partial_kernel(SinkGrad g, int lpr, float *partial) {
+__global__ void __launch_bounds__(kWarps * 32) sink_partial_kernel(SinkRows g, int lpr, float *partial) {
   const size_t h = blockIdx.y, chunk = blockIdx.x, rows = g.batch * g.max_q;
   const size_t per = (rows + gridDim.x - 1) / gridDim.x, r0 = chunk * per, r1 = min(rows, r0 + per);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / lpr, sl = lane % lpr;
@@ -78,7 +78,7 @@ __global__ void sink_sum_kernel(const float *partial, size_t chunks, size_t head
 }
 
 template <class T>
-void launch(const SinkGrad &g, float *partial, size_t chunks, cudaStream_t stream) {
+void launch(const SinkRows &g, float *partial, size_t chunks, cudaStream_t stream) {
   const dim3 grid((unsigned)chunks, (unsigned)g.heads);
   const bool vec = g.d_v % 8 == 0 && g.out.row_stride % 8 == 0 && g.out.head_stride % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(g.o) % 16 == 0 && reinterpret_cast<uintptr_t>(g.d_o) % 16 == 0;
@@ -91,7 +91,7 @@ void launch(const SinkGrad &g, float *partial, size_t chunks, cudaStream_t strea
 
 // One warp per (row, head): the row's d_v elements times its sink factor, rounded once more.
 template <class T>
-__global__ void sink_rescale_kernel(SinkRescale r) {
+__global__ void sink_rescale_kernel(SinkRows r) {
   const size_t idx = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (idx >= r.batch * r.max_q * r.heads) return;
@@ -105,7 +105,7 @@ __global__ void sink_rescale_kernel(SinkRescale r) {
 
 }  // namespace
 
-void sink_rescale_rows(const SinkRescale &r, cudaStream_t stream) {
+void sink_rescale_rows(const SinkRows &r, cudaStream_t stream) {
   const size_t warps = r.batch * r.max_q * r.heads;
   if (warps == 0) return;
   const unsigned blocks = (unsigned)((warps * 32 + 255) / 256);
@@ -116,7 +116,7 @@ void sink_rescale_rows(const SinkRescale &r, cudaStream_t stream) {
 
 size_t softmax_offset_grad_scratch_bytes(size_t heads) { return (heads * kChunks * 4 + 255) / 256 * 256; }
 
-void softmax_offset_grad(const SinkGrad &g, float *dalpha, void *scratch, cudaStream_t stream) {
+void softmax_offset_grad(const SinkRows &g, float *dalpha, void *scratch, cudaStream_t stream) {
   if (g.heads == 0) return;
   NVTE_CHECK(g.heads <= 65535, "softmax offset gradient: ", g.heads, " heads exceed the grid");
   const size_t rows = g.batch * g.max_q;

@@ -15,8 +15,10 @@
 
 namespace nvte::cuda {
 
-struct SinkGrad {
-  const void *o = nullptr, *d_o = nullptr;  // [.., h, d_v] rows of the output placement
+// The rows of O (and dO) the kernels below walk, with their statistics and the offsets.
+struct SinkRows {
+  void *o = nullptr;                        // [.., h, d_v] rows of the output placement
+  const void *d_o = nullptr;                // (the gradient only)
   NVTEDType dtype = kNVTEBFloat16;          // O and dO: float16 or bfloat16
   attn::TensorPlacement out{};              // O / dO row and head strides (elements), format
   size_t batch = 0, max_q = 0, heads = 0, d_v = 0;
@@ -30,19 +32,11 @@ size_t softmax_offset_grad_scratch_bytes(size_t heads);
 // dalpha[h] = -sum over (b, i) of exp(alpha[h] - stats[b, h, i]) * sum_d dO[b, i, h, d] O[b, i, h, d]:
 // the sink's share of row (b, i) times its softmax_sum D. Rows with statistics -inf (padding)
 // contribute nothing. Deterministic: fixed-order partial sums per head in `scratch`, then one sum.
-void softmax_offset_grad(const SinkGrad &g, float *dalpha, void *scratch, cudaStream_t stream);
+void softmax_offset_grad(const SinkRows &g, float *dalpha, void *scratch, cudaStream_t stream);
 
 // A forward whose graph had no sink token (sink_rescale in fused_attn_cudnn_rules.h): each row of
 // O is scaled by 1 / (1 + exp(alpha[h] - lse)), lse the vanilla graph's statistic of the row (the
 // visible keys' share of the softmax with the sink); rows whose lse is -inf (padded, no key) stay.
-struct SinkRescale {
-  void *o = nullptr;
-  NVTEDType dtype = kNVTEBFloat16;
-  attn::TensorPlacement out{};
-  size_t batch = 0, max_q = 0, heads = 0, d_v = 0;
-  const float *stats = nullptr;  // [batch, heads, max_q]
-  const float *alpha = nullptr;  // [heads]
-};
-void sink_rescale_rows(const SinkRescale &r, cudaStream_t stream);
+void sink_rescale_rows(const SinkRows &r, cudaStream_t stream);
 
 }  // namespace nvte::cuda
