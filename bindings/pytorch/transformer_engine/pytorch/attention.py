@@ -316,6 +316,11 @@ class DotProductAttention(torch.nn.Module):
             return torch.zeros(self.num_attention_heads, device=device)
         return None
 
+    def fused_softmax_offset(self) -> Optional[torch.Tensor]:
+        """The library's SoftmaxOffset: the learnable offsets as float32 [1, heads, 1, 1] (a view of
+        the parameter when it is float32, so its gradient lands there), None otherwise."""
+        return self.softmax_offset.float().view(1, -1, 1, 1) if self.softmax_type == "learnable" else None
+
     def _fused(self, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes, seq=None,
                fp8=None):
         """The fused attention path (dpa_fused.run_fused), or None when the unfused path should run;

@@ -264,7 +264,7 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
     if needs_fused and bias_type in ("pre_scale_bias", "post_scale_bias") and bias is None:
         raise ValueError(f"core_attention_bias_type {bias_type!r} needs core_attention_bias")
     why = ""
-    softmax = _fa.SOFTMAX_INT[getattr(dpa, "softmax_type", "vanilla")]
+    softmax = _fa.SOFTMAX_INT[dpa.softmax_type]
     if not _fa.want_fused(q.device, needs_fused):
         why = "NVTE_FUSED_ATTN=0"
     elif mask_type == "arbitrary":
@@ -361,8 +361,5 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
             bias_t = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
         cfg = (sq, sk, is_training, float(dpa.softmax_scale), float(dropout), layout, _fa.BIAS_INT[bias_type],
                mask, int(wl), int(wr), br, softmax)
-        offset = None
-        if dpa.softmax_type == "learnable":  # [h] -> [1, h, 1, 1] (a view: the gradient reaches the parameter)
-            offset = dpa.softmax_offset.float().view(1, -1, 1, 1)
-        o = _fa.FusedAttnFunc.apply(q, k, v, bias_t, *cu, rng, offset, cfg)
+        o = _fa.FusedAttnFunc.apply(q, k, v, bias_t, *cu, rng, dpa.fused_softmax_offset(), cfg)
     return o.reshape(*o.shape[:-2], -1)

@@ -82,20 +82,18 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
     layout = LAYOUTS[fmt, table is not None]
     q = q.contiguous()
     why = "NVTE_FUSED_ATTN=0" if _fa._env("NVTE_FUSED_ATTN") == "0" else ""
-    softmax_type = getattr(dpa, "softmax_type", "vanilla")
-    sink = dpa.sink_offset(q.device) if softmax_type != "vanilla" else None
+    softmax_type = dpa.softmax_type
     if not why:
         ok, why = _fa.fused_backend_supports(q, k_cache, v_cache, layout, _fa.BIAS_INT["no_bias"], mask, 0.0, False,
                                              max_sq, max_skv, int(wl), int(wr), br=True,
                                              softmax=_fa.SOFTMAX_INT[softmax_type])
     if not why:
-        offset = sink.float().view(1, -1, 1, 1) if softmax_type == "learnable" else None
         o = fused_attn_fwd_kv_cache(q, k_cache, v_cache, table, cu_q, cu_kv, int(max_sq), int(max_skv),
                                     float(dpa.softmax_scale), layout, mask, int(wl), int(wr),
-                                    _fa.SOFTMAX_INT[softmax_type], offset)
+                                    _fa.SOFTMAX_INT[softmax_type], dpa.fused_softmax_offset())
     elif _fa.unfused_allowed():
         o = _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, int(max_sq), max(params.sequences.values()), fmt,
-                     "causal" in mask_type, (int(wl), int(wr)), float(dpa.softmax_scale), sink)
+                     "causal" in mask_type, (int(wl), int(wr)), float(dpa.softmax_scale), dpa.sink_offset(q.device))
     else:
         raise NotImplementedError(f"{who}: the fused attention path cannot run this call ({why}) and the unfused "
                                   "path is disabled (NVTE_UNFUSED_ATTN=0)")
