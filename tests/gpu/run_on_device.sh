@@ -4,7 +4,7 @@
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
 #   tests/gpu/run_on_device.sh [build|prebuilt] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
 #                              [tutorial] [quickstart] [host] [cpu] [gemmlog] [memcheck_all] [candidates] [ab]
-#                              [kvdecode] [pack]
+#                              [kvdecode] [cp] [pack]
 #                              (default: build test bench)
 # prebuilt: use the package staged by tests/gpu/prebuild_for_device.sh on the CPU machine
 # (.prebuilt/transformer_engine, carried: libtransformer_engine.so for sm_90 with static cudart
@@ -32,6 +32,7 @@
 # cuBLASLt's heuristic candidates, their speed and whether their outputs agree ($OUT/candidates.txt);
 # CANDIDATES_KINDS (default "fp8 bf16"), CANDIDATES_NK ("N K" pairs separated by ";", default the
 # benchmark's five) and CANDIDATES_TOP (results asked of the heuristic, default 8) narrow or widen it.
+# cp: context-parallel attention over this host's GPUs (tests + benchmark; 2+ GPUs: a multi-GPU kind).
 # pack: every file under $OUT into one $OUT/logs.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -162,6 +163,15 @@ if [[ " $steps " == *" kvdecode "* ]]; then
   took kvdecode
 fi
 
+if [[ " $steps " == *" cp "* ]]; then
+  # context-parallel attention across this host's GPUs (NCCL, one rank per GPU): the CP tests with
+  # NVTE_TEST_DEVICE=cuda and benchmarks/gpu_context_parallel.py ($OUT/cp_tests.log, $OUT/cp_bench.log)
+  NVTE_TEST_DEVICE=cuda $PY -m pytest -q -x tests/pytorch/test_context_parallel.py -p no:cacheprovider \
+    > "$OUT/cp_tests.log" 2>&1; r=$?; tail -5 "$OUT/cp_tests.log"; [ $r = 0 ] || rc=1
+  $PY benchmarks/gpu_context_parallel.py 2>&1 | tee "$OUT/cp_bench.log" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  took cp
+fi
 if [[ " $steps " == *" acceptance "* ]]; then
   acc=.acceptance; [ -d "$acc" ] || acc=../shared/acceptance
   for f in seed_linear_fp8 seed_tutorial_layer seed_vit_block; do

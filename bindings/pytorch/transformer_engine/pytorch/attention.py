@@ -20,6 +20,7 @@ import torch
 
 from . import _ops, custom_ops
 from . import attn_packing as _pk
+from . import context_parallel as _cp
 from . import dpa_fused as _df
 from . import fused_attention as _fa
 from . import fused_attention_fp8 as _fa8
@@ -187,8 +188,6 @@ class DotProductAttention(torch.nn.Module):
         super().__init__()
         if tp_size != 1:
             raise NotImplementedError(f"DotProductAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
-        if cp_group is not None:
-            raise NotImplementedError("DotProductAttention: context parallelism is not implemented")
         on = [k for k, v in kwargs.items() if v]
         if on:
             raise NotImplementedError(f"DotProductAttention: options not implemented in this adapter: {on}")
@@ -226,9 +225,18 @@ class DotProductAttention(torch.nn.Module):
             self.softmax_offset = None
         self.sequence_parallel, self.get_rng_state_tracker, self.tp_group = (
             sequence_parallel, get_rng_state_tracker, tp_group)
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         # delayed-scaling state of FP8 attention (fused_attention_fp8.py names the slots)
         self.fp8_meta = FP8Meta(_fa8.NUM_FWD, _fa8.NUM_BWD)
         self.fp8_meta.allocate(default_device())
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
+                                   cp_comm_type: str = "p2p") -> None:
+        """Context parallelism (context_parallel.py): this rank holds chunks cp_rank and
+        2 cp_size - 1 - cp_rank of every sequence; cp_comm_type "p2p", "all_gather" or "a2a".
+        cp_group None (or of one rank) turns it off; cp_stream is accepted and unused."""
+        self.cp = _cp.make_group(cp_group, cp_global_ranks, cp_comm_type)
+        self.cp_stream = cp_stream
 
     @staticmethod
     def _check_format(fmt: str) -> str:
@@ -248,17 +256,24 @@ class DotProductAttention(torch.nn.Module):
                 attn_mask_type: Optional[str] = None, window_size: Optional[Tuple[int, int]] = None,
                 checkpoint_core_attention: bool = False, core_attention_bias_type: str = "no_bias",
                 core_attention_bias=None, alibi_slopes=None, fast_zero_fill: bool = True,
-                inference_params=None, pad_between_seqs=None, _fp8_handoff=None, **kwargs) -> torch.Tensor:
+                inference_params=None, pad_between_seqs=None, _fp8_handoff=None, _cp_local=False,
+                **kwargs) -> torch.Tensor:
         """_fp8_handoff (MultiheadAttention under fp8_mha, not part of TE's API): ((src_a, src_b), spec)
         of fused_attention_fp8.FusedAttnFP8MHAFunc; query/key/value_layer are then uint8 views of the
-        FP8 bytes (they give the shapes) and the result is O's FP8 hand-off."""
+        FP8 bytes (they give the shapes) and the result is O's FP8 hand-off. _cp_local: one rank's
+        own attention inside context parallelism (context_parallel.attend)."""
         fmt = self._check_format(qkv_format or self.qkv_format)
         mask_type = self._check_mask_type(attn_mask_type or self.attn_mask_type)
         if core_attention_bias_type not in _fa.BIASES:
             raise ValueError(f"core_attention_bias_type must be one of {list(_fa.BIASES)}, "
                              f"got {core_attention_bias_type!r}")
         h, g = self.num_attention_heads, self.num_gqa_groups
+        if _cp_local and self.cp is not None and self.cp.comm_type == "a2a":  # this rank's share of the heads
+            h, g = h // self.cp.size, g // self.cp.size
         _df.check_qkv(query_layer, key_layer, value_layer, fmt, h, g)
+        if self.cp is not None and not _cp_local:
+            return self._context_parallel(query_layer, key_layer, value_layer, fmt, mask_type, window_size,
+                                          attention_mask, core_attention_bias_type, inference_params, _fp8_handoff)
         if inference_params is not None:
             if _fp8_handoff is not None:
                 raise RuntimeError("DotProductAttention: inference_params takes high-precision inputs, "
@@ -307,6 +322,22 @@ class DotProductAttention(torch.nn.Module):
         else:
             ctx = ctx.permute(0, 2, 1, 3)
         return ctx.reshape(ctx.shape[0], ctx.shape[1], -1)
+
+    def _context_parallel(self, q, k, v, fmt, mask_type, window_size, attention_mask, bias_type, inference_params,
+                          handoff):
+        if inference_params is not None:
+            raise NotImplementedError("DotProductAttention: inference_params (K/V-cache generation) with context "
+                                      "parallelism is not implemented")
+        window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
+        _cp.check_call(self.cp, q, k, v, fmt, mask_type, window, bias_type,
+                       self.attention_dropout if self.training else 0.0, self.softmax_type,
+                       handoff is not None or _df.fp8_attention_on(), attention_mask, self.num_attention_heads,
+                       self.num_gqa_groups)
+
+        def local(q_, k_, v_, mt, w):
+            return self.forward(q_, k_, v_, qkv_format=fmt, attn_mask_type=mt,
+                                window_size=w if w is not None else (-1, -1), _cp_local=True)
+        return _cp.attend(self.cp, q, k, v, fmt, mask_type, window, self.softmax_scale, local)
 
     def sink_offset(self, device) -> Optional[torch.Tensor]:
         """The per-head sink logits [heads] of softmax_type (zeros for "off-by-one"), None for "vanilla"."""
@@ -532,6 +563,11 @@ class MultiheadAttention(torch.nn.Module):
         self.proj = Linear(q_out, self.hidden_size, init_method=output_layer_init_method, bias=bias,
                            return_bias=self.return_bias, params_dtype=params_dtype, device=device,
                            sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
+                                   cp_comm_type: str = "p2p") -> None:
+        """Context parallelism of the core attention (DotProductAttention.set_context_parallel_group)."""
+        self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     # -------------------------------------------------------------- helpers
     # (SplitPacked: a packed gradient from fused attention becomes mixed's gradient without a copy;

@@ -210,6 +210,12 @@ def fp8_mha_recipe() -> Optional[DelayedScaling]:
     return st.recipe
 
 
+def fp8_attention_on() -> bool:
+    """Whether fp8_autocast asks for FP8 attention (fp8_dpa or fp8_mha), without preparing anything."""
+    r = FP8GlobalState.recipe
+    return bool(FP8GlobalState.enabled and (getattr(r, "fp8_dpa", False) or getattr(r, "fp8_mha", False)))
+
+
 def fp8_dpa_recipe(dpa, device: torch.device) -> Optional[DelayedScaling]:
     """The recipe when this forward runs FP8 attention (fp8_autocast with fp8_dpa=True, or fp8_mha=True,
     which implies it), else None; prepares the module's FP8 metadata and registers it for the forward

@@ -147,6 +147,13 @@ class TransformerLayer(torch.nn.Module):
                                       zero_centered_gamma=zero_centered_gamma, device=device)
 
     # ---------------------------------------------------------------- helpers
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
+                                   cp_comm_type: str = "p2p") -> None:
+        """Context parallelism of the layer's attention (DotProductAttention.set_context_parallel_group)."""
+        for m in (self.self_attention, getattr(self, "inter_attention", None)):
+            if m is not None:
+                m.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
     def _residual(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + drop_path(dropout(out)), in plain torch ops."""
         out = torch.nn.functional.dropout(out, p=self.hidden_dropout, training=self.training)

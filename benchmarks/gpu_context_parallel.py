@@ -1,0 +1,95 @@
+"""Context-parallel attention (DotProductAttention with cp_group) across the GPUs of one host.
+
+Usage: python benchmarks/gpu_context_parallel.py [n_gpus] (default: all). Starts one process per GPU
+(NCCL). Rank 0 first times DotProductAttention over the whole sequence on its own GPU (the
+others wait); then every comm type (p2p, all_gather, a2a) runs with the sequence split over the
+ranks in TE's load-balanced chunk order. BF16, forward + backward, b=1, 32 heads (8 key/value
+heads in the GQA rows), head dim 128, causal. Columns: ms per fwd+bwd (rank 0's median, CUDA
+events), speed-up over one GPU and its efficiency (speed-up / GPUs)."""
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SHAPES = [(16384, 32), (32768, 32), (32768, 8)]  # (sequence, key/value heads)
+B, H, D = 1, 32, 128
+
+
+def chunks_of(x, rank, size):
+    parts = x.chunk(2 * size, dim=1)
+    return torch.cat([parts[rank], parts[2 * size - 1 - rank]], dim=1).contiguous()
+
+
+def step_fn(dpa, q, k, v, do):
+    def run(_=None):
+        for t in (q, k, v):
+            t.grad = None
+        dpa(q, k, v).backward(do)
+    return run
+
+
+def rank_main(rank, size, init_file):
+    from gpu_harness import time_ms
+    import transformer_engine.pytorch as te
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    group = dist.new_group(list(range(size)))
+    rows = []
+    for s, g in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(B, s, n, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+                       for n in (H, g, g, H))
+        do = do.reshape(B, s, H * D)
+        full_ms = None
+        if rank == 0:
+            dpa = te.DotProductAttention(H, D, num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
+                                         attn_mask_type="causal")
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            full_ms = time_ms(step_fn(dpa, qq, kk, vv, do), iters=10, warmup=3, inner=2)
+            del qq, kk, vv
+        dist.barrier()
+        ql, kl, vl = (chunks_of(t, rank, size).requires_grad_() for t in (q, k, v))
+        dol = chunks_of(do, rank, size)
+        for comm in ("p2p", "all_gather", "a2a"):
+            dpa = te.DotProductAttention(H, D, num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
+                                         attn_mask_type="causal", cp_group=group, cp_comm_type=comm)
+            dist.barrier()
+            ms = time_ms(step_fn(dpa, ql, kl, vl, dol), iters=10, warmup=3, inner=2)
+            if rank == 0:
+                rows.append((s, g, comm, full_ms, ms))
+        del q, k, v, do, ql, kl, vl, dol
+        torch.cuda.empty_cache()
+    if rank == 0:
+        print(f"| s | kv heads | comm | 1 GPU ms | {size} GPUs ms | speed-up | efficiency |")
+        print("|---|---|---|---|---|---|---|")
+        for s, g, comm, full_ms, ms in rows:
+            print(f"| {s} | {g} | {comm} | {full_ms:.2f} | {ms:.2f} | {full_ms / ms:.2f}x | "
+                  f"{full_ms / ms / size:.0%} |")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--rank":
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        return
+    size = int(sys.argv[1]) if len(sys.argv) > 1 else torch.cuda.device_count()
+    if size < 2:
+        print(f"gpu_context_parallel: needs 2 or more GPUs, found {torch.cuda.device_count()}; nothing run")
+        return
+    print(f"{torch.cuda.get_device_name(0)} x {size}, torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as d:
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r), str(size),
+                                   os.path.join(d, "store")]) for r in range(size)]
+        codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"gpu_context_parallel: rank exit codes {codes}")
+
+
+if __name__ == "__main__":
+    main()

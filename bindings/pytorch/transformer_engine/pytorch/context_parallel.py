@@ -1,0 +1,348 @@
+"""Context parallelism for DotProductAttention (TE's cp_group / cp_global_ranks / cp_comm_type).
+
+Each rank of the CP group holds a slice of every sequence, in TE's load-balanced order: the
+sequence is cut into 2 * cp_size equal chunks and rank r holds chunks r and 2 cp_size - 1 - r,
+concatenated (so that with a causal mask every rank gets the same amount of work). Q, K and V
+come in that order and the output goes out in it. The same order is what apply_rotary_pos_emb's
+cp_size / cp_rank expect.
+
+Three ways to exchange K/V (cp_comm_type), each computing the same attention:
+  * "p2p": a ring. K/V blocks travel to the next rank while the current block is attended to; each
+    step is one fused attention call whose output and softmax statistics (the log-sum-exp the
+    library returns) are merged into the running result. The backward runs the ring again with
+    the merged output and statistics, so every step sees the final softmax; the K/V gradients
+    travel with their blocks back to their owners.
+  * "all_gather": K/V of the whole sequence are gathered on every rank (the backward reduce-scatters
+    their gradients); each local query chunk attends to the keys up to its own end with a
+    bottom-right causal mask.
+  * "a2a" (Ulysses): two all-to-alls trade the sequence split for a head split (heads and key/value
+    heads must be multiples of cp_size); every rank attends to the whole sequence for its heads,
+    and the output is traded back. Sliding windows run here only.
+All three take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
+for causal), no bias, no dropout, the vanilla softmax and no FP8; anything else is a clear error.
+cp_stream is accepted and unused (the ring overlaps its transfers with the attention calls on
+the current stream).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import fused_attention as _fa
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+class CPGroup(NamedTuple):
+    group: object
+    ranks: List[int]  # global ranks, in group-rank order
+    size: int
+    rank: int
+    comm_type: str
+
+
+def make_group(cp_group, cp_global_ranks: Optional[Sequence[int]], cp_comm_type: str) -> Optional[CPGroup]:
+    """The CP description of a module, or None when there is no group or it has one rank."""
+    if cp_group is None:
+        return None
+    if isinstance(cp_group, (list, tuple)) or cp_comm_type == "a2a+p2p":
+        raise NotImplementedError("DotProductAttention: hierarchical context parallelism (cp_comm_type 'a2a+p2p', "
+                                  "a list of CP groups) is not implemented; use 'p2p', 'all_gather' or 'a2a'")
+    if cp_comm_type not in COMM_TYPES:
+        raise ValueError(f"DotProductAttention: cp_comm_type must be one of {COMM_TYPES}, got {cp_comm_type!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("DotProductAttention: context parallelism needs torch.distributed to be initialized")
+    size, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    ranks = [dist.get_global_rank(cp_group, i) for i in range(size)]
+    if cp_global_ranks is not None and list(cp_global_ranks) != ranks:
+        raise ValueError(f"DotProductAttention: cp_global_ranks {list(cp_global_ranks)} are not the ranks of "
+                         f"cp_group {ranks}")
+    return CPGroup(cp_group, ranks, size, rank, cp_comm_type) if size > 1 else None
+
+
+def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type: str, dropout: float,
+               softmax_type: str, fp8: bool, attention_mask, h: int, g: int) -> None:
+    """Raises for what context parallelism does not take (see the module text)."""
+    what = f"context parallelism (cp_comm_type {cp.comm_type!r})"
+    if fmt == "thd":
+        raise NotImplementedError(f"DotProductAttention: {what} takes qkv_format 'bshd' or 'sbhd', not 'thd'")
+    if mask_type not in ("no_mask", "causal"):
+        raise NotImplementedError(f"DotProductAttention: {what} takes attn_mask_type 'no_mask' or 'causal', "
+                                  f"got {mask_type!r}")
+    if attention_mask is not None:
+        raise NotImplementedError(f"DotProductAttention: {what} takes no attention_mask")
+    if window is not None and cp.comm_type != "a2a":
+        raise NotImplementedError(f"DotProductAttention: a sliding window {window} with context parallelism runs "
+                                  f"with cp_comm_type 'a2a' only")
+    if bias_type != "no_bias":
+        raise NotImplementedError(f"DotProductAttention: {what} takes no attention bias or ALiBi ({bias_type!r})")
+    if dropout > 0.0:
+        raise NotImplementedError(f"DotProductAttention: {what} takes no attention dropout (got {dropout})")
+    if softmax_type != "vanilla":
+        raise NotImplementedError(f"DotProductAttention: {what} takes the vanilla softmax only "
+                                  f"(softmax_type {softmax_type!r})")
+    if fp8:
+        raise NotImplementedError(f"DotProductAttention: FP8 attention (fp8_dpa / fp8_mha) with {what} is not "
+                                  f"implemented")
+    sdim = _sdim(fmt)
+    sq, sk = q.shape[sdim], k.shape[sdim]
+    if mask_type == "causal" or window is not None:
+        if sq != sk:
+            raise ValueError(f"DotProductAttention: {what} with a causal mask or window needs equal local query and "
+                             f"key/value lengths, got {sq} and {sk}")
+        if sq % 2:
+            raise ValueError(f"DotProductAttention: {what} with a causal mask or window needs an even local "
+                             f"sequence length (two chunks per rank), got {sq}")
+    if cp.comm_type == "a2a" and (h % cp.size or g % cp.size):
+        raise ValueError(f"DotProductAttention: cp_comm_type 'a2a' needs heads ({h}) and key/value heads ({g}) "
+                         f"that are multiples of cp_size ({cp.size})")
+
+
+def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
+           local: Callable) -> torch.Tensor:
+    """The attention of this rank's queries over the whole sequence, [.., h * d_v] as the module
+    returns it. local(q, k, v, mask_type, window) is the module's own (non-CP) attention."""
+    ordered = mask_type == "causal" or window is not None
+    if cp.comm_type == "p2p":
+        o = _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, fmt, mask_type == "causal",
+                                 float(scale))
+        return o.reshape(*o.shape[:-2], -1)
+    sdim = _sdim(fmt)
+    if cp.comm_type == "all_gather":
+        kf = _GatherSeq.apply(k, cp, sdim, ordered)
+        vf = _GatherSeq.apply(v, cp, sdim, ordered)
+        if mask_type == "no_mask":
+            return local(q, kf, vf, "no_mask", None)
+        c = q.shape[sdim] // 2
+        outs = []
+        for half, chunk in enumerate(_chunks_of(cp.rank, cp.size)):
+            end = (chunk + 1) * c  # the query chunk's last position + 1: its keys are [0, end)
+            outs.append(local(q.narrow(sdim, half * c, c), kf.narrow(sdim, 0, end), vf.narrow(sdim, 0, end),
+                              "causal_bottom_right", None))
+        return torch.cat(outs, dim=sdim)
+    # a2a: sequence split -> head split, attention over the whole sequence, and back
+    qf, kf, vf = (_SeqToHeads.apply(t, cp, sdim, ordered) for t in (q, k, v))
+    o = local(qf, kf, vf, mask_type, window)
+    o = o.view(*o.shape[:-1], qf.shape[-2], -1)
+    o = _HeadsToSeq.apply(o, cp, sdim, ordered)
+    return o.reshape(*o.shape[:-2], -1)
+
+
+# ------------------------------------------------------------------ chunk order
+def _sdim(fmt: str) -> int:
+    return 0 if fmt == "sbhd" else 1
+
+
+def _chunks_of(rank: int, size: int):
+    return rank, 2 * size - 1 - rank
+
+
+def _order(size: int, ordered: bool, to_natural: bool) -> Optional[torch.Tensor]:
+    """The chunk permutation between rank order (rank 0's two chunks, rank 1's, ...) and sequence
+    order; None when the order does not matter (no mask: attention does not see positions)."""
+    if not ordered:
+        return None
+    rank_order = [c for r in range(size) for c in _chunks_of(r, size)]  # position i holds chunk rank_order[i]
+    if to_natural:  # natural chunk n is at position rank_order.index(n)
+        return torch.tensor([rank_order.index(n) for n in range(2 * size)])
+    return torch.tensor(rank_order)
+
+
+def _permute_chunks(t: torch.Tensor, sdim: int, perm: Optional[torch.Tensor]) -> torch.Tensor:
+    if perm is None:
+        return t
+    n = perm.numel()
+    shape = list(t.shape)
+    v = t.reshape(*shape[:sdim], n, shape[sdim] // n, *shape[sdim + 1:])
+    return v.index_select(sdim, perm.to(t.device)).reshape(shape)
+
+
+# ------------------------------------------------------------------ collectives
+def _all_gather_seq(x: torch.Tensor, cp: CPGroup, sdim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(cp.size)]
+    dist.all_gather(parts, x.contiguous(), group=cp.group)
+    return torch.cat(parts, dim=sdim)
+
+
+def _reduce_scatter_seq(g: torch.Tensor, cp: CPGroup, sdim: int) -> torch.Tensor:
+    """Sum over the group of g's rank-order pieces along sdim; this rank's piece."""
+    parts = [p.contiguous() for p in g.chunk(cp.size, dim=sdim)]
+    if dist.get_backend(cp.group) == "gloo":  # gloo has no reduce_scatter
+        whole = g.contiguous()
+        dist.all_reduce(whole, group=cp.group)
+        return whole.chunk(cp.size, dim=sdim)[cp.rank].contiguous()
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=cp.group)
+    return out
+
+
+def _all_to_all(pieces: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """pieces [size, ...]: piece j goes to rank j; returns [size, ...] with rank j's piece for us at j."""
+    out = torch.empty_like(pieces)
+    dist.all_to_all_single(out, pieces.contiguous(), group=cp.group)
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, cp: CPGroup, sdim: int, ordered: bool) -> torch.Tensor:
+    """[.., s_local, heads, d] (s at sdim) -> [.., s_whole, heads / size, d] in sequence order."""
+    hd = x.dim() - 2
+    pieces = torch.stack(x.chunk(cp.size, dim=hd), dim=0)  # [size, .., s_local, heads/size, d]
+    got = _all_to_all(pieces, cp)  # got[j]: rank j's chunks, our heads
+    whole = torch.cat(got.unbind(0), dim=sdim)
+    return _permute_chunks(whole, sdim, _order(cp.size, ordered, True))
+
+
+def _heads_to_seq(y: torch.Tensor, cp: CPGroup, sdim: int, ordered: bool) -> torch.Tensor:
+    """The inverse of _seq_to_heads."""
+    y = _permute_chunks(y, sdim, _order(cp.size, ordered, False))
+    pieces = torch.stack(y.chunk(cp.size, dim=sdim), dim=0)  # piece j: rank j's chunks
+    got = _all_to_all(pieces, cp)  # got[j]: our chunks, rank j's heads
+    return torch.cat(got.unbind(0), dim=y.dim() - 2)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp, sdim, ordered):
+        ctx.args = (cp, sdim, ordered)
+        return _seq_to_heads(x, cp, sdim, ordered)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _heads_to_seq(g, *ctx.args), None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, cp, sdim, ordered):
+        ctx.args = (cp, sdim, ordered)
+        return _heads_to_seq(y, cp, sdim, ordered)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _seq_to_heads(g, *ctx.args), None, None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All ranks' slices of K or V, in sequence order; the backward sums the gradients of each
+    rank's slice over the group."""
+
+    @staticmethod
+    def forward(ctx, x, cp, sdim, ordered):
+        ctx.args = (cp, sdim, ordered)
+        return _permute_chunks(_all_gather_seq(x, cp, sdim), sdim, _order(cp.size, ordered, True))
+
+    @staticmethod
+    def backward(ctx, g):
+        cp, sdim, ordered = ctx.args
+        g = _permute_chunks(g, sdim, _order(cp.size, ordered, False))
+        return _reduce_scatter_seq(g, cp, sdim), None, None, None
+
+
+# ------------------------------------------------------------------ the ring (p2p)
+class _Exchange:
+    """Sends tensors to the next rank of the ring and receives the previous rank's, asynchronously."""
+
+    def __init__(self, cp: CPGroup, tensors: Sequence[torch.Tensor], tag: int):
+        nxt, prev = cp.ranks[(cp.rank + 1) % cp.size], cp.ranks[(cp.rank - 1) % cp.size]
+        self.received = [torch.empty_like(t) for t in tensors]
+        ops = []
+        for i, (t, r) in enumerate(zip(tensors, self.received)):
+            ops.append(dist.P2POp(dist.isend, t, nxt, cp.group, tag + i))
+            ops.append(dist.P2POp(dist.irecv, r, prev, cp.group, tag + i))
+        self.reqs = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> List[torch.Tensor]:
+        for r in self.reqs:
+            r.wait()
+        return self.received
+
+
+def _step_parts(cp: CPGroup, step: int, causal: bool, c: int):
+    """What step `step` of the ring computes on this rank: (query rows, key rows of the block, mask)
+    as (start, length) pairs over the local query and the received block (None = all rows). The
+    block of step i comes from rank (rank - i): with a causal mask, an earlier rank's first chunk is
+    wholly before both our chunks and its second wholly after them; a later rank's block is wholly
+    before our second chunk and after our first."""
+    if step == 0:
+        return None, None, ("causal" if causal else "no_mask")
+    if not causal:
+        return None, None, "no_mask"
+    src = (cp.rank - step) % cp.size
+    if src < cp.rank:
+        return None, (0, c), "no_mask"
+    return (c, c), None, "no_mask"
+
+
+def _rows(t: torch.Tensor, dim: int, part):
+    return t if part is None else t.narrow(dim, part[0], part[1])
+
+
+def _stats_to_out(stats: torch.Tensor, sdim: int) -> torch.Tensor:
+    """Softmax statistics [b, h, s, 1] in the output's [b, s, h, 1] / [s, b, h, 1] arrangement."""
+    return stats.permute(0, 2, 1, 3) if sdim == 1 else stats.permute(2, 0, 1, 3)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: CPGroup, fmt: str, causal: bool, scale: float):
+        sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
+        c = q.shape[sdim] // 2
+        rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
+        lse = torch.full((q.shape[1 - sdim], q.shape[-2], q.shape[sdim], 1), float("-inf"), dtype=torch.float32,
+                         device=q.device)
+        block = [k, v]
+        for step in range(cp.size):
+            xchg = _Exchange(cp, block, 0) if step + 1 < cp.size else None
+            qp, kp, mask = _step_parts(cp, step, causal, c)
+            qs = _rows(q, sdim, qp).contiguous()
+            ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
+            o_i, lse_i, _, _ = _fa.fused_attn_fwd(qs, ks, vs, None, None, None, None, None, rng, qs.shape[sdim],
+                                                  ks.shape[sdim], True, scale, 0.0, layout,
+                                                  _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
+                                                  mask == "no_mask")
+            # merge: O = sum_i exp(lse_i - lse) O_i, lse = log sum_i exp(lse_i)
+            acc_l = _rows(lse, 2, qp)
+            new_l = torch.logaddexp(acc_l, lse_i)
+            acc_o = _rows(out, sdim, qp)
+            acc_o.mul_(_stats_to_out(torch.exp(acc_l - new_l), sdim))
+            acc_o.add_(o_i.float() * _stats_to_out(torch.exp(lse_i - new_l), sdim))
+            acc_l.copy_(new_l)
+            if xchg is not None:
+                block = xchg.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (cp, fmt, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, fmt, causal, scale = ctx.args
+        sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
+        c = q.shape[sdim] // 2
+        rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+        dout = dout.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        # the gradient of the block we hold travels with it (float32 sums)
+        block = [k, v]
+        dblock = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        for step in range(cp.size):
+            xchg = _Exchange(cp, block, 0) if step + 1 < cp.size else None
+            qp, kp, mask = _step_parts(cp, step, causal, c)
+            qs, os_, dos = (_rows(t, sdim, qp).contiguous() for t in (q, out, dout))
+            ls = _rows(lse, 2, qp).contiguous()
+            ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
+            dq_i, dk_i, dv_i, _, _ = _fa.fused_attn_bwd(qs, ks, vs, os_, dos, ls, rng[:0], q.new_empty(0), None,
+                                                        None, None, None, qs.shape[sdim], ks.shape[sdim], scale, 0.0,
+                                                        layout, _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
+                                                        mask == "no_mask", False)
+            _rows(dq, sdim, qp).add_(dq_i)
+            _rows(dblock[0], sdim, kp).add_(dk_i)
+            _rows(dblock[1], sdim, kp).add_(dv_i)
+            dblock = _Exchange(cp, dblock, 2).wait()  # to the next holder of this block (after the last step: its owner)
+            if xchg is not None:
+                block = xchg.wait()
+        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None, None, None

@@ -1,0 +1,107 @@
+"""One rank of the context-parallel attention tests (test_context_parallel.py starts cp_size of these).
+
+argv: rank, cp_size, init file, output file, device ("cpu": gloo; "cuda": NCCL, one GPU per rank).
+Every rank draws the same whole-sequence inputs (seeded), runs DotProductAttention (and one
+TransformerLayer) with context parallelism on its two chunks, and saves its local outputs and
+gradients; the test puts the chunks back in sequence order and compares with float64 attention
+over the whole sequence."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import transformer_engine.pytorch as te
+
+B, C, D_QK, D_V = 2, 3, 8, 6  # batch, chunk length (odd), head sizes
+
+
+def heads(size):
+    return 2 * size, size  # a2a splits heads and key/value heads over the group
+
+
+def cases(size):
+    out = []
+    for comm in ("p2p", "all_gather", "a2a"):
+        for mask in ("no_mask", "causal"):
+            for fmt in (("bshd", "sbhd") if size == 2 else ("bshd",)):
+                out.append((comm, mask, fmt, None))
+    out.append(("a2a", "causal", "bshd", (4, 0)))
+    out.append(("a2a", "no_mask", "sbhd", (2, 3)))
+    return out
+
+
+def case_name(case):
+    comm, mask, fmt, window = case
+    return f"{comm}-{mask}-{fmt}" + ("" if window is None else f"-w{window[0]}_{window[1]}")
+
+
+def whole_inputs(size, seed, dtype):
+    """q [b, s, h, d_qk], k [b, s, g, d_qk], v [b, s, g, d_v], dO [b, s, h, d_v] (bshd), s = 2 size C."""
+    h, g = heads(size)
+    s = 2 * size * C
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, s, n, d, generator=gen) for n, d in ((h, D_QK), (g, D_QK), (g, D_V)))
+    do = torch.randn(B, s, h, D_V, generator=gen)
+    return [t.to(dtype) for t in (q, k, v, do)]
+
+
+def local_chunks(x, rank, size, dim=1):
+    """This rank's chunks (rank, 2 size - 1 - rank) of x along dim, concatenated."""
+    parts = x.chunk(2 * size, dim=dim)
+    return torch.cat([parts[rank], parts[2 * size - 1 - rank]], dim=dim)
+
+
+def main():
+    rank, size, init_file, out_file, device = sys.argv[1:6]
+    rank, size = int(rank), int(size)
+    torch.set_num_threads(1)
+    on_cuda = device == "cuda"
+    if on_cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=size)
+    group = dist.new_group(list(range(size)))
+    dev = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    h, g = heads(size)
+    results = {}
+    for i, case in enumerate(cases(size)):
+        comm, mask, fmt, window = case
+        q, k, v, do = whole_inputs(size, 1000 + i, dtype)
+        loc = [local_chunks(t, rank, size).to(dev) for t in (q, k, v, do)]
+        if fmt == "sbhd":
+            loc = [t.transpose(0, 1).contiguous() for t in loc]
+        ql, kl, vl = (t.requires_grad_() for t in loc[:3])
+        dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format=fmt,
+                                     attn_mask_type=mask, window_size=window, cp_group=group,
+                                     cp_global_ranks=list(range(size)), cp_comm_type=comm)
+        o = dpa(ql, kl, vl)
+        o.backward(loc[3].reshape(o.shape))
+        res = [o.view(*o.shape[:-1], h, D_V), ql.grad, kl.grad, vl.grad]
+        if fmt == "sbhd":
+            res = [t.transpose(0, 1) for t in res]
+        results[case_name(case)] = [t.detach().float().cpu() for t in res]
+
+    # a TransformerLayer (causal self attention, p2p): same weights on every rank
+    hidden = 4 * h
+    torch.manual_seed(7)
+    layer = te.TransformerLayer(hidden, 2 * hidden, h, num_gqa_groups=g, hidden_dropout=0.0, attention_dropout=0.0,
+                                self_attn_mask_type="causal", attn_input_format="bshd", params_dtype=dtype,
+                                device=dev)
+    layer.set_context_parallel_group(group, list(range(size)), None, "p2p")
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(B, 2 * size * C, hidden, generator=gen).to(dtype)
+    dy = torch.randn(B, 2 * size * C, hidden, generator=gen).to(dtype)
+    xl = local_chunks(x, rank, size).to(dev).requires_grad_()
+    y = layer(xl)
+    y.backward(local_chunks(dy, rank, size).to(dev))
+    wgrads = {n: p.grad.detach().float().cpu() for n, p in layer.named_parameters() if p.grad is not None}
+    results["transformer_layer"] = [y.detach().float().cpu(), xl.grad.detach().float().cpu(), wgrads]
+    torch.save(results, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Context parallelism of DotProductAttention / TransformerLayer (context_parallel.py).
+
+cp_size ranks (processes: gloo on the CPU, NCCL with one GPU each under NVTE_TEST_DEVICE=cuda) run
+_cp_worker.py; their chunks, put back in sequence order, must be the attention (output and
+gradients) of the whole sequence: float64 attention for DotProductAttention, the same layer run on
+one rank over the whole sequence for TransformerLayer (whose weight gradients are the sum of the
+ranks' gradients). The rank-2 run uses the CPU's default (unfused) local attention, the rank-3
+run the fused one (NVTE_FUSED_ATTN=1); the ring (p2p) runs fused attention in both."""
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch import context_parallel as _cp
+
+from _util import DEVICE, ON_CUDA, rel_err
+import _cp_worker as W
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SIZES = (2, 3)
+
+
+def _run_ranks(size):
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ)
+        if size == 3 and not ON_CUDA:
+            env["NVTE_FUSED_ATTN"] = "1"
+        outs = [os.path.join(d, f"rank{r}.pt") for r in range(size)]
+        procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_cp_worker.py"), str(r), str(size),
+                                   os.path.join(d, "store"), outs[r], DEVICE.type], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(size)]
+        logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
+        for r, p in enumerate(procs):
+            assert p.returncode == 0, f"rank {r} of {size} failed:\n{logs[r][-4000:]}"
+        return [torch.load(o) for o in outs]
+
+
+_RESULTS = {}
+
+
+def results(size):
+    if ON_CUDA and torch.cuda.device_count() < size:
+        pytest.skip(f"needs {size} GPUs (one NCCL rank per GPU), found {torch.cuda.device_count()}")
+    if size not in _RESULTS:
+        _RESULTS[size] = _run_ranks(size)
+    return _RESULTS[size]
+
+
+def whole(parts, size, dim=1):
+    """The rank-local tensors (chunks r, 2 size - 1 - r each) in sequence order along dim."""
+    chunks = [None] * (2 * size)
+    for r, t in enumerate(parts):
+        a, b = t.chunk(2, dim=dim)
+        chunks[r], chunks[2 * size - 1 - r] = a, b
+    return torch.cat(chunks, dim=dim)
+
+
+def attention_ref(q, k, v, do, mask, window, dtype=torch.float64):
+    """(O, dQ, dK, dV) of attention over the whole bshd sequence, computed in dtype."""
+    q, k, v, do = (t.detach().to(dtype).requires_grad_() for t in (q, k, v, do))
+    rep = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh, vh = (t.repeat_interleave(rep, 2).transpose(1, 2) for t in (k, v))
+    z = (qh @ kh.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = q.shape[1]
+    i, j = torch.arange(s).view(s, 1), torch.arange(s).view(1, s)
+    hide = torch.zeros(s, s, dtype=torch.bool)
+    if mask == "causal":
+        hide |= j > i
+    if window is not None:
+        wl, wr = window
+        if wl >= 0:
+            hide |= j < i - wl
+        if wr >= 0:
+            hide |= j > i + wr
+    o = torch.softmax(z.masked_fill(hide, float("-inf")), -1) @ vh
+    o = o.transpose(1, 2)
+    o.backward(do.detach())
+    return [o.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("size, case", [(s, c) for s in SIZES for c in W.cases(s)],
+                         ids=[f"{s}-{W.case_name(c)}" for s in SIZES for c in W.cases(s)])
+def test_dot_product_attention_matches_whole_sequence(size, case):
+    comm, mask, fmt, window = case
+    res = results(size)
+    got = [whole([r[W.case_name(case)][i] for r in res], size) for i in range(4)]
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    idx = W.cases(size).index(case)
+    q, k, v, do = W.whole_inputs(size, 1000 + idx, dtype)
+    ref = attention_ref(q, k, v, do, mask, window)
+    naive = attention_ref(q, k, v, do, mask, window, dtype)  # the same attention in the test's precision
+    for name, g, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
+        e, e_naive = rel_err(g, r), rel_err(n, r)
+        # float32 (CPU): float32-level agreement; bfloat16 (GPU): GUIDE's 2x-naive rule
+        bound = 2e-6 + 4 * e_naive if not ON_CUDA else 2 * e_naive + 1e-3
+        assert e <= bound, (comm, mask, fmt, window, name, e, e_naive)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_transformer_layer_matches_whole_sequence(size):
+    """TransformerLayer.set_context_parallel_group: outputs, input gradients and (summed over the
+    ranks) weight gradients of the whole-sequence layer."""
+    res = results(size)
+    h, g = W.heads(size)
+    hidden = 4 * h
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    torch.manual_seed(7)
+    layer = te.TransformerLayer(hidden, 2 * hidden, h, num_gqa_groups=g, hidden_dropout=0.0, attention_dropout=0.0,
+                                self_attn_mask_type="causal", attn_input_format="bshd", params_dtype=dtype,
+                                device=DEVICE)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(W.B, 2 * size * W.C, hidden, generator=gen).to(dtype)
+    dy = torch.randn(W.B, 2 * size * W.C, hidden, generator=gen).to(dtype)
+    xd = x.to(DEVICE).requires_grad_()
+    y = layer(xd)
+    y.backward(dy.to(DEVICE))
+    tol = 1e-5 if not ON_CUDA else 2e-2
+    assert rel_err(whole([r["transformer_layer"][0] for r in res], size), y) < tol
+    assert rel_err(whole([r["transformer_layer"][1] for r in res], size), xd.grad) < tol
+    # (a gradient that is zero in exact arithmetic, such as the key bias's, is compared with the
+    # size of all weight gradients: its rounding noise has no scale of its own)
+    grads = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+    scale = max(float(g.detach().double().norm()) for g in grads.values())
+    for n, ref in grads.items():
+        got = sum(r["transformer_layer"][2][n] for r in res).double()
+        ref = ref.detach().double().cpu()
+        assert float((got - ref).norm()) <= tol * max(float(ref.norm()), 1e-3 * scale), n
+
+
+# ------------------------------------------------------------------ what CP does not take
+def _group(comm="p2p", size=2):
+    return _cp.CPGroup(None, list(range(size)), size, 0, comm)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(fmt="thd"), NotImplementedError, "not 'thd'"),
+    (dict(mask_type="padding_causal"), NotImplementedError, "'no_mask' or 'causal'"),
+    (dict(window=(4, 0)), NotImplementedError, "'a2a' only"),
+    (dict(bias_type="alibi"), NotImplementedError, "no attention bias"),
+    (dict(dropout=0.1), NotImplementedError, "no attention dropout"),
+    (dict(softmax_type="learnable"), NotImplementedError, "vanilla softmax"),
+    (dict(fp8=True), NotImplementedError, "FP8 attention"),
+    (dict(attention_mask=torch.zeros(1, dtype=torch.bool)), NotImplementedError, "no attention_mask"),
+    (dict(q=torch.zeros(2, 5, 4, 8)), ValueError, "equal local query and key/value lengths"),
+    (dict(q=torch.zeros(2, 5, 4, 8), k=torch.zeros(2, 5, 2, 8)), ValueError, "even local sequence length"),
+    (dict(comm="a2a", g=3), ValueError, "multiples of cp_size"),
+])
+def test_unsupported_calls_raise(kw, err, match):
+    args = dict(q=torch.zeros(2, 6, 4, 8), k=torch.zeros(2, 6, 2, 8), fmt="bshd", mask_type="causal", window=None,
+                bias_type="no_bias", dropout=0.0, softmax_type="vanilla", fp8=False, attention_mask=None, h=4, g=2)
+    comm = kw.pop("comm", "p2p")
+    args.update(kw)
+    q, k = args.pop("q"), args.pop("k")
+    with pytest.raises(err, match=match):
+        _cp.check_call(_group(comm), q, k, k, **args)
+
+
+def test_comm_type_and_group_errors():
+    with pytest.raises(NotImplementedError, match="a2a\\+p2p"):
+        _cp.make_group(object(), None, "a2a+p2p")
+    with pytest.raises(ValueError, match="cp_comm_type must be one of"):
+        _cp.make_group(object(), None, "ring")
+    assert _cp.make_group(None, None, "p2p") is None
+    dpa = te.DotProductAttention(4, 8, qkv_format="bshd")
+    assert dpa.cp is None
+
+
+def test_chunk_orders_are_inverse():
+    """Rank order (r, 2 size - 1 - r per rank) and sequence order, both ways, for sizes 1..4."""
+    for size in range(1, 5):
+        x = torch.arange(2 * size * 3).view(1, -1, 1, 1)
+        ranked = torch.cat([W.local_chunks(x, r, size) for r in range(size)], dim=1)
+        nat = _cp._permute_chunks(ranked, 1, _cp._order(size, True, True))
+        assert torch.equal(nat, x)
+        assert torch.equal(_cp._permute_chunks(nat, 1, _cp._order(size, True, False)), ranked)
