@@ -108,7 +108,7 @@ def test_transformer_layer_matches_whole_sequence(size):
     ranks) weight gradients of the whole-sequence layer."""
     res = results(size)
     h, g = W.heads(size)
-    hidden = 4 * h
+    hidden = 8 * h
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     torch.manual_seed(7)
     layer = te.TransformerLayer(hidden, 2 * hidden, h, num_gqa_groups=g, hidden_dropout=0.0, attention_dropout=0.0,
@@ -179,3 +179,12 @@ def test_chunk_orders_are_inverse():
         nat = _cp._permute_chunks(ranked, 1, _cp._order(size, True, True))
         assert torch.equal(nat, x)
         assert torch.equal(_cp._permute_chunks(nat, 1, _cp._order(size, True, False)), ranked)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the GPU backend's head-size rule (NVTE_TEST_DEVICE=cuda only; the CPU "
+                                        "backend takes every head size)")
+def test_p2p_says_when_the_gpu_backend_cannot_run_the_ring():
+    q = torch.zeros(2, 6, 4, 6, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.zeros(2, 6, 2, 6, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="'p2p' runs fused attention only"):
+        _cp.check_call(_group("p2p"), q, k, k, "bshd", "causal", None, "no_bias", 0.0, "vanilla", False, None, 4, 2)

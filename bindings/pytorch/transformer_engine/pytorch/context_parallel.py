@@ -95,6 +95,14 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
         if sq % 2:
             raise ValueError(f"DotProductAttention: {what} with a causal mask or window needs an even local "
                              f"sequence length (two chunks per rank), got {sq}")
+    if cp.comm_type == "p2p" and q.is_cuda:
+        # the ring runs fused attention only (it merges the steps through their softmax statistics)
+        ok, why = _fa.fused_backend_supports(q, k, v, _fa.LAYOUTS[fmt], _fa.BIAS_INT["no_bias"], _fa.MASK_INT["no_mask"],
+                                             0.0, True, sq, sk, -1, -1)
+        if not ok:
+            raise NotImplementedError(f"DotProductAttention: cp_comm_type 'p2p' runs fused attention only, which cannot "
+                                      f"run these tensors ({why}); 'all_gather' and 'a2a' can fall back to the "
+                                      f"unfused path")
     if cp.comm_type == "a2a" and (h % cp.size or g % cp.size):
         raise ValueError(f"DotProductAttention: cp_comm_type 'a2a' needs heads ({h}) and key/value heads ({g}) "
                          f"that are multiples of cp_size ({cp.size})")
@@ -328,7 +336,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         # the gradient of the block we hold travels with it (float32 sums)
         block = [k, v]
-        dblock = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        pending = None  # the previous step's block gradient on its way to this rank
         for step in range(cp.size):
             xchg = _Exchange(cp, block, 0) if step + 1 < cp.size else None
             qp, kp, mask = _step_parts(cp, step, causal, c)
@@ -340,9 +348,13 @@ class _RingAttention(torch.autograd.Function):
                                                         layout, _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
                                                         mask == "no_mask", False)
             _rows(dq, sdim, qp).add_(dq_i)
+            # (received while this step's attention ran)
+            dblock = pending.wait() if pending is not None else [torch.zeros_like(t, dtype=torch.float32)
+                                                                  for t in (k, v)]
             _rows(dblock[0], sdim, kp).add_(dk_i)
             _rows(dblock[1], sdim, kp).add_(dv_i)
-            dblock = _Exchange(cp, dblock, 2).wait()  # to the next holder of this block (after the last step: its owner)
+            pending = _Exchange(cp, dblock, 2)  # to the next holder of this block (after the last step: its owner)
             if xchg is not None:
                 block = xchg.wait()
-        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None, None, None
+        dk, dv = pending.wait()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
