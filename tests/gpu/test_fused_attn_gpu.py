@@ -165,6 +165,21 @@ def test_bottom_right_causal_with_bias_or_dropout_is_not_supported(mask, skv):
         assert what in nvte.get_last_error() and "bottom-right" in nvte.get_last_error()
 
 
+@pytest.mark.parametrize("dtype", ["kBFloat16", "kFloat8E4M3"])
+@pytest.mark.parametrize("d_qk,d_v", [(6, 6), (64, 12), (264, 128), (128, 272)])
+def test_head_sizes_cudnn_rejects_are_no_backend(dtype, d_qk, d_v):
+    """Head sizes that are not multiples of 8 or exceed 256: NVTE_No_Backend with the reason from the
+    query (cuDNN's graph validation would reject them only at the call), for BF16 and FP8 alike."""
+    dt = getattr(nvte.DType, dtype)
+    got = nvte.get_fused_attn_backend(is_training=True, q_dtype=dt, kv_dtype=dt, qkv_layout=L.NVTE_BSHD_BSHD_BSHD,
+                                      bias_type=BT.NVTE_NO_BIAS, attn_mask_type=M.NVTE_CAUSAL_MASK,
+                                      softmax_type=ST.NVTE_VANILLA_SOFTMAX, dropout=0.0, num_attn_heads=4,
+                                      num_gqa_groups=4, max_seqlen_q=64, max_seqlen_kv=64, head_dim_qk=d_qk,
+                                      head_dim_v=d_v)
+    assert got == nvte.NVTE_Fused_Attn_Backend.NVTE_No_Backend
+    assert "multiples of 8 and at most 256" in nvte.get_last_error()
+
+
 def test_unsupported_config_is_a_clear_error():
     c = Case(dtype="bfloat16")
     q, k, v, do, bias = inputs(c)

@@ -193,6 +193,19 @@ def test_alibi_custom_slopes_cuda_is_a_clear_error(spy):
     assert spy.fwd == 0
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the GPU backend's head-size rule (NVTE_TEST_DEVICE=cuda only; the CPU "
+                                       "backend takes every head size)")
+def test_head_size_cudnn_rejects_runs_unfused(spy):
+    """A head size that is not a multiple of 8: the backend query says no, so the module runs the
+    unfused path (it used to pick the fused one and fail inside cuDNN's graph validation)."""
+    dpa = DotProductAttention(2, 12, qkv_format="bshd", attn_mask_type="causal")
+    q, k, v = make_qkv("bshd", 2, 7, 7, 2, 2, 12, dtype=DT)
+    out = dpa(dev(q), dev(k), dev(v))
+    assert spy.fwd == 0
+    ref = ref_fused(*(t.double() for t in (q, k, v)), "bshd", 1.0 / math.sqrt(12), ref_mask("causal", 2, 7, 7))
+    assert rel_err(out.cpu(), ref) < 2e-2
+
+
 def test_dropout_training_only(spy):
     dpa = DotProductAttention(2, 8, attention_dropout=0.5, qkv_format="bshd", attn_mask_type="no_mask")
     q0, k0, v0 = make_qkv("bshd", 2, 16, 16, 2, 2, 8, seed=1, dtype=DT)

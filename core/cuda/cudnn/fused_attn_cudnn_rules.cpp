@@ -103,6 +103,11 @@ size_t pow2_at_least(size_t x) {
 }  // namespace
 
 std::string unsupported_reason(const AttnParams &p) {
+  // cuDNN's graph validation rejects these at the call; the query must say so first, so that
+  // callers can choose another path (the PyTorch adapter's unfused one).
+  if (p.d_qk % 8 || p.d_v % 8 || p.d_qk > 256 || p.d_v > 256)
+    return concat("cuDNN attention takes head sizes that are multiples of 8 and at most 256; got d_qk ", p.d_qk,
+                  ", d_v ", p.d_v);
   if (is_fp8(p.dtype)) return fp8_unsupported_reason(p);
   if (p.dtype != kNVTEBFloat16 && p.dtype != kNVTEFloat16)
     return concat("cuDNN attention takes bfloat16/float16 Q, K, V; got ", dtype_name(p.dtype));
