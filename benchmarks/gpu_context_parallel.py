@@ -1,6 +1,7 @@
 """Context-parallel attention (DotProductAttention with cp_group) across the GPUs of one host.
 
-Usage: python benchmarks/gpu_context_parallel.py [n_gpus] (default: all). Starts one process per GPU
+Usage: python benchmarks/gpu_context_parallel.py [n_gpus] (default: all); CP_PROFILE=1: rank 0's
+kernel times of the p2p ring at s=16384 instead (torch.profiler). Starts one process per GPU
 (NCCL). Rank 0 first times DotProductAttention over the whole sequence on its own GPU (the
 others wait); then every comm type (p2p, all_gather, a2a) runs with the sequence split over the
 ranks in TE's load-balanced chunk order. BF16, forward + backward, b=1, 32 heads (8 key/value
@@ -33,12 +34,38 @@ def step_fn(dpa, q, k, v, do):
     return run
 
 
+def profile_p2p(rank, group, s=16384, g=32):
+    """Rank 0's device time by kernel for 3 p2p fwd+bwd steps (torch.profiler), top 15."""
+    import transformer_engine.pytorch as te
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, s, n, D, device="cuda", dtype=torch.bfloat16, generator=gen) for n in (H, g, g, H))
+    ql, kl, vl = (chunks_of(t, rank, size=dist.get_world_size(group)).requires_grad_() for t in (q, k, v))
+    dol = chunks_of(do.reshape(B, s, H * D), rank, dist.get_world_size(group))
+    dpa = te.DotProductAttention(H, D, num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
+                                 attn_mask_type="causal", cp_group=group, cp_comm_type="p2p")
+    run = step_fn(dpa, ql, kl, vl, dol)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
 def rank_main(rank, size, init_file):
     from gpu_harness import time_ms
     import transformer_engine.pytorch as te
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=size)
     group = dist.new_group(list(range(size)))
+    if os.environ.get("CP_PROFILE"):
+        profile_p2p(rank, group)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     rows = []
     for s, g in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)

@@ -298,9 +298,7 @@ class _RingAttention(torch.autograd.Function):
         sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
         c = q.shape[sdim] // 2
         rng = torch.zeros(2, dtype=torch.int64, device=q.device)
-        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
-        lse = torch.full((q.shape[1 - sdim], q.shape[-2], q.shape[sdim], 1), float("-inf"), dtype=torch.float32,
-                         device=q.device)
+        out = lse = None  # float32 running output and log-sum-exp (step 0 covers every row)
         block = [k, v]
         for step in range(cp.size):
             xchg = _Exchange(cp, block, 0) if step + 1 < cp.size else None
@@ -311,13 +309,15 @@ class _RingAttention(torch.autograd.Function):
                                                   ks.shape[sdim], True, scale, 0.0, layout,
                                                   _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
                                                   mask == "no_mask")
-            # merge: O = sum_i exp(lse_i - lse) O_i, lse = log sum_i exp(lse_i)
-            acc_l = _rows(lse, 2, qp)
-            new_l = torch.logaddexp(acc_l, lse_i)
-            acc_o = _rows(out, sdim, qp)
-            acc_o.mul_(_stats_to_out(torch.exp(acc_l - new_l), sdim))
-            acc_o.add_(o_i.float() * _stats_to_out(torch.exp(lse_i - new_l), sdim))
-            acc_l.copy_(new_l)
+            if step == 0:
+                out, lse = o_i.float(), lse_i
+            else:  # merge: O = sum_i exp(lse_i - lse) O_i, lse = log sum_i exp(lse_i)
+                acc_l = _rows(lse, 2, qp)
+                new_l = torch.logaddexp(acc_l, lse_i)
+                acc_o = _rows(out, sdim, qp)
+                acc_o.mul_(_stats_to_out(torch.exp(acc_l - new_l), sdim))
+                acc_o.add_(o_i * _stats_to_out(torch.exp(lse_i - new_l), sdim))
+                acc_l.copy_(new_l)
             if xchg is not None:
                 block = xchg.wait()
         out = out.to(q.dtype)
@@ -333,7 +333,7 @@ class _RingAttention(torch.autograd.Function):
         c = q.shape[sdim] // 2
         rng = torch.zeros(2, dtype=torch.int64, device=q.device)
         dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        dq = None  # float32 sums (step 0 covers every row and the whole block)
         # the gradient of the block we hold travels with it (float32 sums)
         block = [k, v]
         pending = None  # the previous step's block gradient on its way to this rank
@@ -347,12 +347,13 @@ class _RingAttention(torch.autograd.Function):
                                                         None, None, None, qs.shape[sdim], ks.shape[sdim], scale, 0.0,
                                                         layout, _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
                                                         mask == "no_mask", False)
-            _rows(dq, sdim, qp).add_(dq_i)
-            # (received while this step's attention ran)
-            dblock = pending.wait() if pending is not None else [torch.zeros_like(t, dtype=torch.float32)
-                                                                  for t in (k, v)]
-            _rows(dblock[0], sdim, kp).add_(dk_i)
-            _rows(dblock[1], sdim, kp).add_(dv_i)
+            if step == 0:
+                dq, dblock = dq_i.float(), [dk_i.float(), dv_i.float()]
+            else:
+                _rows(dq, sdim, qp).add_(dq_i)
+                dblock = pending.wait()  # (received while this step's attention ran)
+                _rows(dblock[0], sdim, kp).add_(dk_i)
+                _rows(dblock[1], sdim, kp).add_(dv_i)
             pending = _Exchange(cp, dblock, 2)  # to the next holder of this block (after the last step: its owner)
             if xchg is not None:
                 block = xchg.wait()
