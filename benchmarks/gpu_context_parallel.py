@@ -6,7 +6,9 @@ kernel times of the p2p ring at s=16384 instead (torch.profiler). Starts one pro
 others wait); then every comm type (p2p, all_gather, a2a) runs with the sequence split over the
 ranks in TE's load-balanced chunk order. BF16, forward + backward, b=1, 32 heads (8 key/value
 heads in the GQA rows), head dim 128, causal. Columns: ms per fwd+bwd (rank 0's median, CUDA
-events), speed-up over one GPU and its efficiency (speed-up / GPUs)."""
+events), speed-up over one GPU and its efficiency (speed-up / GPUs). The "torch CP" rows: PyTorch's
+experimental context_parallel around F.scaled_dot_product_attention on the same tensors (same
+1-GPU baseline column: ours), where it runs."""
 import os
 import subprocess
 import sys
@@ -32,6 +34,34 @@ def step_fn(dpa, q, k, v, do):
             t.grad = None
         dpa(q, k, v).backward(do)
     return run
+
+
+_MESH = []
+
+
+def torch_cp_ms(q, k, v, do, size, rotate):
+    """PyTorch's own context parallelism (torch.distributed.tensor.experimental.context_parallel:
+    ring attention around F.scaled_dot_product_attention, its default backend choice, causal with its
+    load balancing) on the same whole-sequence tensors; rotate: its K/V exchange ("allgather" or
+    "alltoall"). q, k, v, do: [b, s, h, d]."""
+    import torch.nn.functional as F
+    from gpu_harness import time_ms
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+    if not _MESH:
+        _MESH.append(init_device_mesh("cuda", (size,)))
+    set_rotate_method(rotate)
+    qt, kt, vt, dot = (t.reshape(B, t.shape[1], -1, D).transpose(1, 2).contiguous() for t in (q, k, v, do))
+    with context_parallel(_MESH[0], buffers=[qt, kt, vt, dot], buffer_seq_dims=[2, 2, 2, 2]):
+        for t in (qt, kt, vt):
+            t.requires_grad_()
+
+        def run(_=None):
+            for t in (qt, kt, vt):
+                t.grad = None
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).backward(dot)
+        return time_ms(run, iters=10, warmup=3, inner=2)
 
 
 def profile_p2p(rank, group, s=16384, g=32):
@@ -89,6 +119,16 @@ def rank_main(rank, size, init_file):
             ms = time_ms(step_fn(dpa, ql, kl, vl, dol), iters=10, warmup=3, inner=2)
             if rank == 0:
                 rows.append((s, g, comm, full_ms, ms))
+        for rotate in (("allgather", "alltoall") if g == H else ()):  # (GQA: torch's CP SDPA takes none)
+            dist.barrier()
+            try:
+                ms = torch_cp_ms(q, k, v, do, size, rotate)
+            except Exception as e:  # noqa: BLE001  (an experimental API: report, keep our rows)
+                ms = None
+                if rank == 0:
+                    print(f"torch context_parallel ({rotate}) failed: {e!r}"[:400])
+            if rank == 0 and ms is not None:
+                rows.append((s, g, f"torch CP {rotate}", full_ms, ms))
         del q, k, v, do, ql, kl, vl, dol
         torch.cuda.empty_cache()
     if rank == 0:
