@@ -54,13 +54,14 @@ def torch_cp_ms(q, k, v, do, size, rotate):
     set_rotate_method(rotate)
     qt, kt, vt, dot = (t.reshape(B, t.shape[1], -1, D).transpose(1, 2).contiguous() for t in (q, k, v, do))
     with context_parallel(_MESH[0], buffers=[qt, kt, vt, dot], buffer_seq_dims=[2, 2, 2, 2]):
-        for t in (qt, kt, vt):
-            t.requires_grad_()
+        # new leaves on the local shards (the buffers themselves are restored at exit, which a tensor
+        # that requires grad does not allow)
+        qg, kg, vg = (t.detach().requires_grad_() for t in (qt, kt, vt))
 
         def run(_=None):
-            for t in (qt, kt, vt):
+            for t in (qg, kg, vg):
                 t.grad = None
-            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).backward(dot)
+            F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(dot)
         return time_ms(run, iters=10, warmup=3, inner=2)
 
 
