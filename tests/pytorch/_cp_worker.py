@@ -14,6 +14,7 @@ import torch.distributed as dist
 import transformer_engine.pytorch as te
 
 B, C, D_QK, D_V = 2, 3, 16, 8  # batch, chunk length (odd), head sizes (multiples of 8: cuDNN's)
+EPS = 1e-2  # the dropout test's step along its direction
 
 
 def heads(size):
@@ -82,6 +83,32 @@ def main():
         if fmt == "sbhd":
             res = [t.transpose(0, 1) for t in res]
         results[case_name(case)] = [t.detach().float().cpu() for t in res]
+
+    # dropout (causal, bshd): L = <O, dO> at Q, K, V and at +-EPS along one direction, same seeds
+    for comm in ("p2p", "all_gather", "a2a"):
+        q, k, v, do = whole_inputs(size, 77, dtype)
+        gen = torch.Generator().manual_seed(78)
+        dirs = [torch.randn(t.shape, generator=gen).to(dtype) for t in (q, k, v)]
+        loc = [local_chunks(t, rank, size).to(dev) for t in (q, k, v, do)]
+        ldirs = [local_chunks(t, rank, size).to(dev) for t in dirs]
+        dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.3, qkv_format="bshd",
+                                     attn_mask_type="causal", cp_group=group, cp_comm_type=comm)
+        vals = []
+        for sign in (0.0, 1.0, -1.0):
+            torch.manual_seed(100 + rank)
+            if on_cuda:
+                torch.cuda.manual_seed(100 + rank)
+            xs = [(t + sign * EPS * d).detach().requires_grad_() for t, d in zip(loc[:3], ldirs)]
+            o = dpa(*xs)
+            loss = (o.float() * loc[3].reshape(o.shape).float()).sum()
+            vals.append(loss.detach().cpu())
+            if sign == 0.0:
+                loss.backward()
+                slope = sum((x.grad.float() * d.float()).sum() for x, d in zip(xs, ldirs)).detach().cpu()
+                o_drop = o.detach()
+        dpa.eval()
+        moved = ((dpa(*loc[:3]) - o_drop).float().norm() / o_drop.float().norm()).cpu()
+        results[f"dropout-{comm}"] = vals + [slope, moved]
 
     # a TransformerLayer (causal self attention, p2p): same weights on every rank
     hidden = 8 * h  # head size 8 (cuDNN's multiple)

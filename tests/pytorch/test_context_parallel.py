@@ -133,6 +133,26 @@ def test_transformer_layer_matches_whole_sequence(size):
         assert float((got - ref).norm()) <= tol * max(float(ref.norm()), 1e-3 * scale), n
 
 
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_dropout_backward_matches_forward(size, comm):
+    """Attention dropout under CP: it changes the output, and the gradients are those of the forward
+    that ran. With the same seeds the masks repeat, so L = <O, dO> is a smooth function of Q, K, V:
+    its central difference along a random direction of the whole sequence (summed over the ranks)
+    must equal <grad, direction>. A backward with other masks than the forward's fails this.
+    On CUDA (bfloat16 inputs, whose rounding swamps a finite-difference step) only the first part
+    and finite results are checked; the ring's per-step rng_state handling is the same Python
+    code on both backends, and cuDNN's forward/backward mask agreement is tests/gpu's."""
+    res = [r[f"dropout-{comm}"] for r in results(size)]
+    base, plus, minus, slope = (sum(float(r[i]) for r in res) for i in range(4))
+    moved = max(float(r[4]) for r in res)
+    assert moved > 1e-2, "dropout changed nothing"
+    assert all(math.isfinite(x) for x in (base, plus, minus, slope))
+    if not ON_CUDA:
+        fd = (plus - minus) / (2 * W.EPS)
+        assert abs(fd - slope) <= 2e-3 * max(abs(slope), 1.0), (comm, fd, slope, base)
+
+
 # ------------------------------------------------------------------ what CP does not take
 def _group(comm="p2p", size=2):
     return _cp.CPGroup(None, list(range(size)), size, 0, comm)
@@ -143,7 +163,6 @@ def _group(comm="p2p", size=2):
     (dict(mask_type="padding_causal"), NotImplementedError, "'no_mask' or 'causal'"),
     (dict(window=(4, 0)), NotImplementedError, "'a2a' only"),
     (dict(bias_type="alibi"), NotImplementedError, "no attention bias"),
-    (dict(dropout=0.1), NotImplementedError, "no attention dropout"),
     (dict(softmax_type="learnable"), NotImplementedError, "vanilla softmax"),
     (dict(fp8=True), NotImplementedError, "FP8 attention"),
     (dict(attention_mask=torch.zeros(1, dtype=torch.bool)), NotImplementedError, "no attention_mask"),
@@ -153,7 +172,7 @@ def _group(comm="p2p", size=2):
 ])
 def test_unsupported_calls_raise(kw, err, match):
     args = dict(q=torch.zeros(2, 6, 4, 8), k=torch.zeros(2, 6, 2, 8), fmt="bshd", mask_type="causal", window=None,
-                bias_type="no_bias", dropout=0.0, softmax_type="vanilla", fp8=False, attention_mask=None, h=4, g=2)
+                bias_type="no_bias", softmax_type="vanilla", fp8=False, attention_mask=None, h=4, g=2)
     comm = kw.pop("comm", "p2p")
     args.update(kw)
     q, k = args.pop("q"), args.pop("k")
@@ -187,4 +206,4 @@ def test_p2p_says_when_the_gpu_backend_cannot_run_the_ring():
     q = torch.zeros(2, 6, 4, 6, device=DEVICE, dtype=torch.bfloat16)
     k = torch.zeros(2, 6, 2, 6, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="'p2p' runs fused attention only"):
-        _cp.check_call(_group("p2p"), q, k, k, "bshd", "causal", None, "no_bias", 0.0, "vanilla", False, None, 4, 2)
+        _cp.check_call(_group("p2p"), q, k, k, "bshd", "causal", None, "no_bias", "vanilla", False, None, 4, 2)

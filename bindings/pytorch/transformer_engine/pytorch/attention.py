@@ -329,15 +329,15 @@ class DotProductAttention(torch.nn.Module):
             raise NotImplementedError("DotProductAttention: inference_params (K/V-cache generation) with context "
                                       "parallelism is not implemented")
         window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
-        _cp.check_call(self.cp, q, k, v, fmt, mask_type, window, bias_type,
-                       self.attention_dropout if self.training else 0.0, self.softmax_type,
+        _cp.check_call(self.cp, q, k, v, fmt, mask_type, window, bias_type, self.softmax_type,
                        handoff is not None or _df.fp8_attention_on(), attention_mask, self.num_attention_heads,
                        self.num_gqa_groups)
 
         def local(q_, k_, v_, mt, w):
             return self.forward(q_, k_, v_, qkv_format=fmt, attn_mask_type=mt,
                                 window_size=w if w is not None else (-1, -1), _cp_local=True)
-        return _cp.attend(self.cp, q, k, v, fmt, mask_type, window, self.softmax_scale, local)
+        return _cp.attend(self.cp, q, k, v, fmt, mask_type, window, self.softmax_scale,
+                          self.attention_dropout if self.training else 0.0, local)
 
     def sink_offset(self, device) -> Optional[torch.Tensor]:
         """The per-head sink logits [heads] of softmax_type (zeros for "off-by-one"), None for "vanilla"."""

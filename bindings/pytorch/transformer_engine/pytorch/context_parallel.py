@@ -19,7 +19,9 @@ Three ways to exchange K/V (cp_comm_type), each computing the same attention:
     heads must be multiples of cp_size); every rank attends to the whole sequence for its heads,
     and the output is traded back. Sliding windows run here only.
 All three take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
-for causal), no bias, no dropout, the vanilla softmax and no FP8; anything else is a clear error.
+for causal), no bias, the vanilla softmax and no FP8; anything else is a clear error. Dropout:
+the ring gives each step its own rng_state (the backward reuses it); the other two run it inside
+their local attention calls.
 cp_stream is accepted and unused (the ring overlaps its transfers with the attention calls on
 the current stream).
 """
@@ -62,7 +64,7 @@ def make_group(cp_group, cp_global_ranks: Optional[Sequence[int]], cp_comm_type:
     return CPGroup(cp_group, ranks, size, rank, cp_comm_type) if size > 1 else None
 
 
-def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type: str, dropout: float,
+def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type: str,
                softmax_type: str, fp8: bool, attention_mask, h: int, g: int) -> None:
     """Raises for what context parallelism does not take (see the module text)."""
     what = f"context parallelism (cp_comm_type {cp.comm_type!r})"
@@ -78,8 +80,6 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                                   f"with cp_comm_type 'a2a' only")
     if bias_type != "no_bias":
         raise NotImplementedError(f"DotProductAttention: {what} takes no attention bias or ALiBi ({bias_type!r})")
-    if dropout > 0.0:
-        raise NotImplementedError(f"DotProductAttention: {what} takes no attention dropout (got {dropout})")
     if softmax_type != "vanilla":
         raise NotImplementedError(f"DotProductAttention: {what} takes the vanilla softmax only "
                                   f"(softmax_type {softmax_type!r})")
@@ -108,14 +108,15 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                          f"that are multiples of cp_size ({cp.size})")
 
 
-def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
+def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float, dropout: float,
            local: Callable) -> torch.Tensor:
     """The attention of this rank's queries over the whole sequence, [.., h * d_v] as the module
-    returns it. local(q, k, v, mask_type, window) is the module's own (non-CP) attention."""
+    returns it. local(q, k, v, mask_type, window) is the module's own (non-CP) attention (with its
+    dropout); dropout: the probability the ring applies (0 outside training)."""
     ordered = mask_type == "causal" or window is not None
     if cp.comm_type == "p2p":
         o = _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, fmt, mask_type == "causal",
-                                 float(scale))
+                                 float(scale), float(dropout))
         return o.reshape(*o.shape[:-2], -1)
     sdim = _sdim(fmt)
     if cp.comm_type == "all_gather":
@@ -294,10 +295,11 @@ def _stats_to_out(stats: torch.Tensor, sdim: int) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: CPGroup, fmt: str, causal: bool, scale: float):
+    def forward(ctx, q, k, v, cp: CPGroup, fmt: str, causal: bool, scale: float, dropout: float):
         sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
         c = q.shape[sdim] // 2
-        rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+        zero_rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+        rngs = []  # each step's rng_state copy (dropout masks differ between steps; the backward reuses them)
         out = lse = None  # float32 running output and log-sum-exp (step 0 covers every row)
         block = [k, v]
         for step in range(cp.size):
@@ -305,10 +307,12 @@ class _RingAttention(torch.autograd.Function):
             qp, kp, mask = _step_parts(cp, step, causal, c)
             qs = _rows(q, sdim, qp).contiguous()
             ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
-            o_i, lse_i, _, _ = _fa.fused_attn_fwd(qs, ks, vs, None, None, None, None, None, rng, qs.shape[sdim],
-                                                  ks.shape[sdim], True, scale, 0.0, layout,
-                                                  _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
-                                                  mask == "no_mask")
+            rng = _fa.new_rng_state(q.device) if dropout > 0.0 else zero_rng
+            o_i, lse_i, rng_i, _ = _fa.fused_attn_fwd(qs, ks, vs, None, None, None, None, None, rng,
+                                                      qs.shape[sdim], ks.shape[sdim], True, scale, dropout, layout,
+                                                      _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
+                                                      mask == "no_mask")
+            rngs.append(rng_i)
             if step == 0:
                 out, lse = o_i.float(), lse_i
             else:  # merge: O = sum_i exp(lse_i - lse) O_i, lse = log sum_i exp(lse_i)
@@ -321,17 +325,16 @@ class _RingAttention(torch.autograd.Function):
             if xchg is not None:
                 block = xchg.wait()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (cp, fmt, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse, *rngs)
+        ctx.args = (cp, fmt, causal, scale, dropout)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, fmt, causal, scale = ctx.args
+        q, k, v, out, lse, *rngs = ctx.saved_tensors
+        cp, fmt, causal, scale, dropout = ctx.args
         sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
         c = q.shape[sdim] // 2
-        rng = torch.zeros(2, dtype=torch.int64, device=q.device)
         dout = dout.contiguous()
         dq = None  # float32 sums (step 0 covers every row and the whole block)
         # the gradient of the block we hold travels with it (float32 sums)
@@ -343,8 +346,8 @@ class _RingAttention(torch.autograd.Function):
             qs, os_, dos = (_rows(t, sdim, qp).contiguous() for t in (q, out, dout))
             ls = _rows(lse, 2, qp).contiguous()
             ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
-            dq_i, dk_i, dv_i, _, _ = _fa.fused_attn_bwd(qs, ks, vs, os_, dos, ls, rng[:0], q.new_empty(0), None,
-                                                        None, None, None, qs.shape[sdim], ks.shape[sdim], scale, 0.0,
+            dq_i, dk_i, dv_i, _, _ = _fa.fused_attn_bwd(qs, ks, vs, os_, dos, ls, rngs[step], q.new_empty(0), None,
+                                                        None, None, None, qs.shape[sdim], ks.shape[sdim], scale, dropout,
                                                         layout, _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
                                                         mask == "no_mask", False)
             if step == 0:
@@ -358,4 +361,4 @@ class _RingAttention(torch.autograd.Function):
             if xchg is not None:
                 block = xchg.wait()
         dk, dv = pending.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
