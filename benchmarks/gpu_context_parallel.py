@@ -5,7 +5,8 @@ kernel times of the p2p ring at s=16384 instead (torch.profiler). Starts one pro
 (NCCL). Rank 0 first times DotProductAttention over the whole sequence on its own GPU (the
 others wait); then every comm type (p2p, all_gather, a2a) runs with the sequence split over the
 ranks in TE's load-balanced chunk order. BF16, forward + backward, b=1, 32 heads (8 key/value
-heads in the GQA rows), head dim 128, causal. Columns: ms per fwd+bwd (rank 0's median, CUDA
+heads in the GQA rows), head dim 128, causal; a last row of packed THD sequences (THD_LENS) through
+the ring. Columns: ms per fwd+bwd (rank 0's median, CUDA
 events), speed-up over one GPU and its efficiency (speed-up / GPUs). The "torch CP" rows: PyTorch's
 experimental context_parallel around F.scaled_dot_product_attention on the same tensors (same
 1-GPU baseline column: ours), where it runs."""
@@ -86,6 +87,48 @@ def profile_p2p(rank, group, s=16384, g=32):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
+THD_LENS = [4096, 8192, 12288, 8192]  # packed sequences (32768 tokens), multiples of 2 cp_size
+
+
+def thd_rows(rank, size, group):
+    """Packed THD sequences through the p2p ring (cu_seqlens of the whole sequences), causal."""
+    from gpu_harness import time_ms
+    import transformer_engine.pytorch as te
+    lens = THD_LENS
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, do = (torch.randn(sum(lens), n, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for n in (H, H, H, H))
+    do = do.reshape(sum(lens), H * D)
+
+    def step(dpa, q_, k_, v_, do_):
+        def run(_=None):
+            for t in (q_, k_, v_):
+                t.grad = None
+            dpa(q_, k_, v_, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                max_seqlen_kv=max(lens)).backward(do_)
+        return run
+    full_ms = None
+    if rank == 0:
+        dpa = te.DotProductAttention(H, D, attention_dropout=0.0, qkv_format="thd", attn_mask_type="padding_causal")
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        full_ms = time_ms(step(dpa, qq, kk, vv, do), iters=10, warmup=3, inner=2)
+    dist.barrier()
+    idx = []
+    start = 0
+    for n in lens:
+        c = n // (2 * size)
+        for chunk in (rank, 2 * size - 1 - rank):
+            idx.append(torch.arange(start + chunk * c, start + (chunk + 1) * c))
+        start += n
+    idx = torch.cat(idx).cuda()
+    ql, kl, vl = (t[idx].contiguous().requires_grad_() for t in (q, k, v))
+    dpa = te.DotProductAttention(H, D, attention_dropout=0.0, qkv_format="thd", attn_mask_type="padding_causal",
+                                 cp_group=group, cp_comm_type="p2p")
+    ms = time_ms(step(dpa, ql, kl, vl, do[idx].contiguous()), iters=10, warmup=3, inner=2)
+    return [(f"thd {sum(lens)}", H, "p2p", full_ms, ms)] if rank == 0 else []
+
+
 def rank_main(rank, size, init_file):
     from gpu_harness import time_ms
     import transformer_engine.pytorch as te
@@ -132,6 +175,7 @@ def rank_main(rank, size, init_file):
                 rows.append((s, g, f"torch CP {rotate}", full_ms, ms))
         del q, k, v, do, ql, kl, vl, dol
         torch.cuda.empty_cache()
+    rows += thd_rows(rank, size, group)
     if rank == 0:
         print(f"| s | kv heads | comm | 1 GPU ms | {size} GPUs ms | speed-up | efficiency |")
         print("|---|---|---|---|---|---|---|")

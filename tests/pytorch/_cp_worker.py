@@ -47,10 +47,35 @@ def whole_inputs(size, seed, dtype):
     return [t.to(dtype) for t in (q, k, v, do)]
 
 
+def whole_inputs_thd(size, seed, dtype):
+    """whole_inputs with the packed sequences as one batch row: [1, total, heads, d]."""
+    h, g = heads(size)
+    total = sum(thd_lengths(size))
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, total, n, d, generator=gen).to(dtype)
+            for n, d in ((h, D_QK), (g, D_QK), (g, D_V), (h, D_V))]
+
+
 def local_chunks(x, rank, size, dim=1):
     """This rank's chunks (rank, 2 size - 1 - rank) of x along dim, concatenated."""
     parts = x.chunk(2 * size, dim=dim)
     return torch.cat([parts[rank], parts[2 * size - 1 - rank]], dim=dim)
+
+
+def thd_lengths(size):
+    return [2 * size * n for n in (1, 3, 2)]  # whole sequences, multiples of 2 cp_size
+
+
+def thd_local_index(lens, rank, size):
+    """The whole-sequence token indices this rank holds, in its local order: per sequence, chunks
+    rank and 2 size - 1 - rank."""
+    idx, start = [], 0
+    for n in lens:
+        c = n // (2 * size)
+        for chunk in (rank, 2 * size - 1 - rank):
+            idx.extend(range(start + chunk * c, start + (chunk + 1) * c))
+        start += n
+    return torch.tensor(idx)
 
 
 def main():
@@ -83,6 +108,20 @@ def main():
         if fmt == "sbhd":
             res = [t.transpose(0, 1) for t in res]
         results[case_name(case)] = [t.detach().float().cpu() for t in res]
+
+    # THD (p2p): packed sequences, cu_seqlens of the whole sequences
+    lens = thd_lengths(size)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
+    idx = thd_local_index(lens, rank, size)
+    for j, mask in enumerate(("padding_causal", "padding")):
+        q, k, v, do = (t[0] for t in whole_inputs_thd(size, 2000 + j, dtype))
+        loc = [t[idx].to(dev) for t in (q, k, v, do)]
+        ql, kl, vl = (t.requires_grad_() for t in loc[:3])
+        dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format="thd",
+                                     attn_mask_type=mask, cp_group=group, cp_comm_type="p2p")
+        o = dpa(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        o.backward(loc[3].reshape(o.shape))
+        results[f"thd-{mask}"] = [t.detach().float().cpu() for t in (o.view(-1, h, D_V), ql.grad, kl.grad, vl.grad)]
 
     # dropout (causal, bshd): L = <O, dO> at Q, K, V and at +-EPS along one direction, same seeds
     for comm in ("p2p", "all_gather", "a2a"):

@@ -103,6 +103,38 @@ def test_dot_product_attention_matches_whole_sequence(size, case):
 
 
 @pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("mask", ["padding_causal", "padding"])
+def test_thd_ring_matches_whole_sequences(size, mask):
+    """qkv_format "thd" with cp_comm_type "p2p": packed sequences of different lengths (cu_seqlens
+    of the whole sequences), each split in 2 cp_size chunks; every sequence's attention against
+    float64 attention of that sequence alone."""
+    res = results(size)
+    lens = W.thd_lengths(size)
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    q, k, v, do = W.whole_inputs_thd(size, 2000 + ["padding_causal", "padding"].index(mask), dtype)
+    got = []
+    for i in range(4):
+        t = torch.zeros((sum(lens),) + tuple(res[0][f"thd-{mask}"][i].shape[1:]))
+        for r in range(size):
+            t[W.thd_local_index(lens, r, size)] = res[r][f"thd-{mask}"][i]
+        got.append(t)
+    causal = "causal" if "causal" in mask else "no_mask"
+    ref, naive = [[], [], [], []], [[], [], [], []]
+    start = 0
+    for n in lens:
+        part = [t[:, start:start + n] for t in (q, k, v, do)]
+        for acc, dt in ((ref, torch.float64), (naive, dtype)):
+            for a, x in zip(acc, attention_ref(*part, causal, None, dt)):
+                a.append(x[0])
+        start += n
+    for name, g, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
+        r, n = torch.cat(r), torch.cat(n)
+        e, e_naive = rel_err(g, r), rel_err(n, r)
+        bound = 2e-6 + 4 * e_naive if not ON_CUDA else 2 * e_naive + 1e-3
+        assert e <= bound, (mask, name, e, e_naive)
+
+
+@pytest.mark.parametrize("size", SIZES)
 def test_transformer_layer_matches_whole_sequence(size):
     """TransformerLayer.set_context_parallel_group: outputs, input gradients and (summed over the
     ranks) weight gradients of the whole-sequence layer."""
@@ -159,7 +191,10 @@ def _group(comm="p2p", size=2):
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(fmt="thd"), NotImplementedError, "not 'thd'"),
+    (dict(fmt="thd", comm="a2a"), NotImplementedError, "'thd' runs with cp_comm_type 'p2p'"),
+    (dict(fmt="thd", q=torch.zeros(12, 4, 8), k=torch.zeros(10, 2, 8)), ValueError, "self attention"),
+    (dict(fmt="thd", q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8), mask_type="arbitrary"), NotImplementedError,
+     "'padding_causal'"),
     (dict(mask_type="padding_causal"), NotImplementedError, "'no_mask' or 'causal'"),
     (dict(window=(4, 0)), NotImplementedError, "'a2a' only"),
     (dict(bias_type="alibi"), NotImplementedError, "no attention bias"),
@@ -207,3 +242,40 @@ def test_p2p_says_when_the_gpu_backend_cannot_run_the_ring():
     k = torch.zeros(2, 6, 2, 6, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="'p2p' runs fused attention only"):
         _cp.check_call(_group("p2p"), q, k, k, "bshd", "causal", None, "no_bias", "vanilla", False, None, 4, 2)
+
+
+def test_thd_split_offsets_and_checks():
+    """The local THD description from whole-sequence cu_seqlens (lengths 4 and 8, cp_size 2: chunks of
+    1 and 2 tokens), and the length checks (other lengths would split wrongly without an error)."""
+    from transformer_engine.pytorch import context_parallel_thd as T
+    sp = T.split(torch.tensor([0, 4, 12], dtype=torch.int32), 6, 2)
+    assert sp.cu_local.tolist() == [0, 2, 6] and sp.cu_half.tolist() == [0, 1, 3]
+    assert sp.second.tolist() == [1, 4, 6] and sp.max_half == 2
+    assert sp.tok_b.tolist() == [0, 0, 1, 1, 1, 1] and sp.tok_j.tolist() == [0, 1, 0, 1, 2, 3]
+    assert sp.tok_c.tolist() == [1, 1, 2, 2, 2, 2]
+    with pytest.raises(ValueError, match="multiple of 2 cp_size = 4"):
+        T.split(torch.tensor([0, 4, 10], dtype=torch.int32), 5, 2)
+    with pytest.raises(ValueError, match="whole / cp_size"):
+        T.split(torch.tensor([0, 4, 12], dtype=torch.int32), 12, 2)
+
+
+def test_module_level_cp_argument_errors():
+    """What DotProductAttention checks before any communication (a CP description without a process
+    group: nothing is sent)."""
+    dpa = te.DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="thd", attn_mask_type="padding_causal")
+    dpa.cp = _group("p2p")
+    q, k = torch.zeros(12, 4, 8), torch.zeros(12, 2, 8)
+    cu = torch.tensor([0, 8, 24], dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs cu_seqlens_q"):
+        dpa(q, k, k)
+    with pytest.raises(NotImplementedError, match="padded offsets"):
+        dpa(q, k, k, cu_seqlens_q=cu, cu_seqlens_q_padded=cu)
+    with pytest.raises(NotImplementedError, match="must equal cu_seqlens_q"):
+        dpa(q, k, k, cu_seqlens_q=cu, cu_seqlens_kv=torch.tensor([0, 12, 24], dtype=torch.int32))
+    dpa = te.DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
+    dpa.cp = _group("p2p")
+    q, k = torch.zeros(2, 6, 4, 8), torch.zeros(2, 6, 2, 8)
+    with pytest.raises(NotImplementedError, match="takes no cu_seqlens"):
+        dpa(q, k, k, cu_seqlens_q=torch.tensor([0, 6, 12], dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="inference_params"):
+        dpa(q, k, k, inference_params=object())

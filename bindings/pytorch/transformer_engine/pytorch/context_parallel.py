@@ -19,9 +19,10 @@ Three ways to exchange K/V (cp_comm_type), each computing the same attention:
     heads must be multiples of cp_size); every rank attends to the whole sequence for its heads,
     and the output is traded back. Sliding windows run here only.
 All three take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
-for causal), no bias, the vanilla softmax and no FP8; anything else is a clear error. Dropout:
-the ring gives each step its own rng_state (the backward reuses it); the other two run it inside
-their local attention calls.
+for causal); "p2p" takes THD too (context_parallel_thd.py: self attention, cu_seqlens of the whole
+sequences, each a multiple of 2 cp_size long, no padded offsets), no bias, the vanilla softmax and
+no FP8; anything else is a clear error. Dropout: the ring gives each step its own rng_state (the
+backward reuses it); the other two run it inside their local attention calls.
 cp_stream is accepted and unused (the ring overlaps its transfers with the attention calls on
 the current stream).
 """
@@ -68,11 +69,14 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                softmax_type: str, fp8: bool, attention_mask, h: int, g: int) -> None:
     """Raises for what context parallelism does not take (see the module text)."""
     what = f"context parallelism (cp_comm_type {cp.comm_type!r})"
-    if fmt == "thd":
-        raise NotImplementedError(f"DotProductAttention: {what} takes qkv_format 'bshd' or 'sbhd', not 'thd'")
-    if mask_type not in ("no_mask", "causal"):
-        raise NotImplementedError(f"DotProductAttention: {what} takes attn_mask_type 'no_mask' or 'causal', "
-                                  f"got {mask_type!r}")
+    thd = fmt == "thd"
+    if thd and cp.comm_type != "p2p":
+        raise NotImplementedError(f"DotProductAttention: {what} takes qkv_format 'bshd' or 'sbhd'; 'thd' runs with "
+                                  f"cp_comm_type 'p2p'")
+    masks = ("no_mask", "causal", "padding", "padding_causal") if thd else ("no_mask", "causal")
+    if mask_type not in masks:
+        raise NotImplementedError(f"DotProductAttention: {what} takes attn_mask_type {' or '.join(map(repr, masks))}"
+                                  f" with qkv_format {fmt!r}, got {mask_type!r}")
     if attention_mask is not None:
         raise NotImplementedError(f"DotProductAttention: {what} takes no attention_mask")
     if window is not None and cp.comm_type != "a2a":
@@ -88,7 +92,11 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                                   f"implemented")
     sdim = _sdim(fmt)
     sq, sk = q.shape[sdim], k.shape[sdim]
-    if mask_type == "causal" or window is not None:
+    if thd:
+        if sq != sk:
+            raise ValueError(f"DotProductAttention: {what} over THD needs self attention (the same tokens for query "
+                             f"and key/value), got {sq} and {sk} tokens")
+    elif mask_type == "causal" or window is not None:
         if sq != sk:
             raise ValueError(f"DotProductAttention: {what} with a causal mask or window needs equal local query and "
                              f"key/value lengths, got {sq} and {sk}")
@@ -97,8 +105,8 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                              f"sequence length (two chunks per rank), got {sq}")
     if cp.comm_type == "p2p" and q.is_cuda:
         # the ring runs fused attention only (it merges the steps through their softmax statistics)
-        ok, why = _fa.fused_backend_supports(q, k, v, _fa.LAYOUTS[fmt], _fa.BIAS_INT["no_bias"], _fa.MASK_INT["no_mask"],
-                                             0.0, True, sq, sk, -1, -1)
+        ok, why = _fa.fused_backend_supports(q, k, v, _fa.LAYOUTS[fmt], _fa.BIAS_INT["no_bias"],
+                                             _fa.MASK_INT["padding" if thd else "no_mask"], 0.0, True, sq, sk, -1, -1)
         if not ok:
             raise NotImplementedError(f"DotProductAttention: cp_comm_type 'p2p' runs fused attention only, which cannot "
                                       f"run these tensors ({why}); 'all_gather' and 'a2a' can fall back to the "
@@ -109,11 +117,18 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
 
 
 def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float, dropout: float,
-           local: Callable) -> torch.Tensor:
+           local: Callable, cu_seqlens=None) -> torch.Tensor:
     """The attention of this rank's queries over the whole sequence, [.., h * d_v] as the module
     returns it. local(q, k, v, mask_type, window) is the module's own (non-CP) attention (with its
-    dropout); dropout: the probability the ring applies (0 outside training)."""
+    dropout); dropout: the probability the ring applies (0 outside training); cu_seqlens: THD's,
+    of the whole sequences."""
     ordered = mask_type == "causal" or window is not None
+    if fmt == "thd":  # (check_call: p2p)
+        from . import context_parallel_thd as _thd
+        sp = _thd.split(cu_seqlens, q.shape[0], cp.size)
+        o = _thd.RingAttentionTHD.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, sp, "causal" in mask_type,
+                                        float(scale), float(dropout))
+        return o.reshape(o.shape[0], -1)
     if cp.comm_type == "p2p":
         o = _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, fmt, mask_type == "causal",
                                  float(scale), float(dropout))
@@ -141,7 +156,8 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
 
 # ------------------------------------------------------------------ chunk order
 def _sdim(fmt: str) -> int:
-    return 0 if fmt == "sbhd" else 1
+    """The sequence (token) dimension."""
+    return 1 if fmt == "bshd" else 0
 
 
 def _chunks_of(rank: int, size: int):
@@ -250,7 +266,7 @@ class _GatherSeq(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ the ring (p2p)
-class _Exchange:
+class Exchange:
     """Sends tensors to the next rank of the ring and receives the previous rank's, asynchronously."""
 
     def __init__(self, cp: CPGroup, tensors: Sequence[torch.Tensor], tag: int):
@@ -268,20 +284,29 @@ class _Exchange:
         return self.received
 
 
-def _step_parts(cp: CPGroup, step: int, causal: bool, c: int):
-    """What step `step` of the ring computes on this rank: (query rows, key rows of the block, mask)
-    as (start, length) pairs over the local query and the received block (None = all rows). The
-    block of step i comes from rank (rank - i): with a causal mask, an earlier rank's first chunk is
-    wholly before both our chunks and its second wholly after them; a later rank's block is wholly
-    before our second chunk and after our first."""
+def step_kind(cp: CPGroup, step: int, causal: bool) -> str:
+    """What step `step` of the ring computes on this rank. The block of step i comes from rank
+    (rank - i). "own": our queries over our own block (causal when the mask is); "all": every query
+    over the whole block; with a causal mask, an earlier rank's first chunk is wholly before both
+    our chunks and its second wholly after them ("kv_first": every query over the block's first
+    chunk), and a later rank's block is wholly before our second chunk and after our first
+    ("q_second": our second chunk over the whole block)."""
     if step == 0:
-        return None, None, ("causal" if causal else "no_mask")
+        return "own"
     if not causal:
-        return None, None, "no_mask"
-    src = (cp.rank - step) % cp.size
-    if src < cp.rank:
+        return "all"
+    return "kv_first" if (cp.rank - step) % cp.size < cp.rank else "q_second"
+
+
+def _step_parts(cp: CPGroup, step: int, causal: bool, c: int):
+    """(query rows, key rows of the block, mask) of a bshd/sbhd step, rows as (start, length) over
+    the local query and the received block (None = all rows)."""
+    kind = step_kind(cp, step, causal)
+    if kind == "kv_first":
         return None, (0, c), "no_mask"
-    return (c, c), None, "no_mask"
+    if kind == "q_second":
+        return (c, c), None, "no_mask"
+    return None, None, ("causal" if kind == "own" and causal else "no_mask")
 
 
 def _rows(t: torch.Tensor, dim: int, part):
@@ -303,7 +328,7 @@ class _RingAttention(torch.autograd.Function):
         out = lse = None  # float32 running output and log-sum-exp (step 0 covers every row)
         block = [k, v]
         for step in range(cp.size):
-            xchg = _Exchange(cp, block, 0) if step + 1 < cp.size else None
+            xchg = Exchange(cp, block, 0) if step + 1 < cp.size else None
             qp, kp, mask = _step_parts(cp, step, causal, c)
             qs = _rows(q, sdim, qp).contiguous()
             ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
@@ -341,7 +366,7 @@ class _RingAttention(torch.autograd.Function):
         block = [k, v]
         pending = None  # the previous step's block gradient on its way to this rank
         for step in range(cp.size):
-            xchg = _Exchange(cp, block, 0) if step + 1 < cp.size else None
+            xchg = Exchange(cp, block, 0) if step + 1 < cp.size else None
             qp, kp, mask = _step_parts(cp, step, causal, c)
             qs, os_, dos = (_rows(t, sdim, qp).contiguous() for t in (q, out, dout))
             ls = _rows(lse, 2, qp).contiguous()
@@ -357,7 +382,7 @@ class _RingAttention(torch.autograd.Function):
                 dblock = pending.wait()  # (received while this step's attention ran)
                 _rows(dblock[0], sdim, kp).add_(dk_i)
                 _rows(dblock[1], sdim, kp).add_(dv_i)
-            pending = _Exchange(cp, dblock, 2)  # to the next holder of this block (after the last step: its owner)
+            pending = Exchange(cp, dblock, 2)  # to the next holder of this block (after the last step: its owner)
             if xchg is not None:
                 block = xchg.wait()
         dk, dv = pending.wait()
