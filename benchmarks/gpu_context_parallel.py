@@ -90,7 +90,7 @@ def profile_p2p(rank, group, s=16384, g=32):
 THD_LENS = [4096, 8192, 12288, 8192]  # packed sequences (32768 tokens), multiples of 2 cp_size
 
 
-def thd_rows(rank, size, group):
+def thd_rows(rank, size, group, iters=None):
     """Packed THD sequences through the p2p ring (cu_seqlens of the whole sequences), causal."""
     from gpu_harness import time_ms
     import transformer_engine.pytorch as te
@@ -109,7 +109,7 @@ def thd_rows(rank, size, group):
                 max_seqlen_kv=max(lens)).backward(do_)
         return run
     full_ms = None
-    if rank == 0:
+    if rank == 0 and iters is None:
         dpa = te.DotProductAttention(H, D, attention_dropout=0.0, qkv_format="thd", attn_mask_type="padding_causal")
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         full_ms = time_ms(step(dpa, qq, kk, vv, do), iters=10, warmup=3, inner=2)
@@ -125,7 +125,13 @@ def thd_rows(rank, size, group):
     ql, kl, vl = (t[idx].contiguous().requires_grad_() for t in (q, k, v))
     dpa = te.DotProductAttention(H, D, attention_dropout=0.0, qkv_format="thd", attn_mask_type="padding_causal",
                                  cp_group=group, cp_comm_type="p2p")
-    ms = time_ms(step(dpa, ql, kl, vl, do[idx].contiguous()), iters=10, warmup=3, inner=2)
+    run = step(dpa, ql, kl, vl, do[idx].contiguous())
+    if iters is not None:  # (profiling: just run)
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+        return []
+    ms = time_ms(run, iters=10, warmup=3, inner=2)
     return [(f"thd {sum(lens)}", H, "p2p", full_ms, ms)] if rank == 0 else []
 
 
@@ -135,6 +141,16 @@ def rank_main(rank, size, init_file):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=size)
     group = dist.new_group(list(range(size)))
+    if os.environ.get("CP_PROFILE") == "thd":
+        from torch.profiler import ProfilerActivity, profile
+        thd_rows(rank, size, group)  # warm (and times) once
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            thd_rows(rank, size, group, iters=3)
+        if rank == 0:
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if os.environ.get("CP_PROFILE"):
         profile_p2p(rank, group)
         dist.barrier()
