@@ -40,15 +40,20 @@ def _run_ranks(size):
         return [torch.load(o) for o in outs]
 
 
-_RESULTS = {}
+@pytest.fixture(scope="module")
+def results():
+    """results(size): the ranks' saved outputs, one run per size for the whole module; dropped at the
+    module's end (other files' tests scan the process for float tensors of given shapes)."""
+    runs = {}
 
-
-def results(size):
-    if ON_CUDA and torch.cuda.device_count() < size:
-        pytest.skip(f"needs {size} GPUs (one NCCL rank per GPU), found {torch.cuda.device_count()}")
-    if size not in _RESULTS:
-        _RESULTS[size] = _run_ranks(size)
-    return _RESULTS[size]
+    def get(size):
+        if ON_CUDA and torch.cuda.device_count() < size:
+            pytest.skip(f"needs {size} GPUs (one NCCL rank per GPU), found {torch.cuda.device_count()}")
+        if size not in runs:
+            runs[size] = _run_ranks(size)
+        return runs[size]
+    yield get
+    runs.clear()
 
 
 def whole(parts, size, dim=1):
@@ -86,7 +91,7 @@ def attention_ref(q, k, v, do, mask, window, dtype=torch.float64):
 
 @pytest.mark.parametrize("size, case", [(s, c) for s in SIZES for c in W.cases(s)],
                          ids=[f"{s}-{W.case_name(c)}" for s in SIZES for c in W.cases(s)])
-def test_dot_product_attention_matches_whole_sequence(size, case):
+def test_dot_product_attention_matches_whole_sequence(results, size, case):
     comm, mask, fmt, window = case
     res = results(size)
     got = [whole([r[W.case_name(case)][i] for r in res], size) for i in range(4)]
@@ -104,7 +109,7 @@ def test_dot_product_attention_matches_whole_sequence(size, case):
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("mask", ["padding_causal", "padding"])
-def test_thd_ring_matches_whole_sequences(size, mask):
+def test_thd_ring_matches_whole_sequences(results, size, mask):
     """qkv_format "thd" with cp_comm_type "p2p": packed sequences of different lengths (cu_seqlens
     of the whole sequences), each split in 2 cp_size chunks; every sequence's attention against
     float64 attention of that sequence alone."""
@@ -135,7 +140,7 @@ def test_thd_ring_matches_whole_sequences(size, mask):
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_transformer_layer_matches_whole_sequence(size):
+def test_transformer_layer_matches_whole_sequence(results, size):
     """TransformerLayer.set_context_parallel_group: outputs, input gradients and (summed over the
     ranks) weight gradients of the whole-sequence layer."""
     res = results(size)
@@ -167,7 +172,7 @@ def test_transformer_layer_matches_whole_sequence(size):
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
-def test_dropout_backward_matches_forward(size, comm):
+def test_dropout_backward_matches_forward(results, size, comm):
     """Attention dropout under CP: it changes the output, and the gradients are those of the forward
     that ran. With the same seeds the masks repeat, so L = <O, dO> is a smooth function of Q, K, V:
     its central difference along a random direction of the whole sequence (summed over the ranks)
