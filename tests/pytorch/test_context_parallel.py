@@ -258,6 +258,11 @@ def test_thd_split_offsets_and_checks():
     assert sp.second.tolist() == [1, 4, 6] and sp.max_half == 2
     assert sp.tok_b.tolist() == [0, 0, 1, 1, 1, 1] and sp.tok_j.tolist() == [0, 1, 0, 1, 2, 3]
     assert sp.tok_c.tolist() == [1, 1, 2, 2, 2, 2]
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    assert T.split(cu, 6, 2) is T.split(cu, 6, 2)  # one host synchronization for a model's layers
+    first = T.split(cu, 6, 2)
+    cu[2] = 8  # an in-place change is seen
+    assert T.split(cu, 4, 2) is not first and T.split(cu, 4, 2).cu_local.tolist() == [0, 2, 4]
     with pytest.raises(ValueError, match="multiple of 2 cp_size = 4"):
         T.split(torch.tensor([0, 4, 10], dtype=torch.int32), 5, 2)
     with pytest.raises(ValueError, match="whole / cp_size"):
