@@ -284,6 +284,39 @@ class Exchange:
         return self.received
 
 
+def ring_blocks(cp: CPGroup, k: torch.Tensor, v: torch.Tensor):
+    """Yields (step, [K, V] of rank - step) for the ring's steps; the next block travels while the
+    caller works on the current one."""
+    block = [k, v]
+    for step in range(cp.size):
+        xchg = Exchange(cp, block, 0) if step + 1 < cp.size else None
+        yield step, block
+        if xchg is not None:
+            block = xchg.wait()
+
+
+class BlockGrads:
+    """The float32 dK / dV sums of the block this rank holds in the backward ring: after each step
+    they go on to the block's next holder (received while that one's attention runs); the last
+    pass brings them to their owner."""
+
+    def __init__(self, cp: CPGroup):
+        self.cp, self.pending = cp, None
+
+    def add(self, dk: torch.Tensor, dv: torch.Tensor, rows: Callable = lambda t: t) -> None:
+        """This step's gradients of the block (rows(t): the part of the block they cover)."""
+        if self.pending is None:  # (the first step covers the whole block)
+            sums = [dk.float(), dv.float()]
+        else:
+            sums = self.pending.wait()
+            rows(sums[0]).add_(dk)
+            rows(sums[1]).add_(dv)
+        self.pending = Exchange(self.cp, sums, 2)
+
+    def result(self) -> List[torch.Tensor]:
+        return self.pending.wait()
+
+
 def step_kind(cp: CPGroup, step: int, causal: bool) -> str:
     """What step `step` of the ring computes on this rank. The block of step i comes from rank
     (rank - i). "own": our queries over our own block (causal when the mask is); "all": every query
@@ -326,9 +359,7 @@ class _RingAttention(torch.autograd.Function):
         zero_rng = torch.zeros(2, dtype=torch.int64, device=q.device)
         rngs = []  # each step's rng_state copy (dropout masks differ between steps; the backward reuses them)
         out = lse = None  # float32 running output and log-sum-exp (step 0 covers every row)
-        block = [k, v]
-        for step in range(cp.size):
-            xchg = Exchange(cp, block, 0) if step + 1 < cp.size else None
+        for step, block in ring_blocks(cp, k, v):
             qp, kp, mask = _step_parts(cp, step, causal, c)
             qs = _rows(q, sdim, qp).contiguous()
             ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
@@ -347,8 +378,6 @@ class _RingAttention(torch.autograd.Function):
                 acc_o.mul_(_stats_to_out(torch.exp(acc_l - new_l), sdim))
                 acc_o.add_(o_i * _stats_to_out(torch.exp(lse_i - new_l), sdim))
                 acc_l.copy_(new_l)
-            if xchg is not None:
-                block = xchg.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *rngs)
         ctx.args = (cp, fmt, causal, scale, dropout)
@@ -361,12 +390,8 @@ class _RingAttention(torch.autograd.Function):
         sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
         c = q.shape[sdim] // 2
         dout = dout.contiguous()
-        dq = None  # float32 sums (step 0 covers every row and the whole block)
-        # the gradient of the block we hold travels with it (float32 sums)
-        block = [k, v]
-        pending = None  # the previous step's block gradient on its way to this rank
-        for step in range(cp.size):
-            xchg = Exchange(cp, block, 0) if step + 1 < cp.size else None
+        dq, dkv = None, BlockGrads(cp)  # float32 sums (step 0 covers every row and the whole block)
+        for step, block in ring_blocks(cp, k, v):
             qp, kp, mask = _step_parts(cp, step, causal, c)
             qs, os_, dos = (_rows(t, sdim, qp).contiguous() for t in (q, out, dout))
             ls = _rows(lse, 2, qp).contiguous()
@@ -376,14 +401,9 @@ class _RingAttention(torch.autograd.Function):
                                                         layout, _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
                                                         mask == "no_mask", False)
             if step == 0:
-                dq, dblock = dq_i.float(), [dk_i.float(), dv_i.float()]
+                dq = dq_i.float()
             else:
                 _rows(dq, sdim, qp).add_(dq_i)
-                dblock = pending.wait()  # (received while this step's attention ran)
-                _rows(dblock[0], sdim, kp).add_(dk_i)
-                _rows(dblock[1], sdim, kp).add_(dv_i)
-            pending = Exchange(cp, dblock, 2)  # to the next holder of this block (after the last step: its owner)
-            if xchg is not None:
-                block = xchg.wait()
-        dk, dv = pending.wait()
+            dkv.add(dk_i, dv_i, lambda t: _rows(t, sdim, kp))
+        dk, dv = dkv.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from . import fused_attention as _fa
-from .context_parallel import CPGroup, Exchange, step_kind
+from .context_parallel import BlockGrads, CPGroup, ring_blocks, step_kind
 
 
 class ThdSplit(NamedTuple):
@@ -123,9 +123,9 @@ class RingAttentionTHD(torch.autograd.Function):
         layout = _fa.LAYOUTS["thd"]
         zero_rng = torch.zeros(2, dtype=torch.int64, device=q.device)
         steps = [_step(sp, step_kind(cp, i, causal), causal) for i in range(cp.size)]
-        rngs, out, lse, block = [], None, None, [k, v]
-        for i, st in enumerate(steps):
-            xchg = Exchange(cp, block, 0) if i + 1 < cp.size else None
+        rngs, out, lse = [], None, None
+        for i, block in ring_blocks(cp, k, v):
+            st = steps[i]
             rng = _fa.new_rng_state(q.device) if dropout > 0.0 else zero_rng
             o_i, stats, rng_i, _ = _fa.fused_attn_fwd(q, block[0], block[1], None, *st.cu, rng, st.max_q, st.max_kv,
                                                       True, scale, dropout, layout, _fa.BIAS_INT["no_bias"],
@@ -138,8 +138,6 @@ class RingAttentionTHD(torch.autograd.Function):
                 new = torch.logaddexp(lse, lse_i)
                 out.mul_(torch.exp(lse - new)[..., None]).add_(o_i * torch.exp(lse_i - new)[..., None])
                 lse = new
-            if xchg is not None:
-                block = xchg.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *rngs)
         ctx.args = (cp, sp, steps, scale, dropout)
@@ -151,23 +149,16 @@ class RingAttentionTHD(torch.autograd.Function):
         cp, sp, steps, scale, dropout = ctx.args
         layout = _fa.LAYOUTS["thd"]
         dout = dout.contiguous()
-        block, pending, dq = [k, v], None, None
-        for i, st in enumerate(steps):
-            xchg = Exchange(cp, block, 0) if i + 1 < cp.size else None
+        dq, dkv = None, BlockGrads(cp)
+        for i, block in ring_blocks(cp, k, v):
+            st = steps[i]
             dq_i, dk_i, dv_i, _, _ = _fa.fused_attn_bwd(q, block[0], block[1], out, dout, _to_stats(lse, sp, st),
                                                         rngs[i], q.new_empty(0), *st.cu, st.max_q, st.max_kv, scale,
                                                         dropout, layout, _fa.BIAS_INT["no_bias"],
                                                         _fa.MASK_INT[st.mask], -1, -1, "causal" not in st.mask,
                                                         False)
-            if i == 0:
-                dq, dblock = dq_i.float(), [dk_i.float(), dv_i.float()]
-            else:  # (rows a step does not cover come back as zeros)
-                dq.add_(dq_i)
-                dblock = pending.wait()
-                dblock[0].add_(dk_i)
-                dblock[1].add_(dv_i)
-            pending = Exchange(cp, dblock, 2)
-            if xchg is not None:
-                block = xchg.wait()
-        dk, dv = pending.wait()
+            # (rows a step does not cover come back as zeros)
+            dq = dq_i.float() if i == 0 else dq.add_(dq_i)
+            dkv.add(dk_i, dv_i)
+        dk, dv = dkv.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
