@@ -149,7 +149,7 @@ def main():
         moved = ((dpa(*loc[:3]) - o_drop).float().norm() / o_drop.float().norm()).cpu()
         results[f"dropout-{comm}"] = vals + [slope, moved]
 
-    # a TransformerLayer (causal self attention, p2p): same weights on every rank
+    # a TransformerLayer (causal self attention with RoPE, p2p): same weights on every rank
     hidden = 8 * h  # head size 8 (cuDNN's multiple)
     torch.manual_seed(7)
     layer = te.TransformerLayer(hidden, 2 * hidden, h, num_gqa_groups=g, hidden_dropout=0.0, attention_dropout=0.0,
@@ -160,7 +160,8 @@ def main():
     x = torch.randn(B, 2 * size * C, hidden, generator=gen).to(dtype)
     dy = torch.randn(B, 2 * size * C, hidden, generator=gen).to(dtype)
     xl = local_chunks(x, rank, size).to(dev).requires_grad_()
-    y = layer(xl)
+    rope = te.attention.RotaryPositionEmbedding(hidden // h)(2 * size * C).to(dev)  # the whole sequence's angles
+    y = layer(xl, rotary_pos_emb=rope)
     y.backward(local_chunks(dy, rank, size).to(dev))
     wgrads = {n: p.grad.detach().float().cpu() for n, p in layer.named_parameters() if p.grad is not None}
     results["transformer_layer"] = [y.detach().float().cpu(), xl.grad.detach().float().cpu(), wgrads]

@@ -141,8 +141,9 @@ def test_thd_ring_matches_whole_sequences(results, size, mask):
 
 @pytest.mark.parametrize("size", SIZES)
 def test_transformer_layer_matches_whole_sequence(results, size):
-    """TransformerLayer.set_context_parallel_group: outputs, input gradients and (summed over the
-    ranks) weight gradients of the whole-sequence layer."""
+    """TransformerLayer.set_context_parallel_group, with RoPE (each rank's chunks rotated at their
+    whole-sequence positions): outputs, input gradients and (summed over the ranks) weight gradients
+    of the whole-sequence layer."""
     res = results(size)
     h, g = W.heads(size)
     hidden = 8 * h
@@ -155,7 +156,7 @@ def test_transformer_layer_matches_whole_sequence(results, size):
     x = torch.randn(W.B, 2 * size * W.C, hidden, generator=gen).to(dtype)
     dy = torch.randn(W.B, 2 * size * W.C, hidden, generator=gen).to(dtype)
     xd = x.to(DEVICE).requires_grad_()
-    y = layer(xd)
+    y = layer(xd, rotary_pos_emb=te.attention.RotaryPositionEmbedding(hidden // h)(x.shape[1]).to(DEVICE))
     y.backward(dy.to(DEVICE))
     tol = 1e-5 if not ON_CUDA else 2e-2
     assert rel_err(whole([r["transformer_layer"][0] for r in res], size), y) < tol

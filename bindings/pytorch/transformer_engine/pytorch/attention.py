@@ -605,7 +605,8 @@ class MultiheadAttention(torch.nn.Module):
     def _rotate(self, q, k, rotary_pos_emb, inference_params, cu_seqlens_q, cu_seqlens_kv):
         """q, k with RoPE (rope.py): rotary_pos_emb is one angle table for both or a (q, k) pair. With
         a K/V cache the new tokens start at each sequence's cached length, and THD inputs are packed
-        as the cache's step (its cu_seqlens_q)."""
+        as the cache's step (its cu_seqlens_q). With context parallelism the local chunks rotate at
+        their positions in the whole sequence (as TE passes the CP rank to apply_rotary_pos_emb)."""
         q_emb, k_emb = (tuple(rotary_pos_emb) if isinstance(rotary_pos_emb, (tuple, list))
                         else (rotary_pos_emb, rotary_pos_emb))
         start = None
@@ -617,8 +618,12 @@ class MultiheadAttention(torch.nn.Module):
         elif self.attention_type == "self" and cu_seqlens_kv is None:
             cu_seqlens_kv = cu_seqlens_q
         fmt, inter = self.qkv_format, self.rotary_pos_interleaved
-        q = apply_rotary_pos_emb(q, q_emb, fmt, start_positions=start, interleaved=inter, cu_seqlens=cu_seqlens_q)
-        k = apply_rotary_pos_emb(k, k_emb, fmt, start_positions=start, interleaved=inter, cu_seqlens=cu_seqlens_kv)
+        cp = self.core_attention.cp
+        cp_args = dict(cp_size=cp.size, cp_rank=cp.rank) if cp is not None else {}
+        q = apply_rotary_pos_emb(q, q_emb, fmt, start_positions=start, interleaved=inter, cu_seqlens=cu_seqlens_q,
+                                 **cp_args)
+        k = apply_rotary_pos_emb(k, k_emb, fmt, start_positions=start, interleaved=inter, cu_seqlens=cu_seqlens_kv,
+                                 **cp_args)
         return q, k
 
     def _project_in(self, module, x, is_first_microbatch):
