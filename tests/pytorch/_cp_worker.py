@@ -109,19 +109,21 @@ def main():
             res = [t.transpose(0, 1) for t in res]
         results[case_name(case)] = [t.detach().float().cpu() for t in res]
 
-    # THD (p2p): packed sequences, cu_seqlens of the whole sequences
+    # THD (p2p, a2a): packed sequences, cu_seqlens of the whole sequences
     lens = thd_lengths(size)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
     idx = thd_local_index(lens, rank, size)
-    for j, mask in enumerate(("padding_causal", "padding")):
-        q, k, v, do = (t[0] for t in whole_inputs_thd(size, 2000 + j, dtype))
-        loc = [t[idx].to(dev) for t in (q, k, v, do)]
-        ql, kl, vl = (t.requires_grad_() for t in loc[:3])
-        dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format="thd",
-                                     attn_mask_type=mask, cp_group=group, cp_comm_type="p2p")
-        o = dpa(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu)
-        o.backward(loc[3].reshape(o.shape))
-        results[f"thd-{mask}"] = [t.detach().float().cpu() for t in (o.view(-1, h, D_V), ql.grad, kl.grad, vl.grad)]
+    for comm in ("p2p", "a2a"):
+        for j, mask in enumerate(("padding_causal", "padding")):
+            q, k, v, do = (t[0] for t in whole_inputs_thd(size, 2000 + j, dtype))
+            loc = [t[idx].to(dev) for t in (q, k, v, do)]
+            ql, kl, vl = (t.requires_grad_() for t in loc[:3])
+            dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format="thd",
+                                         attn_mask_type=mask, cp_group=group, cp_comm_type=comm)
+            o = dpa(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+            o.backward(loc[3].reshape(o.shape))
+            results[f"thd-{comm}-{mask}"] = [t.detach().float().cpu()
+                                             for t in (o.view(-1, h, D_V), ql.grad, kl.grad, vl.grad)]
 
     # dropout (causal, bshd): L = <O, dO> at Q, K, V and at +-EPS along one direction, same seeds
     for comm in ("p2p", "all_gather", "a2a"):

@@ -108,20 +108,22 @@ def test_dot_product_attention_matches_whole_sequence(results, size, case):
 
 
 @pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
 @pytest.mark.parametrize("mask", ["padding_causal", "padding"])
-def test_thd_ring_matches_whole_sequences(results, size, mask):
-    """qkv_format "thd" with cp_comm_type "p2p": packed sequences of different lengths (cu_seqlens
-    of the whole sequences), each split in 2 cp_size chunks; every sequence's attention against
-    float64 attention of that sequence alone."""
+def test_thd_matches_whole_sequences(results, size, comm, mask):
+    """qkv_format "thd" with cp_comm_type "p2p" and "a2a": packed sequences of different lengths
+    (cu_seqlens of the whole sequences), each split in 2 cp_size chunks; every sequence's attention
+    against float64 attention of that sequence alone."""
     res = results(size)
     lens = W.thd_lengths(size)
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     q, k, v, do = W.whole_inputs_thd(size, 2000 + ["padding_causal", "padding"].index(mask), dtype)
     got = []
     for i in range(4):
-        t = torch.zeros((sum(lens),) + tuple(res[0][f"thd-{mask}"][i].shape[1:]))
+        key = f"thd-{comm}-{mask}"
+        t = torch.zeros((sum(lens),) + tuple(res[0][key][i].shape[1:]))
         for r in range(size):
-            t[W.thd_local_index(lens, r, size)] = res[r][f"thd-{mask}"][i]
+            t[W.thd_local_index(lens, r, size)] = res[r][key][i]
         got.append(t)
     causal = "causal" if "causal" in mask else "no_mask"
     ref, naive = [[], [], [], []], [[], [], [], []]
@@ -197,7 +199,7 @@ def _group(comm="p2p", size=2):
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(fmt="thd", comm="a2a"), NotImplementedError, "'thd' runs with cp_comm_type 'p2p'"),
+    (dict(fmt="thd", comm="all_gather"), NotImplementedError, "'thd' runs with cp_comm_type 'p2p' or 'a2a'"),
     (dict(fmt="thd", q=torch.zeros(12, 4, 8), k=torch.zeros(10, 2, 8)), ValueError, "self attention"),
     (dict(fmt="thd", q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8), mask_type="arbitrary"), NotImplementedError,
      "'padding_causal'"),

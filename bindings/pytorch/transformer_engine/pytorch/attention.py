@@ -348,9 +348,10 @@ class DotProductAttention(torch.nn.Module):
                        handoff is not None or _df.fp8_attention_on(), attention_mask, self.num_attention_heads,
                        self.num_gqa_groups)
 
-        def local(q_, k_, v_, mt, w):
+        def local(q_, k_, v_, mt, w):  # (THD: the whole sequences, "a2a")
             return self.forward(q_, k_, v_, qkv_format=fmt, attn_mask_type=mt,
-                                window_size=w if w is not None else (-1, -1), _cp_local=True)
+                                window_size=w if w is not None else (-1, -1), cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q,
+                                _cp_local=True)
         return _cp.attend(self.cp, q, k, v, fmt, mask_type, window, self.softmax_scale,
                           self.attention_dropout if self.training else 0.0, local, cu_q)
 

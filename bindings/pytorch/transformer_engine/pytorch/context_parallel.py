@@ -19,8 +19,8 @@ Three ways to exchange K/V (cp_comm_type), each computing the same attention:
     heads must be multiples of cp_size); every rank attends to the whole sequence for its heads,
     and the output is traded back. Sliding windows run here only.
 All three take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
-for causal); "p2p" takes THD too (context_parallel_thd.py: self attention, cu_seqlens of the whole
-sequences, each a multiple of 2 cp_size long, no padded offsets), no bias, the vanilla softmax and
+for causal); "p2p" and "a2a" take THD too (context_parallel_thd.py: self attention, cu_seqlens of
+the whole sequences, each a multiple of 2 cp_size long, no padded offsets), no bias, the vanilla softmax and
 no FP8; anything else is a clear error. Dropout: the ring gives each step its own rng_state (the
 backward reuses it); the other two run it inside their local attention calls.
 cp_stream is accepted and unused (the ring overlaps its transfers with the attention calls on
@@ -70,9 +70,9 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
     """Raises for what context parallelism does not take (see the module text)."""
     what = f"context parallelism (cp_comm_type {cp.comm_type!r})"
     thd = fmt == "thd"
-    if thd and cp.comm_type != "p2p":
+    if thd and cp.comm_type == "all_gather":
         raise NotImplementedError(f"DotProductAttention: {what} takes qkv_format 'bshd' or 'sbhd'; 'thd' runs with "
-                                  f"cp_comm_type 'p2p'")
+                                  f"cp_comm_type 'p2p' or 'a2a'")
     masks = ("no_mask", "causal", "padding", "padding_causal") if thd else ("no_mask", "causal")
     if mask_type not in masks:
         raise NotImplementedError(f"DotProductAttention: {what} takes attn_mask_type {' or '.join(map(repr, masks))}"
@@ -123,20 +123,24 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
     dropout); dropout: the probability the ring applies (0 outside training); cu_seqlens: THD's,
     of the whole sequences."""
     ordered = mask_type == "causal" or window is not None
-    if fmt == "thd":  # (check_call: p2p)
+    if fmt == "thd":
         from . import context_parallel_thd as _thd
         sp = _thd.split(cu_seqlens, q.shape[0], cp.size)
-        o = _thd.RingAttentionTHD.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, sp, "causal" in mask_type,
-                                        float(scale), float(dropout))
-        return o.reshape(o.shape[0], -1)
+        if cp.comm_type == "p2p":
+            o = _thd.RingAttentionTHD.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, sp,
+                                            "causal" in mask_type, float(scale), float(dropout))
+            return o.reshape(o.shape[0], -1)
+        order = _thd.token_order(sp, cu_seqlens, cp.size)  # (a2a: check_call) the whole sequences, packed
+    else:
+        order = ChunkOrder(cp.size) if ordered else None
     if cp.comm_type == "p2p":
         o = _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, fmt, mask_type == "causal",
                                  float(scale), float(dropout))
         return o.reshape(*o.shape[:-2], -1)
     sdim = _sdim(fmt)
     if cp.comm_type == "all_gather":
-        kf = _GatherSeq.apply(k, cp, sdim, ordered)
-        vf = _GatherSeq.apply(v, cp, sdim, ordered)
+        kf = _GatherSeq.apply(k, cp, sdim, order)
+        vf = _GatherSeq.apply(v, cp, sdim, order)
         if mask_type == "no_mask":
             return local(q, kf, vf, "no_mask", None)
         c = q.shape[sdim] // 2
@@ -147,10 +151,10 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
                               "causal_bottom_right", None))
         return torch.cat(outs, dim=sdim)
     # a2a: sequence split -> head split, attention over the whole sequence, and back
-    qf, kf, vf = (_SeqToHeads.apply(t, cp, sdim, ordered) for t in (q, k, v))
+    qf, kf, vf = (_SeqToHeads.apply(t, cp, sdim, order) for t in (q, k, v))
     o = local(qf, kf, vf, mask_type, window)
     o = o.view(*o.shape[:-1], qf.shape[-2], -1)
-    o = _HeadsToSeq.apply(o, cp, sdim, ordered)
+    o = _HeadsToSeq.apply(o, cp, sdim, order)
     return o.reshape(*o.shape[:-2], -1)
 
 
@@ -184,6 +188,28 @@ def _permute_chunks(t: torch.Tensor, sdim: int, perm: Optional[torch.Tensor]) ->
     return v.index_select(sdim, perm.to(t.device)).reshape(shape)
 
 
+class ChunkOrder:
+    """Between rank order and sequence order for bshd / sbhd (whole chunks). An order object has
+    natural(t, dim) and ranks(t, dim); None stands for "the order does not matter"."""
+
+    def __init__(self, size: int):
+        self.to_nat, self.to_ranks = _order(size, True, True), _order(size, True, False)
+
+    def natural(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return _permute_chunks(t, dim, self.to_nat)
+
+    def ranks(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return _permute_chunks(t, dim, self.to_ranks)
+
+
+def _natural(t, dim, order):
+    return t if order is None else order.natural(t, dim)
+
+
+def _ranks(t, dim, order):
+    return t if order is None else order.ranks(t, dim)
+
+
 # ------------------------------------------------------------------ collectives
 def _all_gather_seq(x: torch.Tensor, cp: CPGroup, sdim: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(cp.size)]
@@ -210,18 +236,18 @@ def _all_to_all(pieces: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     return out
 
 
-def _seq_to_heads(x: torch.Tensor, cp: CPGroup, sdim: int, ordered: bool) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, cp: CPGroup, sdim: int, order) -> torch.Tensor:
     """[.., s_local, heads, d] (s at sdim) -> [.., s_whole, heads / size, d] in sequence order."""
     hd = x.dim() - 2
     pieces = torch.stack(x.chunk(cp.size, dim=hd), dim=0)  # [size, .., s_local, heads/size, d]
     got = _all_to_all(pieces, cp)  # got[j]: rank j's chunks, our heads
     whole = torch.cat(got.unbind(0), dim=sdim)
-    return _permute_chunks(whole, sdim, _order(cp.size, ordered, True))
+    return _natural(whole, sdim, order)
 
 
-def _heads_to_seq(y: torch.Tensor, cp: CPGroup, sdim: int, ordered: bool) -> torch.Tensor:
+def _heads_to_seq(y: torch.Tensor, cp: CPGroup, sdim: int, order) -> torch.Tensor:
     """The inverse of _seq_to_heads."""
-    y = _permute_chunks(y, sdim, _order(cp.size, ordered, False))
+    y = _ranks(y, sdim, order)
     pieces = torch.stack(y.chunk(cp.size, dim=sdim), dim=0)  # piece j: rank j's chunks
     got = _all_to_all(pieces, cp)  # got[j]: our chunks, rank j's heads
     return torch.cat(got.unbind(0), dim=y.dim() - 2)
@@ -229,9 +255,9 @@ def _heads_to_seq(y: torch.Tensor, cp: CPGroup, sdim: int, ordered: bool) -> tor
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cp, sdim, ordered):
-        ctx.args = (cp, sdim, ordered)
-        return _seq_to_heads(x, cp, sdim, ordered)
+    def forward(ctx, x, cp, sdim, order):
+        ctx.args = (cp, sdim, order)
+        return _seq_to_heads(x, cp, sdim, order)
 
     @staticmethod
     def backward(ctx, g):
@@ -240,9 +266,9 @@ class _SeqToHeads(torch.autograd.Function):
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, cp, sdim, ordered):
-        ctx.args = (cp, sdim, ordered)
-        return _heads_to_seq(y, cp, sdim, ordered)
+    def forward(ctx, y, cp, sdim, order):
+        ctx.args = (cp, sdim, order)
+        return _heads_to_seq(y, cp, sdim, order)
 
     @staticmethod
     def backward(ctx, g):
@@ -254,14 +280,14 @@ class _GatherSeq(torch.autograd.Function):
     rank's slice over the group."""
 
     @staticmethod
-    def forward(ctx, x, cp, sdim, ordered):
-        ctx.args = (cp, sdim, ordered)
-        return _permute_chunks(_all_gather_seq(x, cp, sdim), sdim, _order(cp.size, ordered, True))
+    def forward(ctx, x, cp, sdim, order):
+        ctx.args = (cp, sdim, order)
+        return _natural(_all_gather_seq(x, cp, sdim), sdim, order)
 
     @staticmethod
     def backward(ctx, g):
-        cp, sdim, ordered = ctx.args
-        g = _permute_chunks(g, sdim, _order(cp.size, ordered, False))
+        cp, sdim, order = ctx.args
+        g = _ranks(g, sdim, order)
         return _reduce_scatter_seq(g, cp, sdim), None, None, None
 
 

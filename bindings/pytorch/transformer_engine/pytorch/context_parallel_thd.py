@@ -1,4 +1,5 @@
-"""The ring (cp_comm_type "p2p") over packed THD sequences (context_parallel.py has the rest).
+"""Context parallelism over packed THD sequences: the ring (cp_comm_type "p2p") and the token order
+of "a2a" (context_parallel.py has the rest).
 
 cu_seqlens_q are those of the whole sequences; every length must be a multiple of 2 cp_size. Rank
 r holds, sequence after sequence, chunks r and 2 cp_size - 1 - r of each (c_i tokens each), so
@@ -77,6 +78,42 @@ def _split(cu_seqlens: torch.Tensor, tokens: int, size: int) -> ThdSplit:
     i32 = torch.int32
     return ThdSplit(cu_local.to(i32), cu_half.to(i32), second.to(i32), int((host // (2 * size)).max()) if
                     host.numel() else 0, tok_b, tok - cu_local[tok_b], c[tok_b])
+
+
+class TokenOrder:
+    """Between rank order (rank 0's local tokens, rank 1's, ...) and the packed whole sequences
+    (cu_seqlens' order): context_parallel's order objects for "a2a" over THD."""
+
+    def __init__(self, sp: ThdSplit, cu_seqlens: torch.Tensor, size: int):
+        t = sp.tok_b.numel()
+        p = torch.arange(size * t, device=sp.tok_b.device)
+        rank, local = p // t, p % t
+        c, j = sp.tok_c[local], sp.tok_j[local]
+        second = j >= c
+        chunk = torch.where(second, 2 * size - 1 - rank, rank)
+        # rank-order position p holds this token of the whole sequences
+        self.to_ranks = cu_seqlens.to(torch.int64)[sp.tok_b[local]] + chunk * c + torch.where(second, j - c, j)
+        self.to_nat = torch.empty_like(self.to_ranks)
+        self.to_nat[self.to_ranks] = p
+
+    def natural(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.index_select(dim, self.to_nat)
+
+    def ranks(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.index_select(dim, self.to_ranks)
+
+
+_ORDERS = []  # [(ThdSplit, size, TokenOrder)]: the splits are remembered (split), so are their orders
+
+
+def token_order(sp: ThdSplit, cu_seqlens: torch.Tensor, size: int) -> TokenOrder:
+    for s, n, order in _ORDERS:
+        if s is sp and n == size:
+            return order
+    order = TokenOrder(sp, cu_seqlens, size)
+    _ORDERS.insert(0, (sp, size, order))
+    del _ORDERS[_SPLIT_ENTRIES:]
+    return order
 
 
 class _Step(NamedTuple):
