@@ -20,14 +20,16 @@ Three ways to exchange K/V (cp_comm_type), each computing the same attention:
     and the output is traded back. Sliding windows run here only.
 All three take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
 for causal); "p2p" and "a2a" take THD too (context_parallel_thd.py: self attention, cu_seqlens of
-the whole sequences, each a multiple of 2 cp_size long, no padded offsets), no bias, the vanilla softmax and
-no FP8; anything else is a clear error. Dropout: the ring gives each step its own rng_state (the
-backward reuses it); the other two run it inside their local attention calls.
-cp_stream is accepted and unused (the ring overlaps its transfers with the attention calls on
-the current stream).
+the whole sequences, each a multiple of 2 cp_size long, no padded offsets). No bias, the vanilla
+softmax only, no FP8: anything else is a clear error. Dropout: the ring gives each step its own
+rng_state (the backward reuses it); the other two run it inside their local attention calls.
+cp_stream is accepted and unused (the ring overlaps its transfers with the attention calls on the
+current stream). The ring's merge (a few torch operations on the statistics) is adapter code, as
+in TE; every attention call is the library's.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -132,7 +134,7 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
             return o.reshape(o.shape[0], -1)
         order = _thd.token_order(sp, cu_seqlens, cp.size)  # (a2a: check_call) the whole sequences, packed
     else:
-        order = ChunkOrder(cp.size) if ordered else None
+        order = chunk_order(cp.size) if ordered else None
     if cp.comm_type == "p2p":
         o = _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, fmt, mask_type == "causal",
                                  float(scale), float(dropout))
@@ -185,21 +187,35 @@ def _permute_chunks(t: torch.Tensor, sdim: int, perm: Optional[torch.Tensor]) ->
     n = perm.numel()
     shape = list(t.shape)
     v = t.reshape(*shape[:sdim], n, shape[sdim] // n, *shape[sdim + 1:])
-    return v.index_select(sdim, perm.to(t.device)).reshape(shape)
+    return v.index_select(sdim, perm).reshape(shape)
 
 
 class ChunkOrder:
     """Between rank order and sequence order for bshd / sbhd (whole chunks). An order object has
-    natural(t, dim) and ranks(t, dim); None stands for "the order does not matter"."""
+    natural(t, dim) and ranks(t, dim); None stands for "the order does not matter". One per size
+    (chunk_order), its index tensors copied to each device once (a host-to-device copy per call
+    would wait for the device)."""
 
     def __init__(self, size: int):
-        self.to_nat, self.to_ranks = _order(size, True, True), _order(size, True, False)
+        self.perms = {True: _order(size, True, True), False: _order(size, True, False)}
+        self.on = {}
+
+    def _perm(self, natural: bool, device) -> torch.Tensor:
+        key = (natural, device)
+        if key not in self.on:
+            self.on[key] = self.perms[natural].to(device)
+        return self.on[key]
 
     def natural(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return _permute_chunks(t, dim, self.to_nat)
+        return _permute_chunks(t, dim, self._perm(True, t.device))
 
     def ranks(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return _permute_chunks(t, dim, self.to_ranks)
+        return _permute_chunks(t, dim, self._perm(False, t.device))
+
+
+@functools.lru_cache(maxsize=None)
+def chunk_order(size: int) -> ChunkOrder:
+    return ChunkOrder(size)
 
 
 def _natural(t, dim, order):
