@@ -13,7 +13,6 @@ call's form for the backward.
 """
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -33,28 +32,15 @@ class ThdSplit(NamedTuple):
     tok_c: torch.Tensor  # [t] its sequence's chunk length
 
 
-_SPLITS = []  # [(weakref to cu_seqlens, its _version, tokens, size, ThdSplit)], newest first
+_SPLITS = _fa.TensorMemo(4)
 _SPLIT_ENTRIES = 4
 
 
 def split(cu_seqlens: torch.Tensor, tokens: int, size: int) -> ThdSplit:
     """The local description from the whole sequences' cu_seqlens (one host synchronization: the
-    lengths are checked, since other lengths would give wrong results without an error). Remembered
-    for the same unchanged cu_seqlens tensor, which a model's layers share (weak reference and
-    version counter, as fused_attention.padding_to_cu_seqlens_cached; not while torch.compile traces
-    or for inference tensors)."""
-    if torch.compiler.is_compiling() or cu_seqlens.is_inference():
-        return _split(cu_seqlens, tokens, size)
-    ver = cu_seqlens._version
-    for i, (ref, v, t, n, sp) in enumerate(_SPLITS):
-        if ref() is cu_seqlens and v == ver and t == tokens and n == size:
-            if i:
-                _SPLITS.insert(0, _SPLITS.pop(i))
-            return sp
-    sp = _split(cu_seqlens, tokens, size)
-    _SPLITS.insert(0, (weakref.ref(cu_seqlens), ver, tokens, size, sp))
-    del _SPLITS[_SPLIT_ENTRIES:]
-    return sp
+    lengths are checked, since other lengths would give wrong results without an error), remembered
+    per unchanged cu_seqlens tensor (fused_attention.TensorMemo), which a model's layers share."""
+    return _SPLITS.get(cu_seqlens, (tokens, size), lambda: _split(cu_seqlens, tokens, size))
 
 
 def _split(cu_seqlens: torch.Tensor, tokens: int, size: int) -> ThdSplit:

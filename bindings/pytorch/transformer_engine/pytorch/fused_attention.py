@@ -362,32 +362,40 @@ def padding_to_cu_seqlens(attention_mask: Tensor, b: int, s: int, what: str) -> 
     return cu
 
 
-# The last few masks' answers: a model passes one padding mask to all its layers, and each
-# conversion compares on the host (a device synchronization per call on the GPU). Keyed on the
-# mask object itself (a weak reference: a freed mask's entry never matches a new tensor at the
-# same address) and its version counter (in-place writes bump it; writes through .data do not,
-# as for autograd).
-_MASK_CU_ENTRIES = 8
-_mask_cu: List[tuple] = []  # (weakref, _version, device, b, s, cu_seqlens or None), newest first
+class TensorMemo:
+    """Results derived from a tensor on the host (a device synchronization each on the GPU),
+    remembered for the same unchanged tensor: a model passes one padding mask or one cu_seqlens to
+    all its layers. Keyed on the tensor object itself (a weak reference: a freed tensor's entry never
+    matches a new tensor at the same address), its version counter (in-place writes bump it; writes
+    through .data do not, as for autograd) and the caller's key; the last `entries` are kept. Not
+    while torch.compile traces (no host state there) nor for inference tensors (no version
+    counter). A remembered result is shared between the calls that ask for it: never write it."""
+
+    def __init__(self, entries: int):
+        self.entries, self.rows = entries, []  # (weakref, _version, key, result), newest first
+
+    def get(self, t: Tensor, key, compute):
+        if torch.compiler.is_compiling() or t.is_inference():
+            return compute()
+        ver = t._version
+        for i, (ref, v, k, result) in enumerate(self.rows):
+            if ref() is t and v == ver and k == key:
+                if i:
+                    self.rows.insert(0, self.rows.pop(i))
+                return result
+        result = compute()
+        self.rows.insert(0, (weakref.ref(t), ver, key, result))
+        del self.rows[self.entries:]
+        return result
+
+
+_mask_cu = TensorMemo(8)
 
 
 def padding_to_cu_seqlens_cached(attention_mask: Tensor, device, b: int, s: int, what: str) -> Optional[Tensor]:
-    """padding_to_cu_seqlens(attention_mask.to(device), ...), remembered for the same unchanged mask
-    (not while torch.compile traces: no host state there; not for inference tensors, which have no
-    version counter). The returned tensor is shared between the calls that ask for it and must not
-    be written."""
-    if torch.compiler.is_compiling() or attention_mask.is_inference():
-        return padding_to_cu_seqlens(attention_mask.to(device), b, s, what)
-    ver = attention_mask._version
-    for i, (ref, v, dev, eb, es, cu) in enumerate(_mask_cu):
-        if ref() is attention_mask and v == ver and dev == device and eb == b and es == s:
-            if i:
-                _mask_cu.insert(0, _mask_cu.pop(i))
-            return cu
-    cu = padding_to_cu_seqlens(attention_mask.to(device), b, s, what)
-    _mask_cu.insert(0, (weakref.ref(attention_mask), ver, device, b, s, cu))
-    del _mask_cu[_MASK_CU_ENTRIES:]
-    return cu
+    """padding_to_cu_seqlens(attention_mask.to(device), ...), remembered per unchanged mask (TensorMemo)."""
+    return _mask_cu.get(attention_mask, (device, b, s),
+                        lambda: padding_to_cu_seqlens(attention_mask.to(device), b, s, what))
 
 
 def new_rng_state(device: torch.device) -> Tensor:
