@@ -326,34 +326,9 @@ class DotProductAttention(torch.nn.Module):
 
     def _context_parallel(self, q, k, v, fmt, mask_type, window_size, attention_mask, bias_type, inference_params,
                           handoff, cu):
-        if inference_params is not None:
-            raise NotImplementedError("DotProductAttention: inference_params (K/V-cache generation) with context "
-                                      "parallelism is not implemented")
-        cu_q, cu_kv, cu_q_pad, cu_kv_pad = cu
-        if fmt == "thd":
-            if cu_q is None:
-                raise ValueError("DotProductAttention: qkv_format 'thd' needs cu_seqlens_q (with context parallelism: "
-                                 "those of the whole sequences)")
-            if cu_q_pad is not None or cu_kv_pad is not None:
-                raise NotImplementedError("DotProductAttention: context parallelism over THD takes no padded offsets "
-                                          "(cu_seqlens_q_padded / cu_seqlens_kv_padded)")
-            if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_kv.cpu(), cu_q.cpu()):
-                raise NotImplementedError("DotProductAttention: context parallelism over THD is self attention: "
-                                          "cu_seqlens_kv must equal cu_seqlens_q")
-        elif any(t is not None for t in cu):
-            raise NotImplementedError(f"DotProductAttention: context parallelism with qkv_format {fmt!r} takes no "
-                                      f"cu_seqlens (padding masks are not supported there)")
         window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
-        _cp.check_call(self.cp, q, k, v, fmt, mask_type, window, bias_type, self.softmax_type,
-                       handoff is not None or _df.fp8_attention_on(), attention_mask, self.num_attention_heads,
-                       self.num_gqa_groups)
-
-        def local(q_, k_, v_, mt, w):  # (THD: the whole sequences, "a2a")
-            return self.forward(q_, k_, v_, qkv_format=fmt, attn_mask_type=mt,
-                                window_size=w if w is not None else (-1, -1), cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q,
-                                _cp_local=True)
-        return _cp.attend(self.cp, q, k, v, fmt, mask_type, window, self.softmax_scale,
-                          self.attention_dropout if self.training else 0.0, local, cu_q)
+        return _cp.module_forward(self, q, k, v, fmt, mask_type, window, attention_mask, bias_type, inference_params,
+                                  handoff is not None or _df.fp8_attention_on(), cu)
 
     def sink_offset(self, device) -> Optional[torch.Tensor]:
         """The per-head sink logits [heads] of softmax_type (zeros for "off-by-one"), None for "vanilla"."""

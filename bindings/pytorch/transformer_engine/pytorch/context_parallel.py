@@ -67,6 +67,37 @@ def make_group(cp_group, cp_global_ranks: Optional[Sequence[int]], cp_comm_type:
     return CPGroup(cp_group, ranks, size, rank, cp_comm_type) if size > 1 else None
 
 
+def module_forward(dpa, q, k, v, fmt: str, mask_type: str, window, attention_mask, bias_type: str,
+                   inference_params, fp8: bool, cu) -> torch.Tensor:
+    """DotProductAttention.forward under context parallelism (dpa.cp set); window: normalized;
+    fp8: FP8 attention asked for; cu: (cu_seqlens_q, _kv, _q_padded, _kv_padded) as given."""
+    if inference_params is not None:
+        raise NotImplementedError("DotProductAttention: inference_params (K/V-cache generation) with context "
+                                  "parallelism is not implemented")
+    cu_q, cu_kv, cu_q_pad, cu_kv_pad = cu
+    if fmt == "thd":
+        if cu_q is None:
+            raise ValueError("DotProductAttention: qkv_format 'thd' needs cu_seqlens_q (with context parallelism: "
+                             "those of the whole sequences)")
+        if cu_q_pad is not None or cu_kv_pad is not None:
+            raise NotImplementedError("DotProductAttention: context parallelism over THD takes no padded offsets "
+                                      "(cu_seqlens_q_padded / cu_seqlens_kv_padded)")
+        if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_kv.cpu(), cu_q.cpu()):
+            raise NotImplementedError("DotProductAttention: context parallelism over THD is self attention: "
+                                      "cu_seqlens_kv must equal cu_seqlens_q")
+    elif any(t is not None for t in cu):
+        raise NotImplementedError(f"DotProductAttention: context parallelism with qkv_format {fmt!r} takes no "
+                                  f"cu_seqlens (padding masks are not supported there)")
+    check_call(dpa.cp, q, k, v, fmt, mask_type, window, bias_type, dpa.softmax_type, fp8, attention_mask,
+               dpa.num_attention_heads, dpa.num_gqa_groups)
+
+    def local(q_, k_, v_, mt, w):  # the module's own attention (THD: over the whole sequences, "a2a")
+        return dpa.forward(q_, k_, v_, qkv_format=fmt, attn_mask_type=mt, window_size=w if w is not None else (-1, -1),
+                           cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q, _cp_local=True)
+    return attend(dpa.cp, q, k, v, fmt, mask_type, window, dpa.softmax_scale,
+                  dpa.attention_dropout if dpa.training else 0.0, local, cu_q)
+
+
 def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type: str,
                softmax_type: str, fp8: bool, attention_mask, h: int, g: int) -> None:
     """Raises for what context parallelism does not take (see the module text)."""
