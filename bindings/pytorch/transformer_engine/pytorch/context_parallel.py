@@ -35,6 +35,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import dpa_fused as _df
 from . import fused_attention as _fa
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
@@ -184,10 +185,10 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
                               "causal_bottom_right", None))
         return torch.cat(outs, dim=sdim)
     # a2a: sequence split -> head split, attention over the whole sequence, and back
-    qf, kf, vf = (_SeqToHeads.apply(t, cp, sdim, order) for t in (q, k, v))
+    qf, kf, vf = (_Trade.apply(t, cp, sdim, order, True) for t in (q, k, v))
     o = local(qf, kf, vf, mask_type, window)
     o = o.view(*o.shape[:-1], qf.shape[-2], -1)
-    o = _HeadsToSeq.apply(o, cp, sdim, order)
+    o = _Trade.apply(o, cp, sdim, order, False)
     return o.reshape(*o.shape[:-2], -1)
 
 
@@ -300,26 +301,19 @@ def _heads_to_seq(y: torch.Tensor, cp: CPGroup, sdim: int, order) -> torch.Tenso
     return torch.cat(got.unbind(0), dim=y.dim() - 2)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Trade(torch.autograd.Function):
+    """The a2a trade: sequence split -> head split (to_heads) or back; the backward trades the
+    other way."""
+
     @staticmethod
-    def forward(ctx, x, cp, sdim, order):
+    def forward(ctx, x, cp, sdim, order, to_heads: bool):
         ctx.args = (cp, sdim, order)
-        return _seq_to_heads(x, cp, sdim, order)
+        ctx.to_heads = to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, cp, sdim, order)
 
     @staticmethod
     def backward(ctx, g):
-        return _heads_to_seq(g, *ctx.args), None, None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, cp, sdim, order):
-        ctx.args = (cp, sdim, order)
-        return _heads_to_seq(y, cp, sdim, order)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g, *ctx.args), None, None, None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(g, *ctx.args), None, None, None, None
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -429,7 +423,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp: CPGroup, fmt: str, causal: bool, scale: float, dropout: float):
         sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
         c = q.shape[sdim] // 2
-        zero_rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+        zero_rng = _df._zero_rng_state(q.device)
         rngs = []  # each step's rng_state copy (dropout masks differ between steps; the backward reuses them)
         out = lse = None  # float32 running output and log-sum-exp (step 0 covers every row)
         for step, block in ring_blocks(cp, k, v):

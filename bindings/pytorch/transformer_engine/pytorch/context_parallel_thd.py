@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import dpa_fused as _df
 from . import fused_attention as _fa
 from .context_parallel import BlockGrads, CPGroup, ring_blocks, step_kind
 
@@ -144,7 +145,7 @@ class RingAttentionTHD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: CPGroup, sp: ThdSplit, causal: bool, scale: float, dropout: float):
         layout = _fa.LAYOUTS["thd"]
-        zero_rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+        zero_rng = _df._zero_rng_state(q.device)
         steps = [_step(sp, step_kind(cp, i, causal), causal) for i in range(cp.size)]
         rngs, out, lse = [], None, None
         for i, block in ring_blocks(cp, k, v):
