@@ -186,9 +186,31 @@ def test_layernorm_mlp_current_scaling(rng, activation):
     assert rel_err(y, a @ cs_q(m.fc2_weight, "e4m3").t() + cpu64(m.fc2_bias)) > 10 * fp8_gemm_tol(1e-5)
 
 
+def _fc2_boundary_flips(y, yr, a, aq, wq, margin=1e-5):
+    """yr with the last GEMM's (fc2's) input elements that lie within `margin` (relative) of an E4M3
+    rounding boundary taken at whichever neighbour brings their output row closer to y. fc2's input
+    is the device's float32 GELU output, so such an element may round either way there (as in
+    test_layernorm_mlp_current_scaling); fc2 feeds the output directly (y = residual + fc2), so a
+    flip moves its row by (other - q) * w[:, i]. One E4M3 step is >= 6% relative, so a 1e-5 margin
+    makes a few elements in 1e4 ambiguous; every other element keeps its exact rounding."""
+    s = cs_scale(a, "e4m3")
+    a, aq = a.reshape(-1, a.shape[-1]), aq.reshape(-1, aq.shape[-1])
+    lo, hi = (fp8_emulate(a * f, s, "e4m3") for f in (1 - margin, 1 + margin))
+    y2 = y.detach().double().cpu().reshape(-1, y.shape[-1])
+    out = yr.reshape(-1, yr.shape[-1]).clone()
+    for r, i in ((lo != aq) | (hi != aq)).nonzero().tolist():
+        other = lo[r, i] if lo[r, i] != aq[r, i] else hi[r, i]
+        moved = out[r] + (other - aq[r, i]) * wq[:, i]
+        if (moved - y2[r]).norm() < (out[r] - y2[r]).norm():
+            out[r] = moved
+    return out.reshape(yr.shape)
+
+
 def test_transformer_layer_current_scaling_forward(rng, monkeypatch):
     """Every GEMM of the layer (fused QKV, proj, fc1, fc2) runs with current-scaling casts of its
-    input and weight; the float64 reference layer emulates exactly that."""
+    input and weight; the float64 reference layer emulates exactly that, except that fc2's input
+    elements at an E4M3 rounding boundary may take either neighbour (_fc2_boundary_flips: with
+    NVTE_TEST_SEED=1610868575 one such element rounded the other way on the CPU, e = 1.5e-5)."""
     import test_transformer_layer as ttl
     g = seeded(rng)
     torch.manual_seed(0)
@@ -198,12 +220,16 @@ def test_transformer_layer_current_scaling_forward(rng, monkeypatch):
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
         y = layer(dev(x))
 
+    calls = []
+
     def fp8_linear(h, w, b=None):
-        out = cs_q(h, "e4m3") @ cs_q(w, "e4m3").t()
+        hq, wq = cs_q(h, "e4m3"), cs_q(w, "e4m3")
+        calls.append((h, hq, wq))
+        out = hq @ wq.t()
         return out if b is None else out + b
     monkeypatch.setattr(ttl, "F", types.SimpleNamespace(linear=fp8_linear,
                                                         layer_norm=torch.nn.functional.layer_norm))
-    yr = ttl.ref_layer(layer, x.double())
+    yr = _fc2_boundary_flips(y, ttl.ref_layer(layer, x.double()), *calls[-1])
     e, tol = rel_err(y, yr), fp8_gemm_tol(1e-5)
     assert e < tol
     with torch.no_grad():
