@@ -5,8 +5,9 @@ kernel times of the p2p ring at s=16384 instead (torch.profiler). Starts one pro
 (NCCL). Rank 0 first times DotProductAttention over the whole sequence on its own GPU (the
 others wait); then every comm type (p2p, all_gather, a2a) runs with the sequence split over the
 ranks in TE's load-balanced chunk order. BF16, forward + backward, b=1, 32 heads (8 key/value
-heads in the GQA rows), head dim 128, causal; a last row of packed THD sequences (THD_LENS) through
-the ring. Columns: ms per fwd+bwd (rank 0's median, CUDA
+heads in the GQA rows), head dim 128, causal; then FP8 attention (fp8_dpa, DelayedScaling, amaxes
+reduced over the CP group) with p2p (K/V travel in FP8) and a2a, their "1 GPU" column being our
+FP8 attention on one GPU; a last row of packed THD sequences (THD_LENS) through the ring. Columns: ms per fwd+bwd (rank 0's median, CUDA
 events), speed-up over one GPU and its efficiency (speed-up / GPUs). The "torch CP" rows: PyTorch's
 experimental context_parallel around F.scaled_dot_product_attention on the same tensors (same
 1-GPU baseline column: ours), where it runs."""
@@ -21,6 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = [(16384, 32), (32768, 32), (32768, 8)]  # (sequence, key/value heads)
+FP8_RECIPE = None  # DelayedScaling(fp8_dpa=True), made in rank_main
 B, H, D = 1, 32, 128
 
 
@@ -29,11 +31,19 @@ def chunks_of(x, rank, size):
     return torch.cat([parts[rank], parts[2 * size - 1 - rank]], dim=1).contiguous()
 
 
-def step_fn(dpa, q, k, v, do):
+def step_fn(dpa, q, k, v, do, fp8=None):
+    """One fwd+bwd; fp8: (recipe, fp8_group) to run under fp8_autocast."""
+    import transformer_engine.pytorch as te
+
     def run(_=None):
         for t in (q, k, v):
             t.grad = None
-        dpa(q, k, v).backward(do)
+        if fp8 is None:
+            dpa(q, k, v).backward(do)
+            return
+        with te.fp8_autocast(enabled=True, fp8_recipe=fp8[0], fp8_group=fp8[1]):
+            o = dpa(q, k, v)
+        o.backward(do)
     return run
 
 
@@ -138,6 +148,9 @@ def thd_rows(rank, size, group, iters=None):
 def rank_main(rank, size, init_file):
     from gpu_harness import time_ms
     import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling
+    global FP8_RECIPE
+    FP8_RECIPE = DelayedScaling(fp8_dpa=True)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=size)
     group = dist.new_group(list(range(size)))
@@ -179,6 +192,20 @@ def rank_main(rank, size, init_file):
             ms = time_ms(step_fn(dpa, ql, kl, vl, dol), iters=10, warmup=3, inner=2)
             if rank == 0:
                 rows.append((s, g, comm, full_ms, ms))
+        fp8_ms = None
+        if rank == 0:  # FP8 attention on one GPU
+            dpa = te.DotProductAttention(H, D, num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
+                                         attn_mask_type="causal")
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            fp8_ms = time_ms(step_fn(dpa, qq, kk, vv, do, (FP8_RECIPE, None)), iters=10, warmup=3, inner=2)
+            del qq, kk, vv
+        for comm in ("p2p", "a2a"):
+            dpa = te.DotProductAttention(H, D, num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
+                                         attn_mask_type="causal", cp_group=group, cp_comm_type=comm)
+            dist.barrier()
+            ms = time_ms(step_fn(dpa, ql, kl, vl, dol, (FP8_RECIPE, group)), iters=10, warmup=3, inner=2)
+            if rank == 0:
+                rows.append((s, g, f"{comm} fp8", fp8_ms, ms))
         for rotate in (("allgather", "alltoall") if g == H else ()):  # (GQA: torch's CP SDPA takes none)
             dist.barrier()
             try:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling
 
 B, C, D_QK, D_V = 2, 3, 16, 8  # batch, chunk length (odd), head sizes (multiples of 8: cuDNN's)
 EPS = 1e-2  # the dropout test's step along its direction
@@ -30,6 +31,35 @@ def cases(size):
     out.append(("a2a", "causal", "bshd", (4, 0)))
     out.append(("a2a", "no_mask", "sbhd", (2, 3)))
     return out
+
+
+def fp8_cases(size):
+    """(comm, mask, fmt) of the FP8 attention runs (fp8_dpa): the FP8 ring and a2a."""
+    out = [("p2p", mask, fmt) for mask in ("no_mask", "causal") for fmt in (("bshd", "sbhd") if size == 2 else ("bshd",))]
+    return out + [("a2a", "causal", "bshd")]
+
+
+def fp8_sizes(on_cuda):
+    """(chunk length, head size) of the FP8 runs: cuDNN's FP8 backward takes head size 128 and
+    lengths that are multiples of 128 (a causal ring step attends over one chunk); on the CPU,
+    sizes big enough that the FP8 errors' spread between runs stays small (at chunk 8, head size
+    16, the ratio of two FP8 runs' errors against float64 ranged 0.9-1.45; at 16, 32: 0.9-1.12)."""
+    return (128, 128) if on_cuda else (16, 32)
+
+
+def fp8_reduced(i):
+    """Whether FP8 case i reduces its amaxes over the CP group."""
+    return i % 2 == 0
+
+
+def fp8_whole_inputs(size, seed, step, dtype, c, d):
+    """whole_inputs for FP8 run `seed`, training step `step` (new values each step: the second
+    step runs on the delayed scales of the first)."""
+    h, g = heads(size)
+    gen = torch.Generator().manual_seed(seed * 10 + step)
+    q, k, v = (torch.randn(1, 2 * size * c, n, d, generator=gen) for n in (h, g, g))
+    do = torch.randn(1, 2 * size * c, h, d, generator=gen) * 0.1
+    return [t.to(dtype) for t in (q, k, v, do)]
 
 
 def case_name(case):
@@ -151,6 +181,35 @@ def main():
         moved = ((dpa(*loc[:3]) - o_drop).float().norm() / o_drop.float().norm()).cpu()
         results[f"dropout-{comm}"] = vals + [slope, moved]
 
+    # FP8 attention (fp8_dpa), two training steps: each rank its chunks with CP, rank 0 also the whole
+    # sequence without CP on the same device. Every other case reduces the amaxes over the group
+    # (fp8_group): the others' ranks hold different scales in their second step.
+    fc, fd = fp8_sizes(on_cuda)
+    recipe = DelayedScaling(fp8_dpa=True)
+    for i, (comm, mask, fmt) in enumerate(fp8_cases(size)):
+        mods = {"cp": te.DotProductAttention(h, fd, num_gqa_groups=g, qkv_format=fmt, attn_mask_type=mask,
+                                             cp_group=group, cp_comm_type=comm)}
+        if rank == 0:
+            mods["one"] = te.DotProductAttention(h, fd, num_gqa_groups=g, qkv_format=fmt, attn_mask_type=mask)
+        for step in range(2):
+            whole = fp8_whole_inputs(size, 3000 + i, step, dtype, fc, fd)
+            for name, mod in mods.items():
+                ts = [(local_chunks(t, rank, size) if name == "cp" else t).to(dev) for t in whole]
+                if fmt == "sbhd":
+                    ts = [t.transpose(0, 1).contiguous() for t in ts]
+                ql, kl, vl = (t.requires_grad_() for t in ts[:3])
+                with te.fp8_autocast(enabled=True, fp8_recipe=recipe,
+                                     fp8_group=group if name == "cp" and fp8_reduced(i) else None):
+                    o = mod(ql, kl, vl)
+                o.backward(ts[3].reshape(o.shape))
+                res = [o.view(*o.shape[:-1], h, fd), ql.grad, kl.grad, vl.grad]
+                if fmt == "sbhd":
+                    res = [t.transpose(0, 1) for t in res]
+                meta = mod.fp8_meta
+                results[f"fp8-{name}-{comm}-{mask}-{fmt}-{step}"] = (
+                    [t.detach().float().cpu() for t in res]
+                    + [meta.amax_history["fwd"].cpu().clone(), meta.scale["fwd"].cpu().clone()])
+
     # a TransformerLayer (causal self attention with RoPE, p2p): same weights on every rank
     hidden = 8 * h  # head size 8 (cuDNN's multiple)
     torch.manual_seed(7)
@@ -167,6 +226,28 @@ def main():
     y.backward(local_chunks(dy, rank, size).to(dev))
     wgrads = {n: p.grad.detach().float().cpu() for n, p in layer.named_parameters() if p.grad is not None}
     results["transformer_layer"] = [y.detach().float().cpu(), xl.grad.detach().float().cpu(), wgrads]
+    # a TransformerLayer under fp8_mha (p2p, causal, no RoPE: without CP its attention takes FP8 hand-offs);
+    # rank 0 also runs the same layer over the whole sequence without CP, in FP8 and in high precision
+    hidden = fd * h
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(B, 2 * size * fc, hidden, generator=gen).to(dtype)
+    dy = torch.randn(B, 2 * size * fc, hidden, generator=gen).to(dtype)
+    mha = DelayedScaling(fp8_dpa=True, fp8_mha=True)
+    runs = [("cp", True)] + ([("one", True), ("one_hp", False)] if rank == 0 else [])
+    for name, fp8 in runs:
+        torch.manual_seed(8)
+        layer = te.TransformerLayer(hidden, 2 * hidden, h, num_gqa_groups=g, hidden_dropout=0.0,
+                                    attention_dropout=0.0, self_attn_mask_type="causal", attn_input_format="bshd",
+                                    params_dtype=dtype, device=dev)
+        xs, dys = x, dy
+        if name == "cp":
+            layer.set_context_parallel_group(group, list(range(size)), None, "p2p")
+            xs, dys = local_chunks(x, rank, size), local_chunks(dy, rank, size)
+        xl = xs.to(dev).clone().requires_grad_()
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=mha, fp8_group=group if name == "cp" else None):
+            y = layer(xl)
+        y.backward(dys.to(dev))
+        results[f"fp8_mha_layer-{name}"] = [y.detach().float().cpu().clone(), xl.grad.detach().float().cpu().clone()]
     torch.save(results, out_file)
     dist.barrier()
     dist.destroy_process_group()

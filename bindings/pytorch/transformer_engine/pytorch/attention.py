@@ -621,9 +621,10 @@ class MultiheadAttention(torch.nn.Module):
                          max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
         if inference_params is not None and self.attention_type == "self":
             attn_args["inference_params"] = inference_params  # (cross attention reads encoder_output each call)
-        elif _df.fp8_mha_recipe() is not None and rotary_pos_emb is None:
+        elif _df.fp8_mha_recipe() is not None and rotary_pos_emb is None and self.core_attention.cp is None:
             # FP8 hand-offs between the projections and attention (not with a K/V cache; with RoPE,
-            # which rotates high-precision q / k, attention still runs in FP8, as under fp8_dpa)
+            # which rotates high-precision q / k, or context parallelism, which trades high-precision
+            # tensors, attention still runs in FP8, as under fp8_dpa)
             return self._forward_fp8_mha(hidden_states, encoder_output, is_first_microbatch, attn_args)
         ln_out = None
         if self.attention_type == "self":

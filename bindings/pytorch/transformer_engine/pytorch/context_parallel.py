@@ -21,7 +21,10 @@ Three ways to exchange K/V (cp_comm_type), each computing the same attention:
 All three take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
 for causal); "p2p" and "a2a" take THD too (context_parallel_thd.py: self attention, cu_seqlens of
 the whole sequences, each a multiple of 2 cp_size long, no padded offsets). No bias, the vanilla
-softmax only, no FP8: anything else is a clear error. Dropout: the ring gives each step its own
+softmax only: anything else is a clear error. FP8 attention (fp8_dpa, and fp8_mha's attention):
+"p2p" over bshd / sbhd (context_parallel_fp8.py: K/V travel in FP8) and "a2a" (its local
+attention is the module's FP8 attention); not "all_gather", whose causal attention is two calls
+per rank while FP8 attention's recipe state takes one per step. Dropout: the ring gives each step its own
 rng_state (the backward reuses it); the other two run it inside their local attention calls.
 cp_stream is accepted and unused (the ring overlaps its transfers with the attention calls on the
 current stream). The ring's merge (a few torch operations on the statistics) is adapter code, as
@@ -89,18 +92,29 @@ def module_forward(dpa, q, k, v, fmt: str, mask_type: str, window, attention_mas
     elif any(t is not None for t in cu):
         raise NotImplementedError(f"DotProductAttention: context parallelism with qkv_format {fmt!r} takes no "
                                   f"cu_seqlens (padding masks are not supported there)")
+    dropout = dpa.attention_dropout if dpa.training else 0.0
     check_call(dpa.cp, q, k, v, fmt, mask_type, window, bias_type, dpa.softmax_type, fp8, attention_mask,
-               dpa.num_attention_heads, dpa.num_gqa_groups)
+               dpa.num_attention_heads, dpa.num_gqa_groups, dropout)
+    ring_fp8 = _ring_fp8_state(dpa, q, k, v) if fp8 and dpa.cp.comm_type == "p2p" else None
 
     def local(q_, k_, v_, mt, w):  # the module's own attention (THD: over the whole sequences, "a2a")
         return dpa.forward(q_, k_, v_, qkv_format=fmt, attn_mask_type=mt, window_size=w if w is not None else (-1, -1),
                            cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q, _cp_local=True)
-    return attend(dpa.cp, q, k, v, fmt, mask_type, window, dpa.softmax_scale,
-                  dpa.attention_dropout if dpa.training else 0.0, local, cu_q)
+    return attend(dpa.cp, q, k, v, fmt, mask_type, window, dpa.softmax_scale, dropout, local, cu_q, ring_fp8)
+
+
+def _ring_fp8_state(dpa, q, k, v):
+    """(FP8 state tensors, cfg) of context_parallel_fp8.RingAttentionFP8 for this forward; prepares
+    the module's FP8 state and registers it for the forward recipe step, as without CP."""
+    r = _df.fp8_dpa_recipe(dpa, q.device)
+    meta = dpa.fp8_meta
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    cfg = (meta.fp8_dtype("bwd"), r.amax_compute_algo, float(r.margin), grads and meta.take_bwd_seed(1))
+    return (*_df._fp8_fwd_meta(dpa), meta.scale["bwd"], meta.amax_history["bwd"]), cfg
 
 
 def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type: str,
-               softmax_type: str, fp8: bool, attention_mask, h: int, g: int) -> None:
+               softmax_type: str, fp8: bool, attention_mask, h: int, g: int, dropout: float = 0.0) -> None:
     """Raises for what context parallelism does not take (see the module text)."""
     what = f"context parallelism (cp_comm_type {cp.comm_type!r})"
     thd = fmt == "thd"
@@ -121,9 +135,17 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
     if softmax_type != "vanilla":
         raise NotImplementedError(f"DotProductAttention: {what} takes the vanilla softmax only "
                                   f"(softmax_type {softmax_type!r})")
-    if fp8:
+    if fp8 and cp.comm_type == "all_gather":
         raise NotImplementedError(f"DotProductAttention: FP8 attention (fp8_dpa / fp8_mha) with {what} is not "
-                                  f"implemented")
+                                  f"implemented (its causal attention is two calls per rank, FP8 attention's recipe "
+                                  f"state takes one per step): use 'p2p' or 'a2a'")
+    if fp8 and cp.comm_type == "p2p":
+        if thd:
+            raise NotImplementedError(f"DotProductAttention: FP8 attention with {what} takes qkv_format 'bshd' or "
+                                      f"'sbhd' (the GPU's FP8 attention takes no THD); 'a2a' runs THD")
+        if _fa._env("NVTE_FP8_DPA_BWD") == "0":
+            raise NotImplementedError(f"DotProductAttention: NVTE_FP8_DPA_BWD=0 (a high-precision backward of FP8 "
+                                      f"attention) is not implemented with {what}; 'a2a' runs it")
     sdim = _sdim(fmt)
     sq, sk = q.shape[sdim], k.shape[sdim]
     if thd:
@@ -138,24 +160,29 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
             raise ValueError(f"DotProductAttention: {what} with a causal mask or window needs an even local "
                              f"sequence length (two chunks per rank), got {sq}")
     if cp.comm_type == "p2p" and q.is_cuda:
-        # the ring runs fused attention only (it merges the steps through their softmax statistics)
+        # the ring runs fused attention only (it merges the steps through their softmax statistics);
+        # FP8 steps with a causal mask attend over half chunks
+        half = 2 if fp8 and mask_type == "causal" else 1
         ok, why = _fa.fused_backend_supports(q, k, v, _fa.LAYOUTS[fmt], _fa.BIAS_INT["no_bias"],
-                                             _fa.MASK_INT["padding" if thd else "no_mask"], 0.0, True, sq, sk, -1, -1)
+                                             _fa.MASK_INT["padding" if thd else "no_mask"], dropout if fp8 else 0.0,
+                                             True, sq // half, sk // half, -1, -1, fp8=fp8)
         if not ok:
             raise NotImplementedError(f"DotProductAttention: cp_comm_type 'p2p' runs fused attention only, which cannot "
-                                      f"run these tensors ({why}); 'all_gather' and 'a2a' can fall back to the "
-                                      f"unfused path")
+                                      f"run these tensors{' in FP8' if fp8 else ''} ({why}); "
+                                      + ("'a2a' runs the module's own FP8 attention" if fp8 else
+                                         "'all_gather' and 'a2a' can fall back to the unfused path"))
     if cp.comm_type == "a2a" and (h % cp.size or g % cp.size):
         raise ValueError(f"DotProductAttention: cp_comm_type 'a2a' needs heads ({h}) and key/value heads ({g}) "
                          f"that are multiples of cp_size ({cp.size})")
 
 
 def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float, dropout: float,
-           local: Callable, cu_seqlens=None) -> torch.Tensor:
+           local: Callable, cu_seqlens=None, ring_fp8=None) -> torch.Tensor:
     """The attention of this rank's queries over the whole sequence, [.., h * d_v] as the module
     returns it. local(q, k, v, mask_type, window) is the module's own (non-CP) attention (with its
     dropout); dropout: the probability the ring applies (0 outside training); cu_seqlens: THD's,
-    of the whole sequences."""
+    of the whole sequences; ring_fp8: (FP8 state, cfg) when the ring runs in FP8
+    (context_parallel_fp8.RingAttentionFP8)."""
     ordered = mask_type == "causal" or window is not None
     if fmt == "thd":
         from . import context_parallel_thd as _thd
@@ -167,6 +194,11 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
         order = _thd.token_order(sp, cu_seqlens, cp.size)  # (a2a: check_call) the whole sequences, packed
     else:
         order = chunk_order(cp.size) if ordered else None
+    if cp.comm_type == "p2p" and ring_fp8 is not None:
+        from .context_parallel_fp8 import RingAttentionFP8
+        o = RingAttentionFP8.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, fmt, mask_type == "causal",
+                                   float(scale), float(dropout), *ring_fp8)
+        return o.reshape(*o.shape[:-2], -1)
     if cp.comm_type == "p2p":
         o = _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, fmt, mask_type == "causal",
                                  float(scale), float(dropout))
@@ -351,10 +383,10 @@ class Exchange:
         return self.received
 
 
-def ring_blocks(cp: CPGroup, k: torch.Tensor, v: torch.Tensor):
-    """Yields (step, [K, V] of rank - step) for the ring's steps; the next block travels while the
-    caller works on the current one."""
-    block = [k, v]
+def ring_blocks(cp: CPGroup, *tensors: torch.Tensor):
+    """Yields (step, the tensors of rank - step) for the ring's steps (K, V and, in FP8, their
+    scale_inv); the next block travels while the caller works on the current one."""
+    block = list(tensors)
     for step in range(cp.size):
         xchg = Exchange(cp, block, 0) if step + 1 < cp.size else None
         yield step, block
@@ -418,6 +450,29 @@ def _stats_to_out(stats: torch.Tensor, sdim: int) -> torch.Tensor:
     return stats.permute(0, 2, 1, 3) if sdim == 1 else stats.permute(2, 0, 1, 3)
 
 
+def merge_step(out, lse, o_i: torch.Tensor, lse_i: torch.Tensor, qp, sdim: int):
+    """The running float32 output and log-sum-exp after folding in a step's (o_i over the query
+    rows qp, its statistics lse_i); out None: the first step, which covers every row.
+    O = sum_i exp(lse_i - lse) O_i, lse = log sum_i exp(lse_i)."""
+    if out is None:
+        return o_i.float(), lse_i
+    acc_l = _rows(lse, 2, qp)
+    new_l = torch.logaddexp(acc_l, lse_i)
+    acc_o = _rows(out, sdim, qp)
+    acc_o.mul_(_stats_to_out(torch.exp(acc_l - new_l), sdim))
+    acc_o.add_(o_i * _stats_to_out(torch.exp(lse_i - new_l), sdim))
+    acc_l.copy_(new_l)
+    return out, lse
+
+
+def add_rows(acc: Optional[torch.Tensor], x: torch.Tensor, dim: int, part) -> torch.Tensor:
+    """acc (float32) with x added into its rows `part`; acc None: the first step (every row)."""
+    if acc is None:
+        return x.float()
+    _rows(acc, dim, part).add_(x)
+    return acc
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: CPGroup, fmt: str, causal: bool, scale: float, dropout: float):
@@ -436,15 +491,7 @@ class _RingAttention(torch.autograd.Function):
                                                       _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
                                                       mask == "no_mask")
             rngs.append(rng_i)
-            if step == 0:
-                out, lse = o_i.float(), lse_i
-            else:  # merge: O = sum_i exp(lse_i - lse) O_i, lse = log sum_i exp(lse_i)
-                acc_l = _rows(lse, 2, qp)
-                new_l = torch.logaddexp(acc_l, lse_i)
-                acc_o = _rows(out, sdim, qp)
-                acc_o.mul_(_stats_to_out(torch.exp(acc_l - new_l), sdim))
-                acc_o.add_(o_i * _stats_to_out(torch.exp(lse_i - new_l), sdim))
-                acc_l.copy_(new_l)
+            out, lse = merge_step(out, lse, o_i, lse_i, qp, sdim)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *rngs)
         ctx.args = (cp, fmt, causal, scale, dropout)
@@ -467,10 +514,7 @@ class _RingAttention(torch.autograd.Function):
                                                         None, None, None, qs.shape[sdim], ks.shape[sdim], scale, dropout,
                                                         layout, _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
                                                         mask == "no_mask", False)
-            if step == 0:
-                dq = dq_i.float()
-            else:
-                _rows(dq, sdim, qp).add_(dq_i)
+            dq = add_rows(dq, dq_i, sdim, qp)
             dkv.add(dk_i, dv_i, lambda t: _rows(t, sdim, kp))
         dk, dv = dkv.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
