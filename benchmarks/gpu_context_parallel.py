@@ -1,7 +1,7 @@
 """Context-parallel attention (DotProductAttention with cp_group) across the GPUs of one host.
 
 Usage: python benchmarks/gpu_context_parallel.py [n_gpus] (default: all); CP_PROFILE=1: rank 0's
-kernel times of the p2p ring at s=16384 instead (torch.profiler). Starts one process per GPU
+kernel times of the p2p ring at s=16384 instead (torch.profiler; CP_PROFILE=fp8: the FP8 ring). Starts one process per GPU
 (NCCL). Rank 0 first times DotProductAttention over the whole sequence on its own GPU (the
 others wait); then every comm type (p2p, all_gather, a2a) runs with the sequence split over the
 ranks in TE's load-balanced chunk order. BF16, forward + backward, b=1, 32 heads (8 key/value
@@ -76,8 +76,9 @@ def torch_cp_ms(q, k, v, do, size, rotate):
         return time_ms(run, iters=10, warmup=3, inner=2)
 
 
-def profile_p2p(rank, group, s=16384, g=32):
-    """Rank 0's device time by kernel for 3 p2p fwd+bwd steps (torch.profiler), top 15."""
+def profile_p2p(rank, group, s=16384, g=32, fp8=False):
+    """Rank 0's device time by kernel for 3 p2p fwd+bwd steps (torch.profiler), top 20; fp8: the
+    FP8 ring (fp8_dpa)."""
     import transformer_engine.pytorch as te
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, s, n, D, device="cuda", dtype=torch.bfloat16, generator=gen) for n in (H, g, g, H))
@@ -85,7 +86,7 @@ def profile_p2p(rank, group, s=16384, g=32):
     dol = chunks_of(do.reshape(B, s, H * D), rank, dist.get_world_size(group))
     dpa = te.DotProductAttention(H, D, num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
                                  attn_mask_type="causal", cp_group=group, cp_comm_type="p2p")
-    run = step_fn(dpa, ql, kl, vl, dol)
+    run = step_fn(dpa, ql, kl, vl, dol, (FP8_RECIPE, group) if fp8 else None)
     for _ in range(3):
         run()
     torch.cuda.synchronize()
@@ -94,7 +95,7 @@ def profile_p2p(rank, group, s=16384, g=32):
             run()
         torch.cuda.synchronize()
     if rank == 0:
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
 THD_LENS = [4096, 8192, 12288, 8192]  # packed sequences (32768 tokens), multiples of 2 cp_size
@@ -165,7 +166,7 @@ def rank_main(rank, size, init_file):
         dist.destroy_process_group()
         return
     if os.environ.get("CP_PROFILE"):
-        profile_p2p(rank, group)
+        profile_p2p(rank, group, fp8=os.environ["CP_PROFILE"] == "fp8")
         dist.barrier()
         dist.destroy_process_group()
         return
