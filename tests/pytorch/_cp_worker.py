@@ -1,6 +1,8 @@
 """One rank of the context-parallel attention tests (test_context_parallel.py starts cp_size of these).
 
-argv: rank, cp_size, init file, output file, device ("cpu": gloo; "cuda": NCCL, one GPU per rank).
+argv: rank, cp_size, init file, output file, device ("cpu": gloo; "cuda": NCCL, one GPU per rank),
+and mode: "" (one CP group) or "hier" (cp_comm_type "a2a+p2p" over HIER's groups: only the
+DotProductAttention, FP8 and TransformerLayer runs).
 Every rank draws the same whole-sequence inputs (seeded), runs DotProductAttention (and one
 TransformerLayer) with context parallelism on its two chunks, and saves its local outputs and
 gradients; the test puts the chunks back in sequence order and compares with float64 attention
@@ -22,7 +24,20 @@ def heads(size):
     return 2 * size, size  # a2a splits heads and key/value heads over the group
 
 
-def cases(size):
+HIER = (2, 2)  # "hier" mode: a2a group size A, p2p group size P (cp_size A P)
+
+
+def hier_groups(rank, a, p):
+    """(a2a group, p2p group) of this rank: a2a groups of consecutive ranks, p2p groups every A-th
+    rank (Megatron's hierarchical_context_parallel_sizes [A, P]); every rank makes every group."""
+    a2a = [dist.new_group(list(range(i * a, (i + 1) * a))) for i in range(p)]
+    p2p = [dist.new_group(list(range(j, a * p, a))) for j in range(a)]
+    return [a2a[rank // a], p2p[rank % a]]
+
+
+def cases(size, mode=""):
+    if mode == "hier":
+        return [("a2a+p2p", mask, fmt, None) for mask in ("no_mask", "causal") for fmt in ("bshd", "sbhd")]
     out = []
     for comm in ("p2p", "all_gather", "a2a"):
         for mask in ("no_mask", "causal"):
@@ -33,8 +48,10 @@ def cases(size):
     return out
 
 
-def fp8_cases(size):
+def fp8_cases(size, mode=""):
     """(comm, mask, fmt) of the FP8 attention runs (fp8_dpa): the FP8 ring and a2a."""
+    if mode == "hier":
+        return [("a2a+p2p", "causal", "bshd"), ("a2a+p2p", "no_mask", "sbhd")]
     out = [("p2p", mask, fmt) for mask in ("no_mask", "causal") for fmt in (("bshd", "sbhd") if size == 2 else ("bshd",))]
     return out + [("a2a", "causal", "bshd")]
 
@@ -110,6 +127,7 @@ def thd_local_index(lens, rank, size):
 
 def main():
     rank, size, init_file, out_file, device = sys.argv[1:6]
+    mode = sys.argv[6] if len(sys.argv) > 6 else ""
     rank, size = int(rank), int(size)
     torch.set_num_threads(1)
     on_cuda = device == "cuda"
@@ -118,11 +136,12 @@ def main():
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=size)
     group = dist.new_group(list(range(size)))
+    cp_group = hier_groups(rank, *HIER) if mode == "hier" else group  # (amaxes are reduced over `group`)
     dev = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
     dtype = torch.bfloat16 if on_cuda else torch.float32
     h, g = heads(size)
     results = {}
-    for i, case in enumerate(cases(size)):
+    for i, case in enumerate(cases(size, mode)):
         comm, mask, fmt, window = case
         q, k, v, do = whole_inputs(size, 1000 + i, dtype)
         loc = [local_chunks(t, rank, size).to(dev) for t in (q, k, v, do)]
@@ -130,7 +149,7 @@ def main():
             loc = [t.transpose(0, 1).contiguous() for t in loc]
         ql, kl, vl = (t.requires_grad_() for t in loc[:3])
         dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format=fmt,
-                                     attn_mask_type=mask, window_size=window, cp_group=group,
+                                     attn_mask_type=mask, window_size=window, cp_group=cp_group,
                                      cp_global_ranks=list(range(size)), cp_comm_type=comm)
         o = dpa(ql, kl, vl)
         o.backward(loc[3].reshape(o.shape))
@@ -138,6 +157,12 @@ def main():
         if fmt == "sbhd":
             res = [t.transpose(0, 1) for t in res]
         results[case_name(case)] = [t.detach().float().cpu() for t in res]
+
+    if mode == "hier":
+        fp8_runs(results, rank, size, group, cp_group, mode, on_cuda, dev, dtype)
+        transformer_layer_run(results, rank, size, cp_group, "a2a+p2p", dev, dtype)
+        finish(results, out_file)
+        return
 
     # THD (p2p, a2a): packed sequences, cu_seqlens of the whole sequences
     lens = thd_lengths(size)
@@ -181,14 +206,51 @@ def main():
         moved = ((dpa(*loc[:3]) - o_drop).float().norm() / o_drop.float().norm()).cpu()
         results[f"dropout-{comm}"] = vals + [slope, moved]
 
+    fp8_runs(results, rank, size, group, group, mode, on_cuda, dev, dtype)
+    transformer_layer_run(results, rank, size, group, "p2p", dev, dtype)
+    # a TransformerLayer under fp8_mha (p2p, causal, no RoPE: without CP its attention takes FP8 hand-offs);
+    # rank 0 also runs the same layer over the whole sequence without CP, in FP8 and in high precision
+    fc, fd = fp8_sizes(on_cuda)
+    hidden = fd * h
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(B, 2 * size * fc, hidden, generator=gen).to(dtype)
+    dy = torch.randn(B, 2 * size * fc, hidden, generator=gen).to(dtype)
+    mha = DelayedScaling(fp8_dpa=True, fp8_mha=True)
+    runs = [("cp", True)] + ([("one", True), ("one_hp", False)] if rank == 0 else [])
+    for name, fp8 in runs:
+        torch.manual_seed(8)
+        layer = te.TransformerLayer(hidden, 2 * hidden, h, num_gqa_groups=g, hidden_dropout=0.0,
+                                    attention_dropout=0.0, self_attn_mask_type="causal", attn_input_format="bshd",
+                                    params_dtype=dtype, device=dev)
+        xs, dys = x, dy
+        if name == "cp":
+            layer.set_context_parallel_group(group, list(range(size)), None, "p2p")
+            xs, dys = local_chunks(x, rank, size), local_chunks(dy, rank, size)
+        xl = xs.to(dev).clone().requires_grad_()
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=mha, fp8_group=group if name == "cp" else None):
+            y = layer(xl)
+        y.backward(dys.to(dev))
+        results[f"fp8_mha_layer-{name}"] = [y.detach().float().cpu().clone(), xl.grad.detach().float().cpu().clone()]
+    finish(results, out_file)
+
+
+def finish(results, out_file):
+    torch.save(results, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fp8_runs(results, rank, size, group, cp_group, mode, on_cuda, dev, dtype):
     # FP8 attention (fp8_dpa), two training steps: each rank its chunks with CP, rank 0 also the whole
     # sequence without CP on the same device. Every other case reduces the amaxes over the group
     # (fp8_group): the others' ranks hold different scales in their second step.
+    h, g = heads(size)
     fc, fd = fp8_sizes(on_cuda)
     recipe = DelayedScaling(fp8_dpa=True)
-    for i, (comm, mask, fmt) in enumerate(fp8_cases(size)):
+    for i, (comm, mask, fmt) in enumerate(fp8_cases(size, mode)):
         mods = {"cp": te.DotProductAttention(h, fd, num_gqa_groups=g, qkv_format=fmt, attn_mask_type=mask,
-                                             cp_group=group, cp_comm_type=comm)}
+                                             cp_group=cp_group, cp_global_ranks=list(range(size)),
+                                             cp_comm_type=comm)}
         if rank == 0:
             mods["one"] = te.DotProductAttention(h, fd, num_gqa_groups=g, qkv_format=fmt, attn_mask_type=mask)
         for step in range(2):
@@ -210,13 +272,16 @@ def main():
                     [t.detach().float().cpu() for t in res]
                     + [meta.amax_history["fwd"].cpu().clone(), meta.scale["fwd"].cpu().clone()])
 
-    # a TransformerLayer (causal self attention with RoPE, p2p): same weights on every rank
+
+def transformer_layer_run(results, rank, size, cp_group, comm, dev, dtype):
+    # a TransformerLayer (causal self attention with RoPE): same weights on every rank
+    h, g = heads(size)
     hidden = 8 * h  # head size 8 (cuDNN's multiple)
     torch.manual_seed(7)
     layer = te.TransformerLayer(hidden, 2 * hidden, h, num_gqa_groups=g, hidden_dropout=0.0, attention_dropout=0.0,
                                 self_attn_mask_type="causal", attn_input_format="bshd", params_dtype=dtype,
                                 device=dev)
-    layer.set_context_parallel_group(group, list(range(size)), None, "p2p")
+    layer.set_context_parallel_group(cp_group, list(range(size)), None, comm)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(B, 2 * size * C, hidden, generator=gen).to(dtype)
     dy = torch.randn(B, 2 * size * C, hidden, generator=gen).to(dtype)
@@ -226,31 +291,6 @@ def main():
     y.backward(local_chunks(dy, rank, size).to(dev))
     wgrads = {n: p.grad.detach().float().cpu() for n, p in layer.named_parameters() if p.grad is not None}
     results["transformer_layer"] = [y.detach().float().cpu(), xl.grad.detach().float().cpu(), wgrads]
-    # a TransformerLayer under fp8_mha (p2p, causal, no RoPE: without CP its attention takes FP8 hand-offs);
-    # rank 0 also runs the same layer over the whole sequence without CP, in FP8 and in high precision
-    hidden = fd * h
-    gen = torch.Generator().manual_seed(12)
-    x = torch.randn(B, 2 * size * fc, hidden, generator=gen).to(dtype)
-    dy = torch.randn(B, 2 * size * fc, hidden, generator=gen).to(dtype)
-    mha = DelayedScaling(fp8_dpa=True, fp8_mha=True)
-    runs = [("cp", True)] + ([("one", True), ("one_hp", False)] if rank == 0 else [])
-    for name, fp8 in runs:
-        torch.manual_seed(8)
-        layer = te.TransformerLayer(hidden, 2 * hidden, h, num_gqa_groups=g, hidden_dropout=0.0,
-                                    attention_dropout=0.0, self_attn_mask_type="causal", attn_input_format="bshd",
-                                    params_dtype=dtype, device=dev)
-        xs, dys = x, dy
-        if name == "cp":
-            layer.set_context_parallel_group(group, list(range(size)), None, "p2p")
-            xs, dys = local_chunks(x, rank, size), local_chunks(dy, rank, size)
-        xl = xs.to(dev).clone().requires_grad_()
-        with te.fp8_autocast(enabled=fp8, fp8_recipe=mha, fp8_group=group if name == "cp" else None):
-            y = layer(xl)
-        y.backward(dys.to(dev))
-        results[f"fp8_mha_layer-{name}"] = [y.detach().float().cpu().clone(), xl.grad.detach().float().cpu().clone()]
-    torch.save(results, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -23,16 +23,17 @@ import _cp_worker as W
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (2, 3)
+RUNS = [(2, ""), (3, ""), (4, "hier")]  # (cp_size, worker mode); "hier": a2a+p2p over _cp_worker.HIER's groups
 
 
-def _run_ranks(size):
+def _run_ranks(size, mode=""):
     with tempfile.TemporaryDirectory() as d:
         env = dict(os.environ)
         if size == 3 and not ON_CUDA:
             env["NVTE_FUSED_ATTN"] = "1"
         outs = [os.path.join(d, f"rank{r}.pt") for r in range(size)]
         procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_cp_worker.py"), str(r), str(size),
-                                   os.path.join(d, "store"), outs[r], DEVICE.type], env=env,
+                                   os.path.join(d, "store"), outs[r], DEVICE.type, mode], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(size)]
         logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
         for r, p in enumerate(procs):
@@ -46,12 +47,12 @@ def results():
     module's end (other files' tests scan the process for float tensors of given shapes)."""
     runs = {}
 
-    def get(size):
+    def get(size, mode=""):
         if ON_CUDA and torch.cuda.device_count() < size:
             pytest.skip(f"needs {size} GPUs (one NCCL rank per GPU), found {torch.cuda.device_count()}")
-        if size not in runs:
-            runs[size] = _run_ranks(size)
-        return runs[size]
+        if (size, mode) not in runs:
+            runs[size, mode] = _run_ranks(size, mode)
+        return runs[size, mode]
     yield get
     runs.clear()
 
@@ -89,14 +90,14 @@ def attention_ref(q, k, v, do, mask, window, dtype=torch.float64):
     return [o.detach(), q.grad, k.grad, v.grad]
 
 
-@pytest.mark.parametrize("size, case", [(s, c) for s in SIZES for c in W.cases(s)],
-                         ids=[f"{s}-{W.case_name(c)}" for s in SIZES for c in W.cases(s)])
-def test_dot_product_attention_matches_whole_sequence(results, size, case):
+@pytest.mark.parametrize("size, mode, case", [(s, m, c) for s, m in RUNS for c in W.cases(s, m)],
+                         ids=[f"{s}-{W.case_name(c)}" for s, m in RUNS for c in W.cases(s, m)])
+def test_dot_product_attention_matches_whole_sequence(results, size, mode, case):
     comm, mask, fmt, window = case
-    res = results(size)
+    res = results(size, mode)
     got = [whole([r[W.case_name(case)][i] for r in res], size) for i in range(4)]
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
-    idx = W.cases(size).index(case)
+    idx = W.cases(size, mode).index(case)
     q, k, v, do = W.whole_inputs(size, 1000 + idx, dtype)
     ref = attention_ref(q, k, v, do, mask, window)
     naive = attention_ref(q, k, v, do, mask, window, dtype)  # the same attention in the test's precision
@@ -141,12 +142,12 @@ def test_thd_matches_whole_sequences(results, size, comm, mask):
         assert e <= bound, (mask, name, e, e_naive)
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_transformer_layer_matches_whole_sequence(results, size):
+@pytest.mark.parametrize("size, mode", RUNS)
+def test_transformer_layer_matches_whole_sequence(results, size, mode):
     """TransformerLayer.set_context_parallel_group, with RoPE (each rank's chunks rotated at their
     whole-sequence positions): outputs, input gradients and (summed over the ranks) weight gradients
-    of the whole-sequence layer."""
-    res = results(size)
+    of the whole-sequence layer. p2p, and a2a+p2p (whose CP rank comes from its two groups)."""
+    res = results(size, mode)
     h, g = W.heads(size)
     hidden = 8 * h
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
@@ -193,9 +194,9 @@ def test_dropout_backward_matches_forward(results, size, comm):
         assert abs(fd - slope) <= 2e-3 * max(abs(slope), 1.0), (comm, fd, slope, base)
 
 
-@pytest.mark.parametrize("size, i", [(s, i) for s in SIZES for i in range(len(W.fp8_cases(s)))],
-                         ids=[f"{s}-{'-'.join(c)}" for s in SIZES for c in W.fp8_cases(s)])
-def test_fp8_attention_as_accurate_as_without_cp(results, size, i):
+@pytest.mark.parametrize("size, mode, i", [(s, m, i) for s, m in RUNS for i in range(len(W.fp8_cases(s, m)))],
+                         ids=[f"{s}-{'-'.join(c)}" for s, m in RUNS for c in W.fp8_cases(s, m)])
+def test_fp8_attention_as_accurate_as_without_cp(results, size, mode, i):
     """FP8 attention (fp8_dpa) with CP, two training steps (the second on delayed scales), against
     float64 attention of the whole sequence: at most 1.25x as far as the same module's FP8 attention
     without CP on the same device (the ring adds one E4M3 rounding of each step's output and one
@@ -203,8 +204,8 @@ def test_fp8_attention_as_accurate_as_without_cp(results, size, i):
     With fp8_group the ranks' forward amax histories are equal, and the Q/K/V amaxes are exactly
     those of the whole sequence; without it the second step runs on different scales per rank
     (each K/V block is read with its owner's scale)."""
-    comm, mask, fmt = W.fp8_cases(size)[i]
-    res = results(size)
+    comm, mask, fmt = W.fp8_cases(size, mode)[i]
+    res = results(size, mode)
     c, d = W.fp8_sizes(ON_CUDA)
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     for step in range(2):
@@ -258,7 +259,7 @@ def _group(comm="p2p", size=2):
     (dict(attention_mask=torch.zeros(1, dtype=torch.bool)), NotImplementedError, "no attention_mask"),
     (dict(q=torch.zeros(2, 5, 4, 8)), ValueError, "equal local query and key/value lengths"),
     (dict(q=torch.zeros(2, 5, 4, 8), k=torch.zeros(2, 5, 2, 8)), ValueError, "even local sequence length"),
-    (dict(comm="a2a", g=3), ValueError, "multiples of cp_size"),
+    (dict(comm="a2a", g=3), ValueError, "multiples of its a2a group's size"),
 ])
 def test_unsupported_calls_raise(kw, err, match):
     args = dict(q=torch.zeros(2, 6, 4, 8), k=torch.zeros(2, 6, 2, 8), fmt="bshd", mask_type="causal", window=None,
@@ -279,8 +280,10 @@ def test_fp8_ring_without_fp8_backward_raises(monkeypatch):
 
 
 def test_comm_type_and_group_errors():
-    with pytest.raises(NotImplementedError, match="a2a\\+p2p"):
+    with pytest.raises(ValueError, match="takes cp_group as a list"):
         _cp.make_group(object(), None, "a2a+p2p")
+    with pytest.raises(ValueError, match="only it takes a list"):
+        _cp.make_group([object(), object()], None, "p2p")
     with pytest.raises(ValueError, match="cp_comm_type must be one of"):
         _cp.make_group(object(), None, "ring")
     assert _cp.make_group(None, None, "p2p") is None

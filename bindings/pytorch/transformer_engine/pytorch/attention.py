@@ -233,8 +233,9 @@ class DotProductAttention(torch.nn.Module):
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
                                    cp_comm_type: str = "p2p") -> None:
         """Context parallelism (context_parallel.py): this rank holds chunks cp_rank and
-        2 cp_size - 1 - cp_rank of every sequence; cp_comm_type "p2p", "all_gather" or "a2a".
-        cp_group None (or of one rank) turns it off; cp_stream is accepted and unused."""
+        2 cp_size - 1 - cp_rank of every sequence; cp_comm_type "p2p", "all_gather", "a2a", or
+        "a2a+p2p" with cp_group a list [a2a group, p2p group] (cp_rank = p2p rank * a2a size + a2a
+        rank). cp_group None (or of one rank) turns it off; cp_stream is accepted and unused."""
         self.cp = _cp.make_group(cp_group, cp_global_ranks, cp_comm_type)
         self.cp_stream = cp_stream
 

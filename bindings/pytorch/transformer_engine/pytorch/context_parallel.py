@@ -18,6 +18,12 @@ Three ways to exchange K/V (cp_comm_type), each computing the same attention:
   * "a2a" (Ulysses): two all-to-alls trade the sequence split for a head split (heads and key/value
     heads must be multiples of cp_size); every rank attends to the whole sequence for its heads,
     and the output is traded back. Sliding windows run here only.
+  * "a2a+p2p" (hierarchical; cp_group a list [a2a group, p2p group], as TE and Megatron's
+    hierarchical_context_parallel_sizes): an all-to-all inside the a2a group (size A: the ranks
+    p A .. p A + A - 1 of the whole CP group) trades heads for the group's chunks, which are
+    coarse chunks p and 2 P - 1 - p of the sequence cut in 2 P; the p2p ring then runs over the
+    p2p group (size P: the ranks a, A + a, ..., strided), and the output is traded back. Heads and
+    key/value heads must be multiples of A. bshd / sbhd only.
 All three take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
 for causal); "p2p" and "a2a" take THD too (context_parallel_thd.py: self attention, cu_seqlens of
 the whole sequences, each a multiple of 2 cp_size long, no padded offsets). No bias, the vanilla
@@ -42,6 +48,7 @@ from . import dpa_fused as _df
 from . import fused_attention as _fa
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
+RING_TYPES = ("p2p", "a2a+p2p")  # the comm types that run the ring
 
 
 class CPGroup(NamedTuple):
@@ -50,25 +57,56 @@ class CPGroup(NamedTuple):
     size: int
     rank: int
     comm_type: str
+    inner: Optional["CPGroup"] = None  # "a2a+p2p": the a2a group (A ranks) ...
+    outer: Optional["CPGroup"] = None  # ... and the p2p group (P ranks); size = A P, rank = p A + a
 
 
 def make_group(cp_group, cp_global_ranks: Optional[Sequence[int]], cp_comm_type: str) -> Optional[CPGroup]:
     """The CP description of a module, or None when there is no group or it has one rank."""
     if cp_group is None:
         return None
-    if isinstance(cp_group, (list, tuple)) or cp_comm_type == "a2a+p2p":
-        raise NotImplementedError("DotProductAttention: hierarchical context parallelism (cp_comm_type 'a2a+p2p', "
-                                  "a list of CP groups) is not implemented; use 'p2p', 'all_gather' or 'a2a'")
-    if cp_comm_type not in COMM_TYPES:
-        raise ValueError(f"DotProductAttention: cp_comm_type must be one of {COMM_TYPES}, got {cp_comm_type!r}")
+    hier = cp_comm_type == "a2a+p2p"
+    if isinstance(cp_group, (list, tuple)) != hier:
+        raise ValueError("DotProductAttention: cp_comm_type 'a2a+p2p' takes cp_group as a list [a2a group, p2p "
+                         "group], and only it takes a list" + ("" if hier else f" (got {cp_comm_type!r})"))
+    if cp_comm_type not in COMM_TYPES + ("a2a+p2p",):
+        raise ValueError(f"DotProductAttention: cp_comm_type must be one of {COMM_TYPES + ('a2a+p2p',)}, "
+                         f"got {cp_comm_type!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("DotProductAttention: context parallelism needs torch.distributed to be initialized")
+    if hier:
+        return _hierarchical_group(cp_group, cp_global_ranks)
     size, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     ranks = [dist.get_global_rank(cp_group, i) for i in range(size)]
     if cp_global_ranks is not None and list(cp_global_ranks) != ranks:
         raise ValueError(f"DotProductAttention: cp_global_ranks {list(cp_global_ranks)} are not the ranks of "
                          f"cp_group {ranks}")
     return CPGroup(cp_group, ranks, size, rank, cp_comm_type) if size > 1 else None
+
+
+def _hierarchical_group(groups, cp_global_ranks) -> CPGroup:
+    """The CP description of cp_comm_type "a2a+p2p" from [a2a group, p2p group] (module text)."""
+    if len(groups) != 2:
+        raise ValueError(f"DotProductAttention: cp_comm_type 'a2a+p2p' takes two groups [a2a, p2p], got {len(groups)}")
+    inner, outer = (make_group(g, None, c) for g, c in zip(groups, ("a2a", "p2p")))
+    if inner is None or outer is None:
+        raise ValueError("DotProductAttention: cp_comm_type 'a2a+p2p' needs a2a and p2p groups of 2 or more ranks "
+                         "(use 'a2a' or 'p2p' alone otherwise)")
+    a_size, p_size = inner.size, outer.size
+    rank = outer.rank * a_size + inner.rank
+    me = inner.ranks[inner.rank]
+    # the a2a group is the ranks p A .. p A + A - 1 of the whole group, the p2p group every A-th one
+    whole = list(cp_global_ranks) if cp_global_ranks is not None else None
+    ok = outer.ranks[outer.rank] == me
+    if whole is not None:
+        ok = ok and (len(whole) == a_size * p_size and whole[rank] == me
+                     and inner.ranks == whole[outer.rank * a_size:(outer.rank + 1) * a_size]
+                     and outer.ranks == whole[inner.rank::a_size])
+    if not ok:
+        raise ValueError(f"DotProductAttention: cp_comm_type 'a2a+p2p' needs the a2a group to be consecutive ranks "
+                         f"of the CP group (cp_global_ranks) and the p2p group every A-th one; got a2a "
+                         f"{inner.ranks}, p2p {outer.ranks}, cp_global_ranks {whole}")
+    return CPGroup(None, whole if whole is not None else [], a_size * p_size, rank, "a2a+p2p", inner, outer)
 
 
 def module_forward(dpa, q, k, v, fmt: str, mask_type: str, window, attention_mask, bias_type: str,
@@ -95,7 +133,7 @@ def module_forward(dpa, q, k, v, fmt: str, mask_type: str, window, attention_mas
     dropout = dpa.attention_dropout if dpa.training else 0.0
     check_call(dpa.cp, q, k, v, fmt, mask_type, window, bias_type, dpa.softmax_type, fp8, attention_mask,
                dpa.num_attention_heads, dpa.num_gqa_groups, dropout)
-    ring_fp8 = _ring_fp8_state(dpa, q, k, v) if fp8 and dpa.cp.comm_type == "p2p" else None
+    ring_fp8 = _ring_fp8_state(dpa, q, k, v) if fp8 and dpa.cp.comm_type in RING_TYPES else None
 
     def local(q_, k_, v_, mt, w):  # the module's own attention (THD: over the whole sequences, "a2a")
         return dpa.forward(q_, k_, v_, qkv_format=fmt, attn_mask_type=mt, window_size=w if w is not None else (-1, -1),
@@ -118,7 +156,7 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
     """Raises for what context parallelism does not take (see the module text)."""
     what = f"context parallelism (cp_comm_type {cp.comm_type!r})"
     thd = fmt == "thd"
-    if thd and cp.comm_type == "all_gather":
+    if thd and cp.comm_type in ("all_gather", "a2a+p2p"):
         raise NotImplementedError(f"DotProductAttention: {what} takes qkv_format 'bshd' or 'sbhd'; 'thd' runs with "
                                   f"cp_comm_type 'p2p' or 'a2a'")
     masks = ("no_mask", "causal", "padding", "padding_causal") if thd else ("no_mask", "causal")
@@ -139,7 +177,7 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
         raise NotImplementedError(f"DotProductAttention: FP8 attention (fp8_dpa / fp8_mha) with {what} is not "
                                   f"implemented (its causal attention is two calls per rank, FP8 attention's recipe "
                                   f"state takes one per step): use 'p2p' or 'a2a'")
-    if fp8 and cp.comm_type == "p2p":
+    if fp8 and cp.comm_type in RING_TYPES:
         if thd:
             raise NotImplementedError(f"DotProductAttention: FP8 attention with {what} takes qkv_format 'bshd' or "
                                       f"'sbhd' (the GPU's FP8 attention takes no THD); 'a2a' runs THD")
@@ -159,21 +197,22 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
         if sq % 2:
             raise ValueError(f"DotProductAttention: {what} with a causal mask or window needs an even local "
                              f"sequence length (two chunks per rank), got {sq}")
-    if cp.comm_type == "p2p" and q.is_cuda:
+    if cp.comm_type in RING_TYPES and q.is_cuda:
         # the ring runs fused attention only (it merges the steps through their softmax statistics);
-        # FP8 steps with a causal mask attend over half chunks
-        half = 2 if fp8 and mask_type == "causal" else 1
+        # FP8 steps with a causal mask attend over half chunks; "a2a+p2p" rings over A ranks' chunks
+        n = (cp.inner.size if cp.inner is not None else 1) / (2 if fp8 and mask_type == "causal" else 1)
         ok, why = _fa.fused_backend_supports(q, k, v, _fa.LAYOUTS[fmt], _fa.BIAS_INT["no_bias"],
                                              _fa.MASK_INT["padding" if thd else "no_mask"], dropout if fp8 else 0.0,
-                                             True, sq // half, sk // half, -1, -1, fp8=fp8)
+                                             True, int(sq * n), int(sk * n), -1, -1, fp8=fp8)
         if not ok:
             raise NotImplementedError(f"DotProductAttention: cp_comm_type 'p2p' runs fused attention only, which cannot "
                                       f"run these tensors{' in FP8' if fp8 else ''} ({why}); "
                                       + ("'a2a' runs the module's own FP8 attention" if fp8 else
                                          "'all_gather' and 'a2a' can fall back to the unfused path"))
-    if cp.comm_type == "a2a" and (h % cp.size or g % cp.size):
-        raise ValueError(f"DotProductAttention: cp_comm_type 'a2a' needs heads ({h}) and key/value heads ({g}) "
-                         f"that are multiples of cp_size ({cp.size})")
+    a2a = cp.size if cp.comm_type == "a2a" else cp.inner.size if cp.inner is not None else None
+    if a2a is not None and (h % a2a or g % a2a):
+        raise ValueError(f"DotProductAttention: cp_comm_type {cp.comm_type!r} needs heads ({h}) and key/value heads "
+                         f"({g}) that are multiples of its a2a group's size ({a2a})")
 
 
 def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float, dropout: float,
@@ -184,6 +223,7 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
     of the whole sequences; ring_fp8: (FP8 state, cfg) when the ring runs in FP8
     (context_parallel_fp8.RingAttentionFP8)."""
     ordered = mask_type == "causal" or window is not None
+    sdim = _sdim(fmt)
     if fmt == "thd":
         from . import context_parallel_thd as _thd
         sp = _thd.split(cu_seqlens, q.shape[0], cp.size)
@@ -192,18 +232,19 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
                                             "causal" in mask_type, float(scale), float(dropout))
             return o.reshape(o.shape[0], -1)
         order = _thd.token_order(sp, cu_seqlens, cp.size)  # (a2a: check_call) the whole sequences, packed
+    elif cp.comm_type == "p2p":
+        o = _ring(cp, q, k, v, fmt, mask_type == "causal", scale, dropout, ring_fp8)
+        return o.reshape(*o.shape[:-2], -1)
+    elif cp.comm_type == "a2a+p2p":
+        # heads traded for the a2a group's chunks (coarse chunks p and 2 P - 1 - p, in sequence
+        # order: the a2a group's chunk order), the ring over the p2p group, and back
+        order = chunk_order(cp.inner.size) if ordered else None
+        qf, kf, vf = (_Trade.apply(t, cp.inner, sdim, order, True) for t in (q, k, v))
+        o = _ring(cp.outer, qf, kf, vf, fmt, mask_type == "causal", scale, dropout, ring_fp8)
+        o = _Trade.apply(o, cp.inner, sdim, order, False)
+        return o.reshape(*o.shape[:-2], -1)
     else:
         order = chunk_order(cp.size) if ordered else None
-    if cp.comm_type == "p2p" and ring_fp8 is not None:
-        from .context_parallel_fp8 import RingAttentionFP8
-        o = RingAttentionFP8.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, fmt, mask_type == "causal",
-                                   float(scale), float(dropout), *ring_fp8)
-        return o.reshape(*o.shape[:-2], -1)
-    if cp.comm_type == "p2p":
-        o = _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, fmt, mask_type == "causal",
-                                 float(scale), float(dropout))
-        return o.reshape(*o.shape[:-2], -1)
-    sdim = _sdim(fmt)
     if cp.comm_type == "all_gather":
         kf = _GatherSeq.apply(k, cp, sdim, order)
         vf = _GatherSeq.apply(v, cp, sdim, order)
@@ -222,6 +263,15 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
     o = o.view(*o.shape[:-1], qf.shape[-2], -1)
     o = _Trade.apply(o, cp, sdim, order, False)
     return o.reshape(*o.shape[:-2], -1)
+
+
+def _ring(cp: CPGroup, q, k, v, fmt: str, causal: bool, scale: float, dropout: float, ring_fp8):
+    """The p2p ring over cp's ranks -> O [.., h, d_v] in q's dtype (FP8 attention with ring_fp8)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if ring_fp8 is not None:
+        from .context_parallel_fp8 import RingAttentionFP8
+        return RingAttentionFP8.apply(q, k, v, cp, fmt, causal, float(scale), float(dropout), *ring_fp8)
+    return _RingAttention.apply(q, k, v, cp, fmt, causal, float(scale), float(dropout))
 
 
 # ------------------------------------------------------------------ chunk order
