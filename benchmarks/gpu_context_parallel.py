@@ -4,7 +4,8 @@ Usage: python benchmarks/gpu_context_parallel.py [n_gpus] (default: all); CP_PRO
 kernel times of the p2p ring at s=16384 instead (torch.profiler; CP_PROFILE=fp8: the FP8 ring). Starts one process per GPU
 (NCCL). Rank 0 first times DotProductAttention over the whole sequence on its own GPU (the
 others wait); then every comm type (p2p, all_gather, a2a) runs with the sequence split over the
-ranks in TE's load-balanced chunk order. BF16, forward + backward, b=1, 32 heads (8 key/value
+ranks in TE's load-balanced chunk order (with 4 or more GPUs also "a2a+p2p": a2a inside pairs of
+consecutive ranks, the ring over the pairs). BF16, forward + backward, b=1, 32 heads (8 key/value
 heads in the GQA rows), head dim 128, causal; then FP8 attention (fp8_dpa, DelayedScaling, amaxes
 reduced over the CP group) with p2p (K/V travel in FP8) and a2a, their "1 GPU" column being our
 FP8 attention on one GPU; a last row of packed THD sequences (THD_LENS) through the ring. Columns: ms per fwd+bwd (rank 0's median, CUDA
@@ -155,6 +156,11 @@ def rank_main(rank, size, init_file):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=size)
     group = dist.new_group(list(range(size)))
+    hier = None  # "a2a+p2p" with a2a groups of 2 consecutive ranks (4 or more GPUs, an even number)
+    if size >= 4 and size % 2 == 0:
+        a2a = [dist.new_group([2 * i, 2 * i + 1]) for i in range(size // 2)]
+        p2p = [dist.new_group(list(range(j, size, 2))) for j in range(2)]
+        hier = [a2a[rank // 2], p2p[rank % 2]]
     if os.environ.get("CP_PROFILE") == "thd":
         from torch.profiler import ProfilerActivity, profile
         thd_rows(rank, size, group)  # warm (and times) once
@@ -186,9 +192,10 @@ def rank_main(rank, size, init_file):
         dist.barrier()
         ql, kl, vl = (chunks_of(t, rank, size).requires_grad_() for t in (q, k, v))
         dol = chunks_of(do, rank, size)
-        for comm in ("p2p", "all_gather", "a2a"):
+        for comm in ("p2p", "all_gather", "a2a") + (("a2a+p2p",) if hier is not None else ()):
             dpa = te.DotProductAttention(H, D, num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
-                                         attn_mask_type="causal", cp_group=group, cp_comm_type=comm)
+                                         attn_mask_type="causal", cp_group=hier if comm == "a2a+p2p" else group,
+                                         cp_global_ranks=list(range(size)), cp_comm_type=comm)
             dist.barrier()
             ms = time_ms(step_fn(dpa, ql, kl, vl, dol), iters=10, warmup=3, inner=2)
             if rank == 0:
