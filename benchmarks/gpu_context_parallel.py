@@ -27,6 +27,13 @@ FP8_RECIPE = None  # DelayedScaling(fp8_dpa=True), made in rank_main
 B, H, D = 1, 32, 128
 
 
+def want(part: str) -> bool:
+    """CP_COMMS (comma-separated; default all): the rows to run, of p2p, all_gather, a2a, a2a+p2p,
+    fp8, torch, thd."""
+    sel = os.environ.get("CP_COMMS")
+    return sel is None or part in sel.split(",")
+
+
 def chunks_of(x, rank, size):
     parts = x.chunk(2 * size, dim=1)
     return torch.cat([parts[rank], parts[2 * size - 1 - rank]], dim=1).contiguous()
@@ -192,7 +199,7 @@ def rank_main(rank, size, init_file):
         dist.barrier()
         ql, kl, vl = (chunks_of(t, rank, size).requires_grad_() for t in (q, k, v))
         dol = chunks_of(do, rank, size)
-        for comm in ("p2p", "all_gather", "a2a") + (("a2a+p2p",) if hier is not None else ()):
+        for comm in [c for c in ("p2p", "all_gather", "a2a") + (("a2a+p2p",) if hier is not None else ()) if want(c)]:
             dpa = te.DotProductAttention(H, D, num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
                                          attn_mask_type="causal", cp_group=hier if comm == "a2a+p2p" else group,
                                          cp_global_ranks=list(range(size)), cp_comm_type=comm)
@@ -201,20 +208,20 @@ def rank_main(rank, size, init_file):
             if rank == 0:
                 rows.append((s, g, comm, full_ms, ms))
         fp8_ms = None
-        if rank == 0:  # FP8 attention on one GPU
+        if rank == 0 and want("fp8"):  # FP8 attention on one GPU
             dpa = te.DotProductAttention(H, D, num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
                                          attn_mask_type="causal")
             qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
             fp8_ms = time_ms(step_fn(dpa, qq, kk, vv, do, (FP8_RECIPE, None)), iters=10, warmup=3, inner=2)
             del qq, kk, vv
-        for comm in ("p2p", "a2a"):
+        for comm in ("p2p", "a2a") if want("fp8") else ():
             dpa = te.DotProductAttention(H, D, num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
                                          attn_mask_type="causal", cp_group=group, cp_comm_type=comm)
             dist.barrier()
             ms = time_ms(step_fn(dpa, ql, kl, vl, dol, (FP8_RECIPE, group)), iters=10, warmup=3, inner=2)
             if rank == 0:
                 rows.append((s, g, f"{comm} fp8", fp8_ms, ms))
-        for rotate in (("allgather", "alltoall") if g == H else ()):  # (GQA: torch's CP SDPA takes none)
+        for rotate in (("allgather", "alltoall") if g == H and want("torch") else ()):  # (GQA: torch's CP SDPA takes none)
             dist.barrier()
             try:
                 ms = torch_cp_ms(q, k, v, do, size, rotate)
@@ -226,7 +233,8 @@ def rank_main(rank, size, init_file):
                 rows.append((s, g, f"torch CP {rotate}", full_ms, ms))
         del q, k, v, do, ql, kl, vl, dol
         torch.cuda.empty_cache()
-    rows += thd_rows(rank, size, group)
+    if want("thd"):
+        rows += thd_rows(rank, size, group)
     if rank == 0:
         print(f"| s | kv heads | comm | 1 GPU ms | {size} GPUs ms | speed-up | efficiency |")
         print("|---|---|---|---|---|---|---|")

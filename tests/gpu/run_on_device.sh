@@ -168,6 +168,9 @@ if [[ " $steps " == *" cp "* ]]; then
   # NVTE_TEST_DEVICE=cuda and benchmarks/gpu_context_parallel.py ($OUT/cp_tests.log, $OUT/cp_bench.log)
   NVTE_TEST_DEVICE=cuda $PY -m pytest -q -x tests/pytorch/test_context_parallel.py -p no:cacheprovider \
     > "$OUT/cp_tests.log" 2>&1; r=$?; tail -5 "$OUT/cp_tests.log"; [ $r = 0 ] || rc=1
+  # again with the ring's dK / dV sums travelling in bf16 (NVTE_CP_DKV_FP32=0)
+  NVTE_CP_DKV_FP32=0 NVTE_TEST_DEVICE=cuda $PY -m pytest -q -x tests/pytorch/test_context_parallel.py \
+    -p no:cacheprovider > "$OUT/cp_tests_bf16_dkv.log" 2>&1; r=$?; tail -2 "$OUT/cp_tests_bf16_dkv.log"; [ $r = 0 ] || rc=1
   $PY benchmarks/gpu_context_parallel.py 2>&1 | tee "$OUT/cp_bench.log" | tail -12
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   took cp

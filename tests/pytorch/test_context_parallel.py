@@ -279,6 +279,15 @@ def test_fp8_ring_without_fp8_backward_raises(monkeypatch):
     _cp.check_call(_group("a2a"), q, k, k, "bshd", "causal", None, "no_bias", "vanilla", True, None, 4, 2)
 
 
+def test_dkv_travel_dtype_switch(monkeypatch):
+    """The ring's travelling dK / dV sums: float32, or the inputs' dtype under NVTE_CP_DKV_FP32=0
+    (its accuracy on bf16 is GPU-tested: tests/gpu/run_on_device.sh's cp step runs this file a
+    second time with it set; on the CPU the inputs are float32 and nothing changes)."""
+    assert _cp.BlockGrads(_group(), torch.bfloat16).dtype == torch.float32
+    monkeypatch.setenv("NVTE_CP_DKV_FP32", "0")
+    assert _cp.BlockGrads(_group(), torch.bfloat16).dtype == torch.bfloat16
+
+
 def test_comm_type_and_group_errors():
     with pytest.raises(ValueError, match="takes cp_group as a list"):
         _cp.make_group(object(), None, "a2a+p2p")

@@ -445,17 +445,19 @@ def ring_blocks(cp: CPGroup, *tensors: torch.Tensor):
 
 
 class BlockGrads:
-    """The float32 dK / dV sums of the block this rank holds in the backward ring: after each step
-    they go on to the block's next holder (received while that one's attention runs); the last
-    pass brings them to their owner."""
+    """The dK / dV sums of the block this rank holds in the backward ring: after each step they go
+    on to the block's next holder (received while that one's attention runs); the last pass brings
+    them to their owner. They travel in float32; NVTE_CP_DKV_FP32=0: in `dtype` (the inputs'),
+    half the backward's bytes for one rounding per hop."""
 
-    def __init__(self, cp: CPGroup):
+    def __init__(self, cp: CPGroup, dtype: torch.dtype):
         self.cp, self.pending = cp, None
+        self.dtype = torch.float32 if _fa._env("NVTE_CP_DKV_FP32") != "0" else dtype
 
     def add(self, dk: torch.Tensor, dv: torch.Tensor, rows: Callable = lambda t: t) -> None:
         """This step's gradients of the block (rows(t): the part of the block they cover)."""
         if self.pending is None:  # (the first step covers the whole block)
-            sums = [dk.float(), dv.float()]
+            sums = [dk.to(self.dtype), dv.to(self.dtype)]
         else:
             sums = self.pending.wait()
             rows(sums[0]).add_(dk)
@@ -554,7 +556,7 @@ class _RingAttention(torch.autograd.Function):
         sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
         c = q.shape[sdim] // 2
         dout = dout.contiguous()
-        dq, dkv = None, BlockGrads(cp)  # float32 sums (step 0 covers every row and the whole block)
+        dq, dkv = None, BlockGrads(cp, k.dtype)  # sums (step 0 covers every row and the whole block)
         for step, block in ring_blocks(cp, k, v):
             qp, kp, mask = _step_parts(cp, step, causal, c)
             qs, os_, dos = (_rows(t, sdim, qp).contiguous() for t in (q, out, dout))

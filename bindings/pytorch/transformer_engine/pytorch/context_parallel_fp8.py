@@ -73,7 +73,7 @@ class RingAttentionFP8(torch.autograd.Function):
         ops.delayed_scaling_update(bwd_hist, bwd_scale, algo, bwd_dtype, margin)
         dod, do_si = _fa8._cast(dout.to(dtype), None if seed else bwd_scale, bwd_hist, _fa8.SLOT_DO, bwd_dtype)
         g_amax = bwd_hist[0, _fa8.SLOT_DQKV].clone() if seed else None  # the steps' largest dQKV amax
-        dq, dkv = None, _cp.BlockGrads(cp)
+        dq, dkv = None, _cp.BlockGrads(cp, dtype)
         for step, (kb, vb, kv_si) in _cp.ring_blocks(cp, kd, vd, k_si):
             qp, kp, mask = _cp._step_parts(cp, step, causal, c)
             qs, os_, dos = (_cp._rows(t, sdim, qp).contiguous() for t in (qd, od, dod))

@@ -173,7 +173,7 @@ class RingAttentionTHD(torch.autograd.Function):
         cp, sp, steps, scale, dropout = ctx.args
         layout = _fa.LAYOUTS["thd"]
         dout = dout.contiguous()
-        dq, dkv = None, BlockGrads(cp)
+        dq, dkv = None, BlockGrads(cp, k.dtype)
         for i, block in ring_blocks(cp, k, v):
             st = steps[i]
             dq_i, dk_i, dv_i, _, _ = _fa.fused_attn_bwd(q, block[0], block[1], out, dout, _to_stats(lse, sp, st),
