@@ -29,7 +29,7 @@ B, H, D = 1, 32, 128
 
 def want(part: str) -> bool:
     """CP_COMMS (comma-separated; default all): the rows to run, of p2p, all_gather, a2a, a2a+p2p,
-    fp8, torch, thd."""
+    fp8, torch, thd. CP_FP8_GROUP=0: the fp8 rows without fp8_group (no amax all-reduce)."""
     sel = os.environ.get("CP_COMMS")
     return sel is None or part in sel.split(",")
 
@@ -218,7 +218,8 @@ def rank_main(rank, size, init_file):
             dpa = te.DotProductAttention(H, D, num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
                                          attn_mask_type="causal", cp_group=group, cp_comm_type=comm)
             dist.barrier()
-            ms = time_ms(step_fn(dpa, ql, kl, vl, dol, (FP8_RECIPE, group)), iters=10, warmup=3, inner=2)
+            amax_group = group if os.environ.get("CP_FP8_GROUP", "1") != "0" else None
+            ms = time_ms(step_fn(dpa, ql, kl, vl, dol, (FP8_RECIPE, amax_group)), iters=10, warmup=3, inner=2)
             if rank == 0:
                 rows.append((s, g, f"{comm} fp8", fp8_ms, ms))
         for rotate in (("allgather", "alltoall") if g == H and want("torch") else ()):  # (GQA: torch's CP SDPA takes none)
