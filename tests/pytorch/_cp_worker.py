@@ -94,10 +94,11 @@ def whole_inputs(size, seed, dtype):
     return [t.to(dtype) for t in (q, k, v, do)]
 
 
-def whole_inputs_thd(size, seed, dtype):
-    """whole_inputs with the packed sequences as one batch row: [1, total, heads, d]."""
+def whole_inputs_thd(size, seed, dtype, lens=None):
+    """whole_inputs with the packed sequences (lens, default thd_lengths) as one batch row:
+    [1, total, heads, d]."""
     h, g = heads(size)
-    total = sum(thd_lengths(size))
+    total = sum(lens or thd_lengths(size))
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(1, total, n, d, generator=gen).to(dtype)
             for n, d in ((h, D_QK), (g, D_QK), (g, D_V), (h, D_V))]
@@ -111,6 +112,13 @@ def local_chunks(x, rank, size, dim=1):
 
 def thd_lengths(size):
     return [2 * size * n for n in (1, 3, 2)]  # whole sequences, multiples of 2 cp_size
+
+
+def thd_padded_lengths(size):
+    """(real lengths, padded lengths) of padded THD sequences: one short by a token, one whose
+    padding fills whole chunks, and one of a single real token (only rank 0 holds any of it: the
+    others' steps see a sequence without queries, rank 0's no-mask steps one without keys)."""
+    return [2 * size - 1, 2 * size + 1, 1], [2 * size, 6 * size, 4 * size]
 
 
 def thd_local_index(lens, rank, size):
@@ -164,21 +172,28 @@ def main():
         finish(results, out_file)
         return
 
-    # THD (p2p, a2a): packed sequences, cu_seqlens of the whole sequences
-    lens = thd_lengths(size)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
-    idx = thd_local_index(lens, rank, size)
-    for comm in ("p2p", "a2a"):
-        for j, mask in enumerate(("padding_causal", "padding")):
-            q, k, v, do = (t[0] for t in whole_inputs_thd(size, 2000 + j, dtype))
-            loc = [t[idx].to(dev) for t in (q, k, v, do)]
-            ql, kl, vl = (t.requires_grad_() for t in loc[:3])
-            dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format="thd",
-                                         attn_mask_type=mask, cp_group=group, cp_comm_type=comm)
-            o = dpa(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu)
-            o.backward(loc[3].reshape(o.shape))
-            results[f"thd-{comm}-{mask}"] = [t.detach().float().cpu()
-                                             for t in (o.view(-1, h, D_V), ql.grad, kl.grad, vl.grad)]
+    # THD (p2p, a2a): packed sequences, cu_seqlens of the whole sequences; "pad": padded sequences
+    # (cu_seqlens of the real tokens, cu_seqlens_padded of the places)
+    def cum(x):
+        return torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.int32, device=dev)
+    real, padded = thd_padded_lengths(size)
+    for pad in ("", "pad-"):
+        lens = padded if pad else thd_lengths(size)
+        cu, cu_pad = (cum(real), cum(padded)) if pad else (cum(lens), None)
+        idx = thd_local_index(lens, rank, size)
+        for comm in ("p2p", "a2a"):
+            for j, mask in enumerate(("padding_causal", "padding")):
+                q, k, v, do = (t[0] for t in whole_inputs_thd(size, 2000 + j, dtype, lens))
+                loc = [t[idx].to(dev) for t in (q, k, v, do)]
+                ql, kl, vl = (t.requires_grad_() for t in loc[:3])
+                dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0,
+                                             qkv_format="thd", attn_mask_type=mask, cp_group=group,
+                                             cp_comm_type=comm)
+                o = dpa(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
+                        cu_seqlens_kv_padded=cu_pad)
+                o.backward(loc[3].reshape(o.shape))
+                results[f"thd-{pad}{comm}-{mask}"] = [t.detach().float().cpu()
+                                                      for t in (o.view(-1, h, D_V), ql.grad, kl.grad, vl.grad)]
 
     # dropout (causal, bshd): L = <O, dO> at Q, K, V and at +-EPS along one direction, same seeds
     for comm in ("p2p", "all_gather", "a2a"):

@@ -111,35 +111,43 @@ def test_dot_product_attention_matches_whole_sequence(results, size, mode, case)
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])
 @pytest.mark.parametrize("mask", ["padding_causal", "padding"])
-def test_thd_matches_whole_sequences(results, size, comm, mask):
+@pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
+def test_thd_matches_whole_sequences(results, size, comm, mask, pad):
     """qkv_format "thd" with cp_comm_type "p2p" and "a2a": packed sequences of different lengths
     (cu_seqlens of the whole sequences), each split in 2 cp_size chunks; every sequence's attention
-    against float64 attention of that sequence alone."""
+    against float64 attention of that sequence alone. pad: padded sequences (cu_seqlens of the real
+    tokens and cu_seqlens_padded, one sequence's padding filling whole chunks): the padding tokens'
+    outputs and gradients must be zeros."""
     res = results(size)
-    lens = W.thd_lengths(size)
+    real, lens = W.thd_padded_lengths(size) if pad else (W.thd_lengths(size),) * 2
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
-    q, k, v, do = W.whole_inputs_thd(size, 2000 + ["padding_causal", "padding"].index(mask), dtype)
+    q, k, v, do = W.whole_inputs_thd(size, 2000 + ["padding_causal", "padding"].index(mask), dtype, lens)
     got = []
+    key = f"thd-{'pad-' if pad else ''}{comm}-{mask}"
     for i in range(4):
-        key = f"thd-{comm}-{mask}"
-        t = torch.zeros((sum(lens),) + tuple(res[0][key][i].shape[1:]))
+        t = torch.full((sum(lens),) + tuple(res[0][key][i].shape[1:]), float("nan"))
         for r in range(size):
             t[W.thd_local_index(lens, r, size)] = res[r][key][i]
         got.append(t)
     causal = "causal" if "causal" in mask else "no_mask"
-    ref, naive = [[], [], [], []], [[], [], [], []]
+    ref, naive, real_rows = [[], [], [], []], [[], [], [], []], []
     start = 0
-    for n in lens:
-        part = [t[:, start:start + n] for t in (q, k, v, do)]
+    for n, n_real in zip(lens, real):
+        part = [t[:, start:start + n_real] for t in (q, k, v, do)]
         for acc, dt in ((ref, torch.float64), (naive, dtype)):
             for a, x in zip(acc, attention_ref(*part, causal, None, dt)):
                 a.append(x[0])
+        real_rows.append(torch.arange(start, start + n_real))
         start += n
+    real_rows = torch.cat(real_rows)
+    is_pad = torch.ones(sum(lens), dtype=torch.bool)
+    is_pad[real_rows] = False
     for name, g, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
         r, n = torch.cat(r), torch.cat(n)
-        e, e_naive = rel_err(g, r), rel_err(n, r)
+        e, e_naive = rel_err(g[real_rows], r), rel_err(n, r)
         bound = 2e-6 + 4 * e_naive if not ON_CUDA else 2 * e_naive + 1e-3
         assert e <= bound, (mask, name, e, e_naive)
+        assert bool((g[is_pad] == 0).all()), (mask, name, "padding tokens must come out as zeros")
 
 
 @pytest.mark.parametrize("size, mode", RUNS)
@@ -319,6 +327,22 @@ def test_p2p_says_when_the_gpu_backend_cannot_run_the_ring():
         _cp.check_call(_group("p2p"), q, k, k, "bshd", "causal", None, "no_bias", "vanilla", False, None, 4, 2)
 
 
+def test_thd_padded_split_checks():
+    """Padded offsets (cu_seqlens_q_padded): their lengths must be multiples of 2 cp_size, cover
+    the real lengths, start at 0 and hold all tokens."""
+    from transformer_engine.pytorch import context_parallel_thd as T
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    sp = T.split(cu, 6, 2, torch.tensor([0, 4, 12], dtype=torch.int32))
+    assert sp.padded and sp.lens.tolist() == [3, 5] and sp.starts.tolist() == [0, 4]
+    assert not T.split(cu.new_tensor([0, 4, 12]), 6, 2, cu.new_tensor([0, 4, 12])).padded
+    with pytest.raises(ValueError, match="padded length .* multiple of 2 cp_size"):
+        T.split(cu, 5, 2, torch.tensor([0, 4, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="at least the cu_seqlens_q length"):
+        T.split(cu.new_tensor([0, 5, 8]), 6, 2, cu.new_tensor([0, 4, 12]))
+    with pytest.raises(ValueError, match="from 0"):
+        T.split(cu, 6, 2, cu.new_tensor([4, 8, 16]))
+
+
 def test_thd_split_offsets_and_checks():
     """The local THD description from whole-sequence cu_seqlens (lengths 4 and 8, cp_size 2: chunks of
     1 and 2 tokens), and the length checks (other lengths would split wrongly without an error)."""
@@ -348,9 +372,9 @@ def test_module_level_cp_argument_errors():
     cu = torch.tensor([0, 8, 24], dtype=torch.int32)
     with pytest.raises(ValueError, match="needs cu_seqlens_q"):
         dpa(q, k, k)
-    with pytest.raises(NotImplementedError, match="padded offsets"):
-        dpa(q, k, k, cu_seqlens_q=cu, cu_seqlens_q_padded=cu)
-    with pytest.raises(NotImplementedError, match="must equal cu_seqlens_q"):
+    with pytest.raises(NotImplementedError, match="cu_seqlens_kv_padded must equal cu_seqlens_q_padded"):
+        dpa(q, k, k, cu_seqlens_q=cu, cu_seqlens_kv_padded=cu)
+    with pytest.raises(NotImplementedError, match="cu_seqlens_kv must equal cu_seqlens_q"):
         dpa(q, k, k, cu_seqlens_q=cu, cu_seqlens_kv=torch.tensor([0, 12, 24], dtype=torch.int32))
     dpa = te.DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
     dpa.cp = _group("p2p")

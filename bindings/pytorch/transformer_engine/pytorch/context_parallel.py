@@ -26,7 +26,8 @@ Three ways to exchange K/V (cp_comm_type), each computing the same attention:
     key/value heads must be multiples of A. bshd / sbhd only.
 All three take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
 for causal); "p2p" and "a2a" take THD too (context_parallel_thd.py: self attention, cu_seqlens of
-the whole sequences, each a multiple of 2 cp_size long, no padded offsets). No bias, the vanilla
+the whole sequences, each a multiple of 2 cp_size long, or padded to such lengths by
+cu_seqlens_q_padded). No bias, the vanilla
 softmax only: anything else is a clear error. FP8 attention (fp8_dpa, and fp8_mha's attention):
 "p2p" over bshd / sbhd (context_parallel_fp8.py: K/V travel in FP8) and "a2a" (its local
 attention is the module's FP8 attention); not "all_gather", whose causal attention is two calls
@@ -121,12 +122,11 @@ def module_forward(dpa, q, k, v, fmt: str, mask_type: str, window, attention_mas
         if cu_q is None:
             raise ValueError("DotProductAttention: qkv_format 'thd' needs cu_seqlens_q (with context parallelism: "
                              "those of the whole sequences)")
-        if cu_q_pad is not None or cu_kv_pad is not None:
-            raise NotImplementedError("DotProductAttention: context parallelism over THD takes no padded offsets "
-                                      "(cu_seqlens_q_padded / cu_seqlens_kv_padded)")
-        if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_kv.cpu(), cu_q.cpu()):
-            raise NotImplementedError("DotProductAttention: context parallelism over THD is self attention: "
-                                      "cu_seqlens_kv must equal cu_seqlens_q")
+        for a, b, kv, q_name in ((cu_q, cu_kv, "cu_seqlens_kv", "cu_seqlens_q"),
+                                 (cu_q_pad, cu_kv_pad, "cu_seqlens_kv_padded", "cu_seqlens_q_padded")):
+            if b is not None and b is not a and (a is None or not torch.equal(b.cpu(), a.cpu())):
+                raise NotImplementedError(f"DotProductAttention: context parallelism over THD is self attention: "
+                                          f"{kv} must equal {q_name}")
     elif any(t is not None for t in cu):
         raise NotImplementedError(f"DotProductAttention: context parallelism with qkv_format {fmt!r} takes no "
                                   f"cu_seqlens (padding masks are not supported there)")
@@ -137,8 +137,10 @@ def module_forward(dpa, q, k, v, fmt: str, mask_type: str, window, attention_mas
 
     def local(q_, k_, v_, mt, w):  # the module's own attention (THD: over the whole sequences, "a2a")
         return dpa.forward(q_, k_, v_, qkv_format=fmt, attn_mask_type=mt, window_size=w if w is not None else (-1, -1),
-                           cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q, _cp_local=True)
-    return attend(dpa.cp, q, k, v, fmt, mask_type, window, dpa.softmax_scale, dropout, local, cu_q, ring_fp8)
+                           cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q, cu_seqlens_q_padded=cu_q_pad,
+                           cu_seqlens_kv_padded=cu_q_pad, _cp_local=True)
+    return attend(dpa.cp, q, k, v, fmt, mask_type, window, dpa.softmax_scale, dropout, local, cu_q, ring_fp8,
+                  cu_q_pad)
 
 
 def _ring_fp8_state(dpa, q, k, v):
@@ -216,22 +218,22 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
 
 
 def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float, dropout: float,
-           local: Callable, cu_seqlens=None, ring_fp8=None) -> torch.Tensor:
+           local: Callable, cu_seqlens=None, ring_fp8=None, cu_padded=None) -> torch.Tensor:
     """The attention of this rank's queries over the whole sequence, [.., h * d_v] as the module
     returns it. local(q, k, v, mask_type, window) is the module's own (non-CP) attention (with its
     dropout); dropout: the probability the ring applies (0 outside training); cu_seqlens: THD's,
-    of the whole sequences; ring_fp8: (FP8 state, cfg) when the ring runs in FP8
-    (context_parallel_fp8.RingAttentionFP8)."""
+    of the whole sequences (cu_padded: their padded offsets, or None); ring_fp8: (FP8 state, cfg)
+    when the ring runs in FP8 (context_parallel_fp8.RingAttentionFP8)."""
     ordered = mask_type == "causal" or window is not None
     sdim = _sdim(fmt)
     if fmt == "thd":
         from . import context_parallel_thd as _thd
-        sp = _thd.split(cu_seqlens, q.shape[0], cp.size)
+        sp = _thd.split(cu_seqlens, q.shape[0], cp.size, cu_padded)
         if cp.comm_type == "p2p":
             o = _thd.RingAttentionTHD.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, sp,
                                             "causal" in mask_type, float(scale), float(dropout))
             return o.reshape(o.shape[0], -1)
-        order = _thd.token_order(sp, cu_seqlens, cp.size)  # (a2a: check_call) the whole sequences, packed
+        order = _thd.token_order(sp, cp.size)  # (a2a: check_call) the whole sequences, packed
     elif cp.comm_type == "p2p":
         o = _ring(cp, q, k, v, fmt, mask_type == "causal", scale, dropout, ring_fp8)
         return o.reshape(*o.shape[:-2], -1)

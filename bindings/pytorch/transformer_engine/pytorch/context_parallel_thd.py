@@ -1,9 +1,14 @@
 """Context parallelism over packed THD sequences: the ring (cp_comm_type "p2p") and the token order
 of "a2a" (context_parallel.py has the rest).
 
-cu_seqlens_q are those of the whole sequences; every length must be a multiple of 2 cp_size. Rank
-r holds, sequence after sequence, chunks r and 2 cp_size - 1 - r of each (c_i tokens each), so
-its local cu_seqlens are the whole ones / cp_size. Each ring step is one THD fused attention call
+cu_seqlens_q are those of the whole sequences; every length must be a multiple of 2 cp_size, or
+cu_seqlens_q_padded gives each sequence's padded place, whose lengths are (TE's and Megatron's
+padded THD: sequence i holds its cu_seqlens length of real tokens, then padding). Rank r holds,
+sequence after sequence, chunks r and 2 cp_size - 1 - r of each (padded) sequence (c_i tokens
+each), so its local offsets are the whole ones / cp_size. With padding a chunk holds fewer real
+tokens, or none; since padding ends a sequence, a rank's real tokens of a sequence are a prefix of
+its two chunks, and a step's calls take those counts as cu_seqlens with the chunks' places as
+padded offsets. Padding tokens come out as zeros, with zero gradients. Each ring step is one THD fused attention call
 whose sequences are described in place by cu_seqlens and padded offsets, without copies: a
 block's first chunks are sequences of length c_i at the block's sequence starts, our second chunks
 sequences of length c_i starting c_i tokens in. Rows a call does not cover come back as zeros.
@@ -31,31 +36,47 @@ class ThdSplit(NamedTuple):
     tok_b: torch.Tensor  # [t] each local token's sequence
     tok_j: torch.Tensor  # [t] its position among its sequence's local tokens
     tok_c: torch.Tensor  # [t] its sequence's chunk length
+    c: torch.Tensor  # [b] int64 chunk lengths
+    lens: torch.Tensor  # [b] int64 real tokens of each whole sequence
+    starts: torch.Tensor  # [b] int64 each whole sequence's place in the packed whole tensor
+    padded: bool  # some sequence has padding
+    steps: dict  # (rank, causal) -> the ring's _Step list, made once
 
 
 _SPLITS = _fa.TensorMemo(4)
 _SPLIT_ENTRIES = 4
 
 
-def split(cu_seqlens: torch.Tensor, tokens: int, size: int) -> ThdSplit:
-    """The local description from the whole sequences' cu_seqlens (one host synchronization: the
-    lengths are checked, since other lengths would give wrong results without an error), remembered
-    per unchanged cu_seqlens tensor (fused_attention.TensorMemo), which a model's layers share."""
-    return _SPLITS.get(cu_seqlens, (tokens, size), lambda: _split(cu_seqlens, tokens, size))
+def split(cu_seqlens: torch.Tensor, tokens: int, size: int, cu_padded=None) -> ThdSplit:
+    """The local description from the whole sequences' cu_seqlens (and padded offsets; one host
+    synchronization: the lengths are checked, since other lengths would give wrong results without
+    an error), remembered per unchanged cu_seqlens tensors (fused_attention.TensorMemo), which a
+    model's layers share."""
+    return _SPLITS.get((cu_seqlens, cu_padded), (tokens, size),
+                       lambda: _split(cu_seqlens, tokens, size, cu_padded))
 
 
-def _split(cu_seqlens: torch.Tensor, tokens: int, size: int) -> ThdSplit:
+def _split(cu_seqlens: torch.Tensor, tokens: int, size: int, cu_padded=None) -> ThdSplit:
     cu = cu_seqlens.to(torch.int64)
     lens = cu[1:] - cu[:-1]
-    host = lens.cpu()
-    if bool((host % (2 * size) != 0).any()):
-        raise ValueError(f"DotProductAttention: context parallelism over THD needs every sequence length to be a "
-                         f"multiple of 2 cp_size = {2 * size}; got lengths {host.tolist()}")
-    if int(host.sum()) != tokens * size:
-        raise ValueError(f"DotProductAttention: cu_seqlens_q describes {int(host.sum())} tokens of the whole "
-                         f"sequences; this rank holds {tokens} tokens, expected the whole / cp_size "
-                         f"({int(host.sum()) // size}) (cu_seqlens are those of the whole sequences)")
-    c = lens // (2 * size)
+    place = cu if cu_padded is None else cu_padded.to(device=cu.device, dtype=torch.int64)
+    plens = place[1:] - place[:-1]
+    what = "length" if cu_padded is None else "padded length (cu_seqlens_q_padded)"
+    host, phost = lens.cpu(), plens.cpu()
+    if cu_padded is not None and (place.shape != cu.shape or int(place[0]) != 0 or bool((host > phost).any())):
+        raise ValueError(f"DotProductAttention: context parallelism over THD takes cu_seqlens_q_padded of the "
+                         f"whole sequences, from 0, each at least the cu_seqlens_q length; got lengths "
+                         f"{host.tolist()}, padded offsets {place.cpu().tolist()}")
+    if bool((phost % (2 * size) != 0).any()):
+        raise ValueError(f"DotProductAttention: context parallelism over THD needs every sequence {what} to be a "
+                         f"multiple of 2 cp_size = {2 * size}; got {phost.tolist()}")
+    if int(phost.sum()) != tokens * size:
+        raise ValueError(f"DotProductAttention: cu_seqlens_q{'' if cu_padded is None else '_padded'} describes "
+                         f"{int(phost.sum())} tokens of the whole sequences; this rank holds {tokens} tokens, "
+                         f"expected the whole / cp_size ({int(phost.sum()) // size}) (cu_seqlens are those of the "
+                         f"whole sequences)")
+    c = plens // (2 * size)
+    host = phost
     zero = torch.zeros(1, dtype=torch.int64, device=cu.device)
     cu_local = torch.cat([zero, torch.cumsum(2 * c, 0)])
     cu_half = torch.cat([zero, torch.cumsum(c, 0)])
@@ -64,14 +85,15 @@ def _split(cu_seqlens: torch.Tensor, tokens: int, size: int) -> ThdSplit:
     tok_b = torch.searchsorted(cu_local[1:], tok, right=True)
     i32 = torch.int32
     return ThdSplit(cu_local.to(i32), cu_half.to(i32), second.to(i32), int((host // (2 * size)).max()) if
-                    host.numel() else 0, tok_b, tok - cu_local[tok_b], c[tok_b])
+                    host.numel() else 0, tok_b, tok - cu_local[tok_b], c[tok_b], c, lens, place[:-1],
+                    cu_padded is not None and bool((lens != plens).any()), {})
 
 
 class TokenOrder:
     """Between rank order (rank 0's local tokens, rank 1's, ...) and the packed whole sequences
     (cu_seqlens' order): context_parallel's order objects for "a2a" over THD."""
 
-    def __init__(self, sp: ThdSplit, cu_seqlens: torch.Tensor, size: int):
+    def __init__(self, sp: ThdSplit, size: int):
         t = sp.tok_b.numel()
         p = torch.arange(size * t, device=sp.tok_b.device)
         rank, local = p // t, p % t
@@ -79,7 +101,7 @@ class TokenOrder:
         second = j >= c
         chunk = torch.where(second, 2 * size - 1 - rank, rank)
         # rank-order position p holds this token of the whole sequences
-        self.to_ranks = cu_seqlens.to(torch.int64)[sp.tok_b[local]] + chunk * c + torch.where(second, j - c, j)
+        self.to_ranks = sp.starts[sp.tok_b[local]] + chunk * c + torch.where(second, j - c, j)
         self.to_nat = torch.empty_like(self.to_ranks)
         self.to_nat[self.to_ranks] = p
 
@@ -93,11 +115,11 @@ class TokenOrder:
 _ORDERS = []  # [(ThdSplit, size, TokenOrder)]: the splits are remembered (split), so are their orders
 
 
-def token_order(sp: ThdSplit, cu_seqlens: torch.Tensor, size: int) -> TokenOrder:
+def token_order(sp: ThdSplit, size: int) -> TokenOrder:
     for s, n, order in _ORDERS:
         if s is sp and n == size:
             return order
-    order = TokenOrder(sp, cu_seqlens, size)
+    order = TokenOrder(sp, size)
     _ORDERS.insert(0, (sp, size, order))
     del _ORDERS[_SPLIT_ENTRIES:]
     return order
@@ -112,8 +134,29 @@ class _Step(NamedTuple):
     row: torch.Tensor  # [t] int64: each covered token's row in the call's statistics
 
 
-def _step(sp: ThdSplit, kind: str, causal: bool) -> _Step:
+def ring_steps(sp: ThdSplit, cp: CPGroup, causal: bool):
+    """The ring's steps on this rank (made once per split)."""
+    key = (cp.rank, cp.size, causal)
+    if key not in sp.steps:
+        sp.steps[key] = [_step(sp, step_kind(cp, i, causal), causal, cp.rank, (cp.rank - i) % cp.size, cp.size)
+                         for i in range(cp.size)]
+    return sp.steps[key]
+
+
+def _real(sp: ThdSplit, chunk: int) -> torch.Tensor:
+    """[b] the real (not padding) tokens of each sequence's chunk `chunk`."""
+    return (sp.lens - chunk * sp.c).clamp(min=0).minimum(sp.c)
+
+
+def _cum(n: torch.Tensor) -> torch.Tensor:
+    return torch.cat([n.new_zeros(1), torch.cumsum(n, 0)]).to(torch.int32)
+
+
+def _step(sp: ThdSplit, kind: str, causal: bool, rank: int, src: int, size: int) -> _Step:
+    """Step `kind` of this rank with the block of rank src (module text)."""
     m2 = 2 * sp.max_half
+    if sp.padded:
+        return _padded_step(sp, kind, causal, rank, src, size)
     if kind == "kv_first":
         return _Step((sp.cu_local, sp.cu_half, sp.cu_local, sp.cu_local), m2, sp.max_half, "padding", None, sp.tok_j)
     if kind == "q_second":
@@ -122,6 +165,26 @@ def _step(sp: ThdSplit, kind: str, causal: bool) -> _Step:
                      torch.where(cov, sp.tok_j - sp.tok_c, 0))
     mask = "padding_causal" if kind == "own" and causal else "padding"
     return _Step((sp.cu_local, sp.cu_local, None, None), m2, m2, mask, None, sp.tok_j)
+
+
+def _padded_step(sp: ThdSplit, kind: str, causal: bool, rank: int, src: int, size: int) -> _Step:
+    """_step with padding: the real tokens of every part as cu_seqlens, the chunks' places as
+    padded offsets. A sequence whose keys in the step are all padding takes no queries either
+    (attention over no keys is undefined; those tokens are covered by other steps or are padding)."""
+    m2 = 2 * sp.max_half
+    ours, theirs = _real(sp, rank) + _real(sp, 2 * size - 1 - rank), _real(sp, src) + _real(sp, 2 * size - 1 - src)
+    if kind == "kv_first":
+        nq, nkv, q_at, q_max, kv_max = ours, _real(sp, src), sp.cu_local, m2, sp.max_half
+    elif kind == "q_second":
+        nq, nkv, q_at, q_max, kv_max = _real(sp, 2 * size - 1 - rank), theirs, sp.second, sp.max_half, m2
+    else:
+        nq, nkv, q_at, q_max, kv_max = ours, theirs, sp.cu_local, m2, m2
+    nq = torch.where(nkv > 0, nq, 0)
+    first = 0 if kind != "q_second" else 1  # the queries' first local chunk (0 or 1)
+    j = sp.tok_j - first * sp.tok_c
+    cov = (j >= 0) & (j < nq[sp.tok_b])
+    mask = "padding_causal" if kind == "own" and causal else "padding"
+    return _Step((_cum(nq), _cum(nkv), q_at, sp.cu_local), q_max, kv_max, mask, cov, torch.where(cov, j, 0))
 
 
 def _to_tokens(stats: torch.Tensor, sp: ThdSplit, st: _Step) -> torch.Tensor:
@@ -146,7 +209,7 @@ class RingAttentionTHD(torch.autograd.Function):
     def forward(ctx, q, k, v, cp: CPGroup, sp: ThdSplit, causal: bool, scale: float, dropout: float):
         layout = _fa.LAYOUTS["thd"]
         zero_rng = _df._zero_rng_state(q.device)
-        steps = [_step(sp, step_kind(cp, i, causal), causal) for i in range(cp.size)]
+        steps = ring_steps(sp, cp, causal)
         rngs, out, lse = [], None, None
         for i, block in ring_blocks(cp, k, v):
             st = steps[i]
@@ -156,8 +219,8 @@ class RingAttentionTHD(torch.autograd.Function):
                                                       _fa.MASK_INT[st.mask], -1, -1, "causal" not in st.mask)
             rngs.append(rng_i)
             lse_i = _to_tokens(stats, sp, st)
-            if i == 0:  # (every token sees itself)
-                out, lse = o_i.float(), lse_i
+            if i == 0:  # (every real token sees itself; padding tokens: O 0 and a finite lse, so they stay 0)
+                out, lse = o_i.float(), lse_i if st.covered is None else lse_i.masked_fill(~st.covered[:, None], 0.0)
             else:  # O = sum_i exp(lse_i - lse) O_i; uncovered rows: weight 0 (their O_i rows are zeros)
                 new = torch.logaddexp(lse, lse_i)
                 out.mul_(torch.exp(lse - new)[..., None]).add_(o_i * torch.exp(lse_i - new)[..., None])

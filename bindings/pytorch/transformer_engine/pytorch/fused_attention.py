@@ -374,17 +374,19 @@ class TensorMemo:
     def __init__(self, entries: int):
         self.entries, self.rows = entries, []  # (weakref, _version, key, result), newest first
 
-    def get(self, t: Tensor, key, compute):
-        if torch.compiler.is_compiling() or t.is_inference():
+    def get(self, t, key, compute):
+        """t: a tensor, or a tuple of tensors (None entries allowed) that must all be unchanged."""
+        ts = tuple(x for x in (t if isinstance(t, tuple) else (t,)) if x is not None)
+        if torch.compiler.is_compiling() or any(x.is_inference() for x in ts):
             return compute()
-        ver = t._version
-        for i, (ref, v, k, result) in enumerate(self.rows):
-            if ref() is t and v == ver and k == key:
+        ver = tuple(x._version for x in ts)
+        for i, (refs, v, k, result) in enumerate(self.rows):
+            if v == ver and k == key and len(refs) == len(ts) and all(r() is x for r, x in zip(refs, ts)):
                 if i:
                     self.rows.insert(0, self.rows.pop(i))
                 return result
         result = compute()
-        self.rows.insert(0, (weakref.ref(t), ver, key, result))
+        self.rows.insert(0, (tuple(weakref.ref(x) for x in ts), ver, key, result))
         del self.rows[self.entries:]
         return result
 
