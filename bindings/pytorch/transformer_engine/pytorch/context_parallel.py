@@ -6,7 +6,7 @@ concatenated (so that with a causal mask every rank gets the same amount of work
 come in that order and the output goes out in it. The same order is what apply_rotary_pos_emb's
 cp_size / cp_rank expect.
 
-Three ways to exchange K/V (cp_comm_type), each computing the same attention:
+Four ways to exchange K/V (cp_comm_type), each computing the same attention:
   * "p2p": a ring. K/V blocks travel to the next rank while the current block is attended to; each
     step is one fused attention call whose output and softmax statistics (the log-sum-exp the
     library returns) are merged into the running result. The backward runs the ring again with
@@ -24,15 +24,15 @@ Three ways to exchange K/V (cp_comm_type), each computing the same attention:
     coarse chunks p and 2 P - 1 - p of the sequence cut in 2 P; the p2p ring then runs over the
     p2p group (size P: the ranks a, A + a, ..., strided), and the output is traded back. Heads and
     key/value heads must be multiples of A. bshd / sbhd only.
-All three take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
+All four take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
 for causal); "p2p" and "a2a" take THD too (context_parallel_thd.py: self attention, cu_seqlens of
-the whole sequences, each a multiple of 2 cp_size long, or padded to such lengths by
-cu_seqlens_q_padded). No bias, the vanilla
-softmax only: anything else is a clear error. FP8 attention (fp8_dpa, and fp8_mha's attention):
-"p2p" over bshd / sbhd (context_parallel_fp8.py: K/V travel in FP8) and "a2a" (its local
-attention is the module's FP8 attention); not "all_gather", whose causal attention is two calls
-per rank while FP8 attention's recipe state takes one per step. Dropout: the ring gives each step its own
-rng_state (the backward reuses it); the other two run it inside their local attention calls.
+the whole sequences, each a multiple of 2 cp_size long or padded to such lengths by
+cu_seqlens_q_padded). No bias, the vanilla softmax only: anything else is a clear error.
+FP8 attention (fp8_dpa, and fp8_mha's attention): the ring over bshd / sbhd
+(context_parallel_fp8.py: K/V travel in FP8) and "a2a" (its local attention is the module's FP8
+attention); not "all_gather", whose causal attention is two calls per rank while FP8 attention's
+recipe state takes one per step. Dropout: the ring gives each step its own rng_state (the
+backward reuses it); "all_gather" and "a2a" run it inside their local attention calls.
 cp_stream is accepted and unused (the ring overlaps its transfers with the attention calls on the
 current stream). The ring's merge (a few torch operations on the statistics) is adapter code, as
 in TE; every attention call is the library's.
@@ -207,7 +207,8 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                                              _fa.MASK_INT["padding" if thd else "no_mask"], dropout if fp8 else 0.0,
                                              True, int(sq * n), int(sk * n), -1, -1, fp8=fp8)
         if not ok:
-            raise NotImplementedError(f"DotProductAttention: cp_comm_type 'p2p' runs fused attention only, which cannot "
+            raise NotImplementedError(f"DotProductAttention: cp_comm_type {cp.comm_type!r} runs fused attention only, "
+                                      f"which cannot "
                                       f"run these tensors{' in FP8' if fp8 else ''} ({why}); "
                                       + ("'a2a' runs the module's own FP8 attention" if fp8 else
                                          "'all_gather' and 'a2a' can fall back to the unfused path"))
