@@ -45,6 +45,9 @@ def cases(size, mode=""):
                 out.append((comm, mask, fmt, None))
     out.append(("a2a", "causal", "bshd", (4, 0)))
     out.append(("a2a", "no_mask", "sbhd", (2, 3)))
+    # all_gather's windows: each bound alone and both (the query chunks' key ranges clip at the ends)
+    out += [("all_gather", "causal", "bshd", (4, 0)), ("all_gather", "no_mask", "sbhd", (2, 3)),
+            ("all_gather", "no_mask", "bshd", (-1, 1)), ("all_gather", "no_mask", "bshd", (5, -1))]
     return out
 
 

@@ -258,7 +258,7 @@ def _group(comm="p2p", size=2):
     (dict(fmt="thd", q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8), mask_type="arbitrary"), NotImplementedError,
      "'padding_causal'"),
     (dict(mask_type="padding_causal"), NotImplementedError, "'no_mask' or 'causal'"),
-    (dict(window=(4, 0)), NotImplementedError, "'a2a' only"),
+    (dict(window=(4, 0)), NotImplementedError, "'a2a' or 'all_gather'"),
     (dict(bias_type="alibi"), NotImplementedError, "no attention bias"),
     (dict(softmax_type="learnable"), NotImplementedError, "vanilla softmax"),
     (dict(fp8=True, comm="all_gather"), NotImplementedError, "FP8 attention .* 'all_gather'. is not implemented"),

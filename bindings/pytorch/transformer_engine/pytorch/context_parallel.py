@@ -14,10 +14,10 @@ Four ways to exchange K/V (cp_comm_type), each computing the same attention:
     travel with their blocks back to their owners.
   * "all_gather": K/V of the whole sequence are gathered on every rank (the backward reduce-scatters
     their gradients); each local query chunk attends to the keys up to its own end with a
-    bottom-right causal mask.
+    bottom-right causal mask, or, with a sliding window, to the keys its window can reach.
   * "a2a" (Ulysses): two all-to-alls trade the sequence split for a head split (heads and key/value
     heads must be multiples of cp_size); every rank attends to the whole sequence for its heads,
-    and the output is traded back. Sliding windows run here only.
+    and the output is traded back. Sliding windows run here and with "all_gather".
   * "a2a+p2p" (hierarchical; cp_group a list [a2a group, p2p group], as TE and Megatron's
     hierarchical_context_parallel_sizes): an all-to-all inside the a2a group (size A: the ranks
     p A .. p A + A - 1 of the whole CP group) trades heads for the group's chunks, which are
@@ -167,9 +167,9 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                                   f" with qkv_format {fmt!r}, got {mask_type!r}")
     if attention_mask is not None:
         raise NotImplementedError(f"DotProductAttention: {what} takes no attention_mask")
-    if window is not None and cp.comm_type != "a2a":
+    if window is not None and cp.comm_type not in ("a2a", "all_gather"):
         raise NotImplementedError(f"DotProductAttention: a sliding window {window} with context parallelism runs "
-                                  f"with cp_comm_type 'a2a' only")
+                                  f"with cp_comm_type 'a2a' or 'all_gather'")
     if bias_type != "no_bias":
         raise NotImplementedError(f"DotProductAttention: {what} takes no attention bias or ALiBi ({bias_type!r})")
     if softmax_type != "vanilla":
@@ -251,14 +251,14 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
     if cp.comm_type == "all_gather":
         kf = _GatherSeq.apply(k, cp, sdim, order)
         vf = _GatherSeq.apply(v, cp, sdim, order)
-        if mask_type == "no_mask":
+        if mask_type == "no_mask" and window is None:
             return local(q, kf, vf, "no_mask", None)
         c = q.shape[sdim] // 2
         outs = []
         for half, chunk in enumerate(_chunks_of(cp.rank, cp.size)):
-            end = (chunk + 1) * c  # the query chunk's last position + 1: its keys are [0, end)
-            outs.append(local(q.narrow(sdim, half * c, c), kf.narrow(sdim, 0, end), vf.narrow(sdim, 0, end),
-                              "causal_bottom_right", None))
+            lo, hi, mt, w = _gathered_keys(chunk * c, c, kf.shape[sdim], mask_type == "causal", window)
+            outs.append(local(q.narrow(sdim, half * c, c), kf.narrow(sdim, lo, hi - lo), vf.narrow(sdim, lo, hi - lo),
+                              mt, w))
         return torch.cat(outs, dim=sdim)
     # a2a: sequence split -> head split, attention over the whole sequence, and back
     qf, kf, vf = (_Trade.apply(t, cp, sdim, order, True) for t in (q, k, v))
@@ -266,6 +266,22 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
     o = o.view(*o.shape[:-1], qf.shape[-2], -1)
     o = _Trade.apply(o, cp, sdim, order, False)
     return o.reshape(*o.shape[:-2], -1)
+
+
+def _gathered_keys(start: int, c: int, s: int, causal: bool, window):
+    """(lo, hi, mask type, window) of the all_gather call for the query chunk [start, start + c) of
+    a sequence of s: the keys [lo, hi) it can see, and its mask and window over them. A window is
+    aligned to the bottom-right diagonal, here key start - lo for the chunk's first query: with
+    keys ending at the chunk's end (causal, or an unbounded right side) that is the call's own;
+    otherwise the call's diagonal sits e = hi - end further, and the window shifts by e."""
+    end = start + c
+    wl, wr = window if window is not None else (-1, -1)
+    lo = 0 if wl < 0 else max(0, start - wl)
+    if causal:  # (a causal window is (left, 0))
+        return lo, end, "causal_bottom_right", None if wl < 0 else (wl, 0)
+    hi = s if wr < 0 else min(s, end + wr)
+    e = hi - end
+    return lo, hi, "no_mask", (wl + e if wl >= 0 else -1, wr - e if wr >= 0 else -1)
 
 
 def _ring(cp: CPGroup, q, k, v, fmt: str, causal: bool, scale: float, dropout: float, ring_fp8):
