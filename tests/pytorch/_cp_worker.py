@@ -184,7 +184,7 @@ def main():
         lens = padded if pad else thd_lengths(size)
         cu, cu_pad = (cum(real), cum(padded)) if pad else (cum(lens), None)
         idx = thd_local_index(lens, rank, size)
-        for comm in ("p2p", "a2a"):
+        for comm in ("p2p", "all_gather", "a2a"):
             for j, mask in enumerate(("padding_causal", "padding")):
                 q, k, v, do = (t[0] for t in whole_inputs_thd(size, 2000 + j, dtype, lens))
                 loc = [t[idx].to(dev) for t in (q, k, v, do)]

@@ -109,11 +109,11 @@ def test_dot_product_attention_matches_whole_sequence(results, size, mode, case)
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
 @pytest.mark.parametrize("mask", ["padding_causal", "padding"])
 @pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
 def test_thd_matches_whole_sequences(results, size, comm, mask, pad):
-    """qkv_format "thd" with cp_comm_type "p2p" and "a2a": packed sequences of different lengths
+    """qkv_format "thd" with cp_comm_type "p2p", "all_gather" and "a2a": packed sequences of different lengths
     (cu_seqlens of the whole sequences), each split in 2 cp_size chunks; every sequence's attention
     against float64 attention of that sequence alone. pad: padded sequences (cu_seqlens of the real
     tokens and cu_seqlens_padded, one sequence's padding filling whole chunks): the padding tokens'
@@ -253,7 +253,8 @@ def _group(comm="p2p", size=2):
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(fmt="thd", comm="all_gather"), NotImplementedError, "'thd' runs with cp_comm_type 'p2p' or 'a2a'"),
+    (dict(fmt="thd", comm="all_gather", q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8), window=(4, 0)),
+     NotImplementedError, "runs with cp_comm_type 'a2a'$"),
     (dict(fmt="thd", q=torch.zeros(12, 4, 8), k=torch.zeros(10, 2, 8)), ValueError, "self attention"),
     (dict(fmt="thd", q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8), mask_type="arbitrary"), NotImplementedError,
      "'padding_causal'"),

@@ -25,9 +25,9 @@ Four ways to exchange K/V (cp_comm_type), each computing the same attention:
     p2p group (size P: the ranks a, A + a, ..., strided), and the output is traded back. Heads and
     key/value heads must be multiples of A. bshd / sbhd only.
 All four take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
-for causal); "p2p" and "a2a" take THD too (context_parallel_thd.py: self attention, cu_seqlens of
-the whole sequences, each a multiple of 2 cp_size long or padded to such lengths by
-cu_seqlens_q_padded). No bias, the vanilla softmax only: anything else is a clear error.
+for causal); "p2p", "all_gather" and "a2a" take THD too (context_parallel_thd.py: self attention,
+cu_seqlens of the whole sequences, each a multiple of 2 cp_size long or padded to such lengths by
+cu_seqlens_q_padded; no windows but with "a2a"). No bias, the vanilla softmax only: anything else is a clear error.
 FP8 attention (fp8_dpa, and fp8_mha's attention): the ring over bshd / sbhd
 (context_parallel_fp8.py: K/V travel in FP8) and "a2a" (its local attention is the module's FP8
 attention); not "all_gather", whose causal attention is two calls per rank while FP8 attention's
@@ -158,18 +158,18 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
     """Raises for what context parallelism does not take (see the module text)."""
     what = f"context parallelism (cp_comm_type {cp.comm_type!r})"
     thd = fmt == "thd"
-    if thd and cp.comm_type in ("all_gather", "a2a+p2p"):
+    if thd and cp.comm_type == "a2a+p2p":
         raise NotImplementedError(f"DotProductAttention: {what} takes qkv_format 'bshd' or 'sbhd'; 'thd' runs with "
-                                  f"cp_comm_type 'p2p' or 'a2a'")
+                                  f"cp_comm_type 'p2p', 'all_gather' or 'a2a'")
     masks = ("no_mask", "causal", "padding", "padding_causal") if thd else ("no_mask", "causal")
     if mask_type not in masks:
         raise NotImplementedError(f"DotProductAttention: {what} takes attn_mask_type {' or '.join(map(repr, masks))}"
                                   f" with qkv_format {fmt!r}, got {mask_type!r}")
     if attention_mask is not None:
         raise NotImplementedError(f"DotProductAttention: {what} takes no attention_mask")
-    if window is not None and cp.comm_type not in ("a2a", "all_gather"):
+    if window is not None and (cp.comm_type not in ("a2a", "all_gather") or (thd and cp.comm_type != "a2a")):
         raise NotImplementedError(f"DotProductAttention: a sliding window {window} with context parallelism runs "
-                                  f"with cp_comm_type 'a2a' or 'all_gather'")
+                                  f"with cp_comm_type 'a2a'" + ("" if thd else " or 'all_gather'"))
     if bias_type != "no_bias":
         raise NotImplementedError(f"DotProductAttention: {what} takes no attention bias or ALiBi ({bias_type!r})")
     if softmax_type != "vanilla":
@@ -212,6 +212,13 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                                       f"run these tensors{' in FP8' if fp8 else ''} ({why}); "
                                       + ("'a2a' runs the module's own FP8 attention" if fp8 else
                                          "'all_gather' and 'a2a' can fall back to the unfused path"))
+    if thd and cp.comm_type == "all_gather" and q.is_cuda:  # THD runs fused attention only
+        mask = "padding_causal_bottom_right" if "causal" in mask_type else "padding"
+        ok, why = _fa.fused_backend_supports(q, k, v, _fa.LAYOUTS["thd"], _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask],
+                                             dropout, True, sq, sk * cp.size, -1, -1)
+        if not ok:
+            raise NotImplementedError(f"DotProductAttention: {what} over THD runs fused attention only, which cannot "
+                                      f"run these tensors ({why})")
     a2a = cp.size if cp.comm_type == "a2a" else cp.inner.size if cp.inner is not None else None
     if a2a is not None and (h % a2a or g % a2a):
         raise ValueError(f"DotProductAttention: cp_comm_type {cp.comm_type!r} needs heads ({h}) and key/value heads "
@@ -234,7 +241,12 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
             o = _thd.RingAttentionTHD.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, sp,
                                             "causal" in mask_type, float(scale), float(dropout))
             return o.reshape(o.shape[0], -1)
-        order = _thd.token_order(sp, cp.size)  # (a2a: check_call) the whole sequences, packed
+        order = _thd.token_order(sp, cp.size)  # the whole sequences, packed
+        if cp.comm_type == "all_gather":
+            kf, vf = (_GatherSeq.apply(t, cp, 0, order) for t in (k, v))
+            o = _thd.attend_gathered(q.contiguous(), kf.contiguous(), vf.contiguous(), sp, cp.rank, cp.size,
+                                     "causal" in mask_type, float(scale), float(dropout))
+            return o.reshape(o.shape[0], -1)
     elif cp.comm_type == "p2p":
         o = _ring(cp, q, k, v, fmt, mask_type == "causal", scale, dropout, ring_fp8)
         return o.reshape(*o.shape[:-2], -1)

@@ -1,5 +1,5 @@
-"""Context parallelism over packed THD sequences: the ring (cp_comm_type "p2p") and the token order
-of "a2a" (context_parallel.py has the rest).
+"""Context parallelism over packed THD sequences: the ring (cp_comm_type "p2p"), the token order of
+"a2a" and "all_gather", and all_gather's attention calls (context_parallel.py has the rest).
 
 cu_seqlens_q are those of the whole sequences; every length must be a multiple of 2 cp_size, or
 cu_seqlens_q_padded gives each sequence's padded place, whose lengths are (TE's and Megatron's
@@ -15,6 +15,10 @@ sequences of length c_i starting c_i tokens in. Rows a call does not cover come 
 Outputs and log-sum-exps are merged per token: the library's THD statistics ([b, h, max_s, 1],
 row j of sequence b at [b, :, j]) are gathered into [tokens, h] form, and scattered back into each
 call's form for the backward.
+"all_gather" gathers K/V into the whole packed sequences (TokenOrder); with a causal mask the
+queries of each local chunk attend, in one THD call, to their sequences' keys up to the chunk's
+end (bottom-right causal: the chunks' places as padded query offsets), otherwise all local queries
+attend to the whole sequences in one call.
 """
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ class ThdSplit(NamedTuple):
     lens: torch.Tensor  # [b] int64 real tokens of each whole sequence
     starts: torch.Tensor  # [b] int64 each whole sequence's place in the packed whole tensor
     padded: bool  # some sequence has padding
-    steps: dict  # (rank, causal) -> the ring's _Step list, made once
+    max_whole: int  # the longest (padded) whole sequence
+    steps: dict  # (rank, size, causal[, "all_gather"]) -> the ring's steps / all_gather's calls, made once
 
 
 _SPLITS = _fa.TensorMemo(4)
@@ -86,7 +91,8 @@ def _split(cu_seqlens: torch.Tensor, tokens: int, size: int, cu_padded=None) -> 
     i32 = torch.int32
     return ThdSplit(cu_local.to(i32), cu_half.to(i32), second.to(i32), int((host // (2 * size)).max()) if
                     host.numel() else 0, tok_b, tok - cu_local[tok_b], c[tok_b], c, lens, place[:-1],
-                    cu_padded is not None and bool((lens != plens).any()), {})
+                    cu_padded is not None and bool((lens != plens).any()), int(phost.max()) if phost.numel() else 0,
+                    {})
 
 
 class TokenOrder:
@@ -185,6 +191,37 @@ def _padded_step(sp: ThdSplit, kind: str, causal: bool, rank: int, src: int, siz
     cov = (j >= 0) & (j < nq[sp.tok_b])
     mask = "padding_causal" if kind == "own" and causal else "padding"
     return _Step((_cum(nq), _cum(nkv), q_at, sp.cu_local), q_max, kv_max, mask, cov, torch.where(cov, j, 0))
+
+
+def gathered_calls(sp: ThdSplit, rank: int, size: int, causal: bool):
+    """all_gather's THD calls on this rank (made once per split): (cu tuple, max_q, max_kv, mask) with
+    the local queries in place (padded offsets) and the gathered whole sequences as keys."""
+    key = (rank, size, causal, "all_gather")
+    if key not in sp.steps:
+        whole = torch.cat([sp.starts, sp.starts.new_tensor([sp.tok_b.numel() * size])]).to(torch.int32)
+        if not causal:
+            nq = _real(sp, rank) + _real(sp, 2 * size - 1 - rank)
+            calls = [((_cum(nq), _cum(sp.lens), sp.cu_local, whole), 2 * sp.max_half, sp.max_whole, "padding")]
+        else:  # chunk `chunk` sees its sequence's keys [0, (chunk + 1) c), or all of its real ones
+            calls = [((_cum(_real(sp, chunk)), _cum(sp.lens.minimum((chunk + 1) * sp.c)), at, whole),
+                      sp.max_half, sp.max_whole, "padding_causal_bottom_right")
+                     for chunk, at in ((rank, sp.cu_local), (2 * size - 1 - rank, sp.second))]
+        sp.steps[key] = calls
+    return sp.steps[key]
+
+
+def attend_gathered(q, kf, vf, sp: ThdSplit, rank: int, size: int, causal: bool, scale: float,
+                    dropout: float) -> torch.Tensor:
+    """"all_gather" over THD: this rank's queries [t, h, d] over the gathered whole sequences kf, vf
+    -> [t, h, d_v] (the calls cover disjoint query rows and leave the others zero: summed)."""
+    out = None
+    for cu, max_q, max_kv, mask in gathered_calls(sp, rank, size, causal):
+        rng = _fa.new_rng_state(q.device) if dropout > 0.0 else _df._zero_rng_state(q.device)
+        cfg = (max_q, max_kv, True, scale, dropout, _fa.LAYOUTS["thd"], _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask],
+               -1, -1, "causal" not in mask)
+        o = _fa.FusedAttnFunc.apply(q, kf, vf, None, *cu, rng, None, cfg)
+        out = o if out is None else out + o
+    return out
 
 
 def _to_tokens(stats: torch.Tensor, sp: ThdSplit, st: _Step) -> torch.Tensor:
