@@ -170,33 +170,13 @@ def main():
         results[case_name(case)] = [t.detach().float().cpu() for t in res]
 
     if mode == "hier":
+        thd_runs(results, rank, size, cp_group, ("a2a+p2p",), dev, dtype)
         fp8_runs(results, rank, size, group, cp_group, mode, on_cuda, dev, dtype)
         transformer_layer_run(results, rank, size, cp_group, "a2a+p2p", dev, dtype)
         finish(results, out_file)
         return
 
-    # THD (p2p, a2a): packed sequences, cu_seqlens of the whole sequences; "pad": padded sequences
-    # (cu_seqlens of the real tokens, cu_seqlens_padded of the places)
-    def cum(x):
-        return torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.int32, device=dev)
-    real, padded = thd_padded_lengths(size)
-    for pad in ("", "pad-"):
-        lens = padded if pad else thd_lengths(size)
-        cu, cu_pad = (cum(real), cum(padded)) if pad else (cum(lens), None)
-        idx = thd_local_index(lens, rank, size)
-        for comm in ("p2p", "all_gather", "a2a"):
-            for j, mask in enumerate(("padding_causal", "padding")):
-                q, k, v, do = (t[0] for t in whole_inputs_thd(size, 2000 + j, dtype, lens))
-                loc = [t[idx].to(dev) for t in (q, k, v, do)]
-                ql, kl, vl = (t.requires_grad_() for t in loc[:3])
-                dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0,
-                                             qkv_format="thd", attn_mask_type=mask, cp_group=group,
-                                             cp_comm_type=comm)
-                o = dpa(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
-                        cu_seqlens_kv_padded=cu_pad)
-                o.backward(loc[3].reshape(o.shape))
-                results[f"thd-{pad}{comm}-{mask}"] = [t.detach().float().cpu()
-                                                      for t in (o.view(-1, h, D_V), ql.grad, kl.grad, vl.grad)]
+    thd_runs(results, rank, size, group, ("p2p", "all_gather", "a2a"), dev, dtype)
 
     # dropout (causal, bshd): L = <O, dO> at Q, K, V and at +-EPS along one direction, same seeds
     for comm in ("p2p", "all_gather", "a2a"):
@@ -250,6 +230,33 @@ def main():
         y.backward(dys.to(dev))
         results[f"fp8_mha_layer-{name}"] = [y.detach().float().cpu().clone(), xl.grad.detach().float().cpu().clone()]
     finish(results, out_file)
+
+
+def thd_runs(results, rank, size, cp_group, comms, dev, dtype):
+    # THD: packed sequences, cu_seqlens of the whole sequences; "pad": padded sequences (cu_seqlens
+    # of the real tokens, cu_seqlens_padded of the places)
+    h, g = heads(size)
+
+    def cum(x):
+        return torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.int32, device=dev)
+    real, padded = thd_padded_lengths(size)
+    for pad in ("", "pad-"):
+        lens = padded if pad else thd_lengths(size)
+        cu, cu_pad = (cum(real), cum(padded)) if pad else (cum(lens), None)
+        idx = thd_local_index(lens, rank, size)
+        for comm in comms:
+            for j, mask in enumerate(("padding_causal", "padding")):
+                q, k, v, do = (t[0] for t in whole_inputs_thd(size, 2000 + j, dtype, lens))
+                loc = [t[idx].to(dev) for t in (q, k, v, do)]
+                ql, kl, vl = (t.requires_grad_() for t in loc[:3])
+                dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0,
+                                             qkv_format="thd", attn_mask_type=mask, cp_group=cp_group,
+                                             cp_global_ranks=list(range(size)), cp_comm_type=comm)
+                o = dpa(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
+                        cu_seqlens_kv_padded=cu_pad)
+                o.backward(loc[3].reshape(o.shape))
+                results[f"thd-{pad}{comm}-{mask}"] = [t.detach().float().cpu()
+                                                      for t in (o.view(-1, h, D_V), ql.grad, kl.grad, vl.grad)]
 
 
 def finish(results, out_file):

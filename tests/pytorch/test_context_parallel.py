@@ -108,17 +108,19 @@ def test_dot_product_attention_matches_whole_sequence(results, size, mode, case)
         assert e <= bound, (comm, mask, fmt, window, name, e, e_naive)
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+THD_RUNS = [(s, "", c) for s in SIZES for c in ("p2p", "all_gather", "a2a")] + [(4, "hier", "a2a+p2p")]
+
+
+@pytest.mark.parametrize("size, mode, comm", THD_RUNS, ids=[f"{s}-{c}" for s, _, c in THD_RUNS])
 @pytest.mark.parametrize("mask", ["padding_causal", "padding"])
 @pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
-def test_thd_matches_whole_sequences(results, size, comm, mask, pad):
-    """qkv_format "thd" with cp_comm_type "p2p", "all_gather" and "a2a": packed sequences of different lengths
+def test_thd_matches_whole_sequences(results, size, mode, comm, mask, pad):
+    """qkv_format "thd" with every cp_comm_type: packed sequences of different lengths
     (cu_seqlens of the whole sequences), each split in 2 cp_size chunks; every sequence's attention
     against float64 attention of that sequence alone. pad: padded sequences (cu_seqlens of the real
     tokens and cu_seqlens_padded, one sequence's padding filling whole chunks): the padding tokens'
     outputs and gradients must be zeros."""
-    res = results(size)
+    res = results(size, mode)
     real, lens = W.thd_padded_lengths(size) if pad else (W.thd_lengths(size),) * 2
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     q, k, v, do = W.whole_inputs_thd(size, 2000 + ["padding_causal", "padding"].index(mask), dtype, lens)

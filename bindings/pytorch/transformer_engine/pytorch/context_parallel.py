@@ -23,9 +23,9 @@ Four ways to exchange K/V (cp_comm_type), each computing the same attention:
     p A .. p A + A - 1 of the whole CP group) trades heads for the group's chunks, which are
     coarse chunks p and 2 P - 1 - p of the sequence cut in 2 P; the p2p ring then runs over the
     p2p group (size P: the ranks a, A + a, ..., strided), and the output is traded back. Heads and
-    key/value heads must be multiples of A. bshd / sbhd only.
+    key/value heads must be multiples of A. THD too (the trade lands in the THD ring's layout).
 All four take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
-for causal); "p2p", "all_gather" and "a2a" take THD too (context_parallel_thd.py: self attention,
+for causal); all four take THD too (context_parallel_thd.py: self attention,
 cu_seqlens of the whole sequences, each a multiple of 2 cp_size long or padded to such lengths by
 cu_seqlens_q_padded; no windows but with "a2a"). No bias, the vanilla softmax only: anything else is a clear error.
 FP8 attention (fp8_dpa, and fp8_mha's attention): the ring over bshd / sbhd
@@ -158,9 +158,6 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
     """Raises for what context parallelism does not take (see the module text)."""
     what = f"context parallelism (cp_comm_type {cp.comm_type!r})"
     thd = fmt == "thd"
-    if thd and cp.comm_type == "a2a+p2p":
-        raise NotImplementedError(f"DotProductAttention: {what} takes qkv_format 'bshd' or 'sbhd'; 'thd' runs with "
-                                  f"cp_comm_type 'p2p', 'all_gather' or 'a2a'")
     masks = ("no_mask", "causal", "padding", "padding_causal") if thd else ("no_mask", "causal")
     if mask_type not in masks:
         raise NotImplementedError(f"DotProductAttention: {what} takes attn_mask_type {' or '.join(map(repr, masks))}"
@@ -237,6 +234,15 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
     if fmt == "thd":
         from . import context_parallel_thd as _thd
         sp = _thd.split(cu_seqlens, q.shape[0], cp.size, cu_padded)
+        if cp.comm_type == "a2a+p2p":  # as for bshd, with the ring's THD layout of coarse chunks
+            a_size = cp.inner.size
+            coarse = _thd.split(cu_seqlens, q.shape[0] * a_size, cp.outer.size, cu_padded)
+            order = _thd.token_order(sp, a_size, coarse)
+            qf, kf, vf = (_Trade.apply(t, cp.inner, 0, order, True).contiguous() for t in (q, k, v))
+            o = _thd.RingAttentionTHD.apply(qf, kf, vf, cp.outer, coarse, "causal" in mask_type, float(scale),
+                                            float(dropout))
+            o = _Trade.apply(o, cp.inner, 0, order, False)
+            return o.reshape(o.shape[0], -1)
         if cp.comm_type == "p2p":
             o = _thd.RingAttentionTHD.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, sp,
                                             "causal" in mask_type, float(scale), float(dropout))

@@ -96,20 +96,15 @@ def _split(cu_seqlens: torch.Tensor, tokens: int, size: int, cu_padded=None) -> 
 
 
 class TokenOrder:
-    """Between rank order (rank 0's local tokens, rank 1's, ...) and the packed whole sequences
-    (cu_seqlens' order): context_parallel's order objects for "a2a" over THD."""
+    """Between rank order (rank 0's local tokens, rank 1's, ...) and a natural order of the tokens:
+    context_parallel's order objects for "a2a" and "all_gather" over THD (natural: the packed whole
+    sequences) and for "a2a+p2p" (natural: the p2p ring's local layout). to_ranks[p]: the natural
+    position of the token at rank-order position p."""
 
-    def __init__(self, sp: ThdSplit, size: int):
-        t = sp.tok_b.numel()
-        p = torch.arange(size * t, device=sp.tok_b.device)
-        rank, local = p // t, p % t
-        c, j = sp.tok_c[local], sp.tok_j[local]
-        second = j >= c
-        chunk = torch.where(second, 2 * size - 1 - rank, rank)
-        # rank-order position p holds this token of the whole sequences
-        self.to_ranks = sp.starts[sp.tok_b[local]] + chunk * c + torch.where(second, j - c, j)
-        self.to_nat = torch.empty_like(self.to_ranks)
-        self.to_nat[self.to_ranks] = p
+    def __init__(self, to_ranks: torch.Tensor):
+        self.to_ranks = to_ranks
+        self.to_nat = torch.empty_like(to_ranks)
+        self.to_nat[to_ranks] = torch.arange(to_ranks.numel(), device=to_ranks.device)
 
     def natural(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.index_select(dim, self.to_nat)
@@ -118,15 +113,44 @@ class TokenOrder:
         return t.index_select(dim, self.to_ranks)
 
 
-_ORDERS = []  # [(ThdSplit, size, TokenOrder)]: the splits are remembered (split), so are their orders
+def _rank_order_tokens(sp: ThdSplit, n: int):
+    """For the rank-order positions of n ranks' local tokens: (rank, sequence, is in the second
+    chunk, position within its chunk, chunk length)."""
+    t = sp.tok_b.numel()
+    p = torch.arange(n * t, device=sp.tok_b.device)
+    rank, local = p // t, p % t
+    c, j = sp.tok_c[local], sp.tok_j[local]
+    second = j >= c
+    return rank, sp.tok_b[local], second, torch.where(second, j - c, j), c
 
 
-def token_order(sp: ThdSplit, size: int) -> TokenOrder:
-    for s, n, order in _ORDERS:
-        if s is sp and n == size:
+def _whole_positions(sp: ThdSplit, size: int) -> torch.Tensor:
+    rank, b, second, within, c = _rank_order_tokens(sp, size)
+    chunk = torch.where(second, 2 * size - 1 - rank, rank)
+    return sp.starts[b] + chunk * c + within
+
+
+def _coarse_positions(sp: ThdSplit, coarse: ThdSplit, a_size: int) -> torch.Tensor:
+    """"a2a+p2p": the a2a group's ranks a hold fine chunks p A + a and 2 S - 1 - p A - a of each
+    sequence (S = A P); the ring's layout holds coarse chunks p and 2 P - 1 - p (A fine chunks each,
+    in sequence order), where fine chunk p A + a sits at slot a of the first and fine chunk
+    2 S - 1 - p A - a at slot A - 1 - a of the second."""
+    a, b, second, within, c = _rank_order_tokens(sp, a_size)
+    slot = torch.where(second, a_size - 1 - a, a)
+    return coarse.cu_local.to(torch.int64)[b] + second * (a_size * c) + slot * c + within
+
+
+_ORDERS = []  # [(key, TokenOrder)]: the splits are remembered (split), so are their orders
+
+
+def token_order(sp: ThdSplit, size: int, coarse: ThdSplit = None) -> TokenOrder:
+    """The TokenOrder of size ranks to the whole sequences, or with coarse (the p2p ring's split of
+    "a2a+p2p", size then the a2a group's) to the ring's layout."""
+    for key, order in _ORDERS:
+        if key[0] is sp and key[1] == size and key[2] is coarse:
             return order
-    order = TokenOrder(sp, size)
-    _ORDERS.insert(0, (sp, size, order))
+    order = TokenOrder(_whole_positions(sp, size) if coarse is None else _coarse_positions(sp, coarse, size))
+    _ORDERS.insert(0, ((sp, size, coarse), order))
     del _ORDERS[_SPLIT_ENTRIES:]
     return order
 
