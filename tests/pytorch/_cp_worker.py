@@ -24,6 +24,7 @@ def heads(size):
     return 2 * size, size  # a2a splits heads and key/value heads over the group
 
 
+THD_WINDOW = (3, 0)  # all_gather over THD: a causal window reaching back over chunk boundaries
 HIER = (2, 2)  # "hier" mode: a2a group size A, p2p group size P (cp_size A P)
 
 
@@ -257,6 +258,18 @@ def thd_runs(results, rank, size, cp_group, comms, dev, dtype):
                 o.backward(loc[3].reshape(o.shape))
                 results[f"thd-{pad}{comm}-{mask}"] = [t.detach().float().cpu()
                                                       for t in (o.view(-1, h, D_V), ql.grad, kl.grad, vl.grad)]
+        if "all_gather" in comms:  # a causal sliding window (inputs of the padding_causal runs)
+            q, k, v, do = (t[0] for t in whole_inputs_thd(size, 2000, dtype, lens))
+            loc = [t[idx].to(dev) for t in (q, k, v, do)]
+            ql, kl, vl = (t.requires_grad_() for t in loc[:3])
+            dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format="thd",
+                                         attn_mask_type="padding_causal", window_size=THD_WINDOW, cp_group=cp_group,
+                                         cp_comm_type="all_gather")
+            o = dpa(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
+                    cu_seqlens_kv_padded=cu_pad)
+            o.backward(loc[3].reshape(o.shape))
+            results[f"thd-{pad}all_gather-window"] = [t.detach().float().cpu()
+                                                     for t in (o.view(-1, h, D_V), ql.grad, kl.grad, vl.grad)]
 
 
 def finish(results, out_file):

@@ -120,12 +120,24 @@ def test_thd_matches_whole_sequences(results, size, mode, comm, mask, pad):
     against float64 attention of that sequence alone. pad: padded sequences (cu_seqlens of the real
     tokens and cu_seqlens_padded, one sequence's padding filling whole chunks): the padding tokens'
     outputs and gradients must be zeros."""
-    res = results(size, mode)
+    _check_thd(results(size, mode), size, f"thd-{'pad-' if pad else ''}{comm}-{mask}", mask, pad,
+               2000 + ["padding_causal", "padding"].index(mask), None)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
+def test_thd_all_gather_causal_window(results, size, pad):
+    """all_gather over THD with a causal sliding window (_cp_worker.THD_WINDOW): each chunk's keys
+    start where the window reaches back to, in every sequence."""
+    _check_thd(results(size), size, f"thd-{'pad-' if pad else ''}all_gather-window", "padding_causal", pad, 2000,
+               W.THD_WINDOW)
+
+
+def _check_thd(res, size, key, mask, pad, seed, window):
     real, lens = W.thd_padded_lengths(size) if pad else (W.thd_lengths(size),) * 2
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
-    q, k, v, do = W.whole_inputs_thd(size, 2000 + ["padding_causal", "padding"].index(mask), dtype, lens)
+    q, k, v, do = W.whole_inputs_thd(size, seed, dtype, lens)
     got = []
-    key = f"thd-{'pad-' if pad else ''}{comm}-{mask}"
     for i in range(4):
         t = torch.full((sum(lens),) + tuple(res[0][key][i].shape[1:]), float("nan"))
         for r in range(size):
@@ -137,7 +149,7 @@ def test_thd_matches_whole_sequences(results, size, mode, comm, mask, pad):
     for n, n_real in zip(lens, real):
         part = [t[:, start:start + n_real] for t in (q, k, v, do)]
         for acc, dt in ((ref, torch.float64), (naive, dtype)):
-            for a, x in zip(acc, attention_ref(*part, causal, None, dt)):
+            for a, x in zip(acc, attention_ref(*part, causal, window, dt)):
                 a.append(x[0])
         real_rows.append(torch.arange(start, start + n_real))
         start += n
@@ -148,8 +160,8 @@ def test_thd_matches_whole_sequences(results, size, mode, comm, mask, pad):
         r, n = torch.cat(r), torch.cat(n)
         e, e_naive = rel_err(g[real_rows], r), rel_err(n, r)
         bound = 2e-6 + 4 * e_naive if not ON_CUDA else 2 * e_naive + 1e-3
-        assert e <= bound, (mask, name, e, e_naive)
-        assert bool((g[is_pad] == 0).all()), (mask, name, "padding tokens must come out as zeros")
+        assert e <= bound, (key, name, e, e_naive)
+        assert bool((g[is_pad] == 0).all()), (key, name, "padding tokens must come out as zeros")
 
 
 @pytest.mark.parametrize("size, mode", RUNS)
@@ -255,8 +267,10 @@ def _group(comm="p2p", size=2):
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(fmt="thd", comm="all_gather", q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8), window=(4, 0)),
-     NotImplementedError, "runs with cp_comm_type 'a2a'$"),
+    (dict(fmt="thd", comm="all_gather", q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8), window=(4, 2),
+          mask_type="padding_causal"), NotImplementedError, "over THD: causal windows"),
+    (dict(fmt="thd", comm="all_gather", q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8), window=(4, 4),
+          mask_type="padding"), NotImplementedError, "over THD: causal windows"),
     (dict(fmt="thd", q=torch.zeros(12, 4, 8), k=torch.zeros(10, 2, 8)), ValueError, "self attention"),
     (dict(fmt="thd", q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8), mask_type="arbitrary"), NotImplementedError,
      "'padding_causal'"),

@@ -27,7 +27,7 @@ Four ways to exchange K/V (cp_comm_type), each computing the same attention:
 All four take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
 for causal); all four take THD too (context_parallel_thd.py: self attention,
 cu_seqlens of the whole sequences, each a multiple of 2 cp_size long or padded to such lengths by
-cu_seqlens_q_padded; no windows but with "a2a"). No bias, the vanilla softmax only: anything else is a clear error.
+cu_seqlens_q_padded; windows with "a2a", and causal ones with "all_gather"). No bias, the vanilla softmax only: anything else is a clear error.
 FP8 attention (fp8_dpa, and fp8_mha's attention): the ring over bshd / sbhd
 (context_parallel_fp8.py: K/V travel in FP8) and "a2a" (its local attention is the module's FP8
 attention); not "all_gather", whose causal attention is two calls per rank while FP8 attention's
@@ -164,9 +164,11 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                                   f" with qkv_format {fmt!r}, got {mask_type!r}")
     if attention_mask is not None:
         raise NotImplementedError(f"DotProductAttention: {what} takes no attention_mask")
-    if window is not None and (cp.comm_type not in ("a2a", "all_gather") or (thd and cp.comm_type != "a2a")):
+    if window is not None and (cp.comm_type not in ("a2a", "all_gather") or
+                               (thd and cp.comm_type == "all_gather" and ("causal" not in mask_type or window[1] > 0))):
         raise NotImplementedError(f"DotProductAttention: a sliding window {window} with context parallelism runs "
-                                  f"with cp_comm_type 'a2a'" + ("" if thd else " or 'all_gather'"))
+                                  f"with cp_comm_type 'a2a' or 'all_gather'" + (" (over THD: causal windows (left, 0))"
+                                                                               if thd else ""))
     if bias_type != "no_bias":
         raise NotImplementedError(f"DotProductAttention: {what} takes no attention bias or ALiBi ({bias_type!r})")
     if softmax_type != "vanilla":
@@ -211,8 +213,9 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                                          "'all_gather' and 'a2a' can fall back to the unfused path"))
     if thd and cp.comm_type == "all_gather" and q.is_cuda:  # THD runs fused attention only
         mask = "padding_causal_bottom_right" if "causal" in mask_type else "padding"
+        wl = window[0] if window is not None else -1
         ok, why = _fa.fused_backend_supports(q, k, v, _fa.LAYOUTS["thd"], _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask],
-                                             dropout, True, sq, sk * cp.size, -1, -1)
+                                             dropout, True, sq, sk * cp.size, wl, 0 if wl >= 0 else -1)
         if not ok:
             raise NotImplementedError(f"DotProductAttention: {what} over THD runs fused attention only, which cannot "
                                       f"run these tensors ({why})")
@@ -251,7 +254,8 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
         if cp.comm_type == "all_gather":
             kf, vf = (_GatherSeq.apply(t, cp, 0, order) for t in (k, v))
             o = _thd.attend_gathered(q.contiguous(), kf.contiguous(), vf.contiguous(), sp, cp.rank, cp.size,
-                                     "causal" in mask_type, float(scale), float(dropout))
+                                     "causal" in mask_type, float(scale), float(dropout),
+                                     window[0] if window is not None else -1)
             return o.reshape(o.shape[0], -1)
     elif cp.comm_type == "p2p":
         o = _ring(cp, q, k, v, fmt, mask_type == "causal", scale, dropout, ring_fp8)

@@ -217,32 +217,40 @@ def _padded_step(sp: ThdSplit, kind: str, causal: bool, rank: int, src: int, siz
     return _Step((_cum(nq), _cum(nkv), q_at, sp.cu_local), q_max, kv_max, mask, cov, torch.where(cov, j, 0))
 
 
-def gathered_calls(sp: ThdSplit, rank: int, size: int, causal: bool):
+def gathered_calls(sp: ThdSplit, rank: int, size: int, causal: bool, left: int = -1):
     """all_gather's THD calls on this rank (made once per split): (cu tuple, max_q, max_kv, mask) with
-    the local queries in place (padded offsets) and the gathered whole sequences as keys."""
-    key = (rank, size, causal, "all_gather")
+    the local queries in place (padded offsets) and the gathered whole sequences as keys. left >= 0:
+    a causal sliding window of that many keys back, so each chunk's keys start at its sequences'
+    chunk start - left (the bottom-right diagonal stays at each query's own key)."""
+    key = (rank, size, causal, left, "all_gather")
     if key not in sp.steps:
-        whole = torch.cat([sp.starts, sp.starts.new_tensor([sp.tok_b.numel() * size])]).to(torch.int32)
+        total = sp.starts.new_tensor([sp.tok_b.numel() * size])
+        whole = torch.cat([sp.starts, total]).to(torch.int32)
         if not causal:
             nq = _real(sp, rank) + _real(sp, 2 * size - 1 - rank)
             calls = [((_cum(nq), _cum(sp.lens), sp.cu_local, whole), 2 * sp.max_half, sp.max_whole, "padding")]
-        else:  # chunk `chunk` sees its sequence's keys [0, (chunk + 1) c), or all of its real ones
-            calls = [((_cum(_real(sp, chunk)), _cum(sp.lens.minimum((chunk + 1) * sp.c)), at, whole),
-                      sp.max_half, sp.max_whole, "padding_causal_bottom_right")
-                     for chunk, at in ((rank, sp.cu_local), (2 * size - 1 - rank, sp.second))]
+        else:  # chunk `chunk` sees its sequence's keys [lo, (chunk + 1) c), or up to its last real one
+            calls = []
+            for chunk, at in ((rank, sp.cu_local), (2 * size - 1 - rank, sp.second)):
+                lo = (chunk * sp.c - left).clamp(min=0) if left >= 0 else torch.zeros_like(sp.c)
+                nkv = (sp.lens.minimum((chunk + 1) * sp.c) - lo).clamp(min=0)
+                kv_at = torch.cat([sp.starts + lo, total]).to(torch.int32)
+                calls.append(((_cum(_real(sp, chunk)), _cum(nkv), at, kv_at), sp.max_half, sp.max_whole,
+                              "padding_causal_bottom_right"))
         sp.steps[key] = calls
     return sp.steps[key]
 
 
 def attend_gathered(q, kf, vf, sp: ThdSplit, rank: int, size: int, causal: bool, scale: float,
-                    dropout: float) -> torch.Tensor:
+                    dropout: float, left: int = -1) -> torch.Tensor:
     """"all_gather" over THD: this rank's queries [t, h, d] over the gathered whole sequences kf, vf
-    -> [t, h, d_v] (the calls cover disjoint query rows and leave the others zero: summed)."""
+    -> [t, h, d_v] (the calls cover disjoint query rows and leave the others zero: summed); left:
+    a causal window's left bound (-1: none)."""
     out = None
-    for cu, max_q, max_kv, mask in gathered_calls(sp, rank, size, causal):
+    for cu, max_q, max_kv, mask in gathered_calls(sp, rank, size, causal, left):
         rng = _fa.new_rng_state(q.device) if dropout > 0.0 else _df._zero_rng_state(q.device)
         cfg = (max_q, max_kv, True, scale, dropout, _fa.LAYOUTS["thd"], _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask],
-               -1, -1, "causal" not in mask)
+               left, 0 if left >= 0 else -1, "causal" not in mask)
         o = _fa.FusedAttnFunc.apply(q, kf, vf, None, *cu, rng, None, cfg)
         out = o if out is None else out + o
     return out
