@@ -52,6 +52,16 @@ def cases(size, mode=""):
     return out
 
 
+def sink_comms(mode):
+    """The comm types of the attention-sink runs (causal bshd, learnable and off-by-one)."""
+    return ("a2a+p2p",) if mode == "hier" else ("p2p", "all_gather", "a2a")
+
+
+def sink_logits(size):
+    """The learnable sink's logits [heads] every rank sets (zeros, TE's start, would test less)."""
+    return torch.linspace(-1.0, 1.5, heads(size)[0])
+
+
 def fp8_cases(size, mode=""):
     """(comm, mask, fmt) of the FP8 attention runs (fp8_dpa): the FP8 ring and a2a."""
     if mode == "hier":
@@ -170,6 +180,7 @@ def main():
             res = [t.transpose(0, 1) for t in res]
         results[case_name(case)] = [t.detach().float().cpu() for t in res]
 
+    sink_runs(results, rank, size, cp_group, mode, dev, dtype)
     if mode == "hier":
         thd_runs(results, rank, size, cp_group, ("a2a+p2p",), dev, dtype)
         fp8_runs(results, rank, size, group, cp_group, mode, on_cuda, dev, dtype)
@@ -270,6 +281,46 @@ def thd_runs(results, rank, size, cp_group, comms, dev, dtype):
             o.backward(loc[3].reshape(o.shape))
             results[f"thd-{pad}all_gather-window"] = [t.detach().float().cpu()
                                                      for t in (o.view(-1, h, D_V), ql.grad, kl.grad, vl.grad)]
+
+
+def sink_runs(results, rank, size, cp_group, mode, dev, dtype):
+    """Attention sinks (softmax_type) with CP, causal bshd: outputs, input gradients and the
+    learnable offsets' gradient (None for off-by-one)."""
+    h, g = heads(size)
+    q, k, v, do = whole_inputs(size, 90, dtype)
+    loc = [local_chunks(t, rank, size).to(dev) for t in (q, k, v, do)]
+    for comm in sink_comms(mode):
+        for softmax_type in ("learnable", "off-by-one"):
+            dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format="bshd",
+                                         attn_mask_type="causal", softmax_type=softmax_type, cp_group=cp_group,
+                                         cp_global_ranks=list(range(size)), cp_comm_type=comm).to(dev)
+            if softmax_type == "learnable":
+                with torch.no_grad():
+                    dpa.softmax_offset.copy_(sink_logits(size))
+            xs = [t.detach().clone().requires_grad_() for t in loc[:3]]
+            o = dpa(*xs)
+            o.backward(loc[3].reshape(o.shape))
+            off = dpa.softmax_offset.grad if softmax_type == "learnable" else None
+            results[f"sink-{comm}-{softmax_type}"] = (
+                [t.detach().float().cpu() for t in (o.view(*o.shape[:-1], h, D_V), *(x.grad for x in xs))]
+                + [None if off is None else off.detach().float().cpu()])
+    # the THD ring with a learnable sink (padded sequences, padding_causal)
+    comm = "a2a+p2p" if mode == "hier" else "p2p"
+    real, padded = thd_padded_lengths(size)
+    cu, cu_pad = (torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.int32, device=dev)
+                  for x in (real, padded))
+    q, k, v, do = (t[0] for t in whole_inputs_thd(size, 2000, dtype, padded))
+    loc = [t[thd_local_index(padded, rank, size)].to(dev) for t in (q, k, v, do)]
+    xs = [t.detach().clone().requires_grad_() for t in loc[:3]]
+    dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format="thd",
+                                 attn_mask_type="padding_causal", softmax_type="learnable", cp_group=cp_group,
+                                 cp_global_ranks=list(range(size)), cp_comm_type=comm).to(dev)
+    with torch.no_grad():
+        dpa.softmax_offset.copy_(sink_logits(size))
+    o = dpa(*xs, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad)
+    o.backward(loc[3].reshape(o.shape))
+    results[f"thd-pad-sink-{comm}"] = ([t.detach().float().cpu() for t in (o.view(-1, h, D_V), *(x.grad for x in xs))]
+                                      + [dpa.softmax_offset.grad.detach().float().cpu()])
 
 
 def finish(results, out_file):

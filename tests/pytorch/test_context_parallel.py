@@ -66,8 +66,9 @@ def whole(parts, size, dim=1):
     return torch.cat(chunks, dim=dim)
 
 
-def attention_ref(q, k, v, do, mask, window, dtype=torch.float64):
-    """(O, dQ, dK, dV) of attention over the whole bshd sequence, computed in dtype."""
+def attention_ref(q, k, v, do, mask, window, dtype=torch.float64, sink=None):
+    """(O, dQ, dK, dV) of attention over the whole bshd sequence, computed in dtype; sink [h]: an
+    attention sink's logits (one more softmax term per row), whose gradient is appended."""
     q, k, v, do = (t.detach().to(dtype).requires_grad_() for t in (q, k, v, do))
     rep = q.shape[2] // k.shape[2]
     qh = q.transpose(1, 2)
@@ -84,10 +85,14 @@ def attention_ref(q, k, v, do, mask, window, dtype=torch.float64):
             hide |= j < i - wl
         if wr >= 0:
             hide |= j > i + wr
-    o = torch.softmax(z.masked_fill(hide, float("-inf")), -1) @ vh
+    z = z.masked_fill(hide, float("-inf"))
+    if sink is not None:
+        sink = sink.detach().to(dtype).requires_grad_()
+        z = torch.cat([z, sink.view(1, -1, 1, 1).expand(z.shape[0], -1, s, 1)], -1)
+    o = torch.softmax(z, -1)[..., :s] @ vh
     o = o.transpose(1, 2)
     o.backward(do.detach())
-    return [o.detach(), q.grad, k.grad, v.grad]
+    return [o.detach(), q.grad, k.grad, v.grad] + ([sink.grad] if sink is not None else [])
 
 
 @pytest.mark.parametrize("size, mode, case", [(s, m, c) for s, m in RUNS for c in W.cases(s, m)],
@@ -133,7 +138,17 @@ def test_thd_all_gather_causal_window(results, size, pad):
                W.THD_WINDOW)
 
 
-def _check_thd(res, size, key, mask, pad, seed, window):
+@pytest.mark.parametrize("size, mode, comm", [(2, "", "p2p"), (3, "", "p2p"), (4, "hier", "a2a+p2p")],
+                         ids=["2-p2p", "3-p2p", "4-a2a+p2p"])
+def test_thd_ring_attention_sink(results, size, mode, comm):
+    """The THD ring with a learnable attention sink (padded sequences): outputs and gradients per
+    sequence against float64 attention with the sink, the offsets' gradient (summed over the ranks)
+    against the reference's summed over the sequences."""
+    _check_thd(results(size, mode), size, f"thd-pad-sink-{comm}", "padding_causal", True, 2000, None,
+               W.sink_logits(size))
+
+
+def _check_thd(res, size, key, mask, pad, seed, window, sink=None):
     real, lens = W.thd_padded_lengths(size) if pad else (W.thd_lengths(size),) * 2
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     q, k, v, do = W.whole_inputs_thd(size, seed, dtype, lens)
@@ -144,13 +159,13 @@ def _check_thd(res, size, key, mask, pad, seed, window):
             t[W.thd_local_index(lens, r, size)] = res[r][key][i]
         got.append(t)
     causal = "causal" if "causal" in mask else "no_mask"
-    ref, naive, real_rows = [[], [], [], []], [[], [], [], []], []
+    ref, naive, real_rows = [[], [], [], [], []], [[], [], [], [], []], []
     start = 0
     for n, n_real in zip(lens, real):
         part = [t[:, start:start + n_real] for t in (q, k, v, do)]
         for acc, dt in ((ref, torch.float64), (naive, dtype)):
-            for a, x in zip(acc, attention_ref(*part, causal, window, dt)):
-                a.append(x[0])
+            for a, x in zip(acc, attention_ref(*part, causal, window, dt, sink)):
+                a.append(x if x.dim() == 1 else x[0])  # (the sink's gradient is [h])
         real_rows.append(torch.arange(start, start + n_real))
         start += n
     real_rows = torch.cat(real_rows)
@@ -162,6 +177,10 @@ def _check_thd(res, size, key, mask, pad, seed, window):
         bound = 2e-6 + 4 * e_naive if not ON_CUDA else 2 * e_naive + 1e-3
         assert e <= bound, (key, name, e, e_naive)
         assert bool((g[is_pad] == 0).all()), (key, name, "padding tokens must come out as zeros")
+    if sink is not None:
+        g, r, n = sum(x[key][4] for x in res), sum(ref[4]), sum(naive[4])
+        e, e_naive = rel_err(g, r), rel_err(n, r)
+        assert e <= (2e-6 + 4 * e_naive if not ON_CUDA else 2 * e_naive + 1e-3), (key, "dsink", e, e_naive)
 
 
 @pytest.mark.parametrize("size, mode", RUNS)
@@ -194,6 +213,36 @@ def test_transformer_layer_matches_whole_sequence(results, size, mode):
         got = sum(r["transformer_layer"][2][n] for r in res).double()
         ref = ref.detach().double().cpu()
         assert float((got - ref).norm()) <= tol * max(float(ref.norm()), 1e-3 * scale), n
+
+
+SINK_RUNS = [(s, "", c) for s in SIZES for c in W.sink_comms("")] + [(4, "hier", "a2a+p2p")]
+
+
+@pytest.mark.parametrize("size, mode, comm", SINK_RUNS, ids=[f"{s}-{c}" for s, _, c in SINK_RUNS])
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+def test_attention_sink_matches_whole_sequence(results, size, mode, comm, softmax_type):
+    """softmax_type with CP (causal bshd): the ring folds the sink in after its steps and computes
+    the learnable offset's gradient from its statistics; a2a's local attention takes its heads'
+    offsets. Against float64 attention with the sink over the whole sequence; the offset gradients
+    summed over the ranks (as data parallelism over the CP group sums them) against the reference's."""
+    res = results(size, mode)
+    key = f"sink-{comm}-{softmax_type}"
+    got = [whole([r[key][i] for r in res], size) for i in range(4)]
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    q, k, v, do = W.whole_inputs(size, 90, dtype)
+    sink = W.sink_logits(size) if softmax_type == "learnable" else torch.zeros(W.heads(size)[0])
+    ref = attention_ref(q, k, v, do, "causal", None, sink=sink)
+    naive = attention_ref(q, k, v, do, "causal", None, dtype, sink=sink)
+    for name, g, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
+        e, e_naive = rel_err(g, r), rel_err(n, r)
+        bound = 2e-6 + 4 * e_naive if not ON_CUDA else 2 * e_naive + 1e-3
+        assert e <= bound, (comm, softmax_type, name, e, e_naive)
+    if softmax_type == "learnable":
+        g = sum(r[key][4] for r in res)
+        e, e_naive = rel_err(g, ref[4]), rel_err(naive[4], ref[4])
+        assert e <= (2e-6 + 4 * e_naive if not ON_CUDA else 2 * e_naive + 1e-3), (comm, "dsink", e, e_naive)
+    else:
+        assert all(r[key][4] is None for r in res)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -277,7 +326,9 @@ def _group(comm="p2p", size=2):
     (dict(mask_type="padding_causal"), NotImplementedError, "'no_mask' or 'causal'"),
     (dict(window=(4, 0)), NotImplementedError, "'a2a' or 'all_gather'"),
     (dict(bias_type="alibi"), NotImplementedError, "no attention bias"),
-    (dict(softmax_type="learnable"), NotImplementedError, "vanilla softmax"),
+    (dict(softmax_type="learnable", fp8=True), NotImplementedError, "sink .* without FP8 attention"),
+    (dict(softmax_type="off-by-one", fmt="thd", comm="all_gather", q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8),
+          mask_type="padding_causal"), NotImplementedError, "sink .* with bshd / sbhd"),
     (dict(fp8=True, comm="all_gather"), NotImplementedError, "FP8 attention .* 'all_gather'. is not implemented"),
     (dict(fmt="thd", fp8=True, q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8)), NotImplementedError,
      "FP8 attention .* 'bshd' or 'sbhd'"),

@@ -269,8 +269,10 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"core_attention_bias_type must be one of {list(_fa.BIASES)}, "
                              f"got {core_attention_bias_type!r}")
         h, g = self.num_attention_heads, self.num_gqa_groups
+        self._sink_heads = None  # the heads of this call's sink offsets (None: all)
         if _cp_local and self.cp is not None and self.cp.comm_type == "a2a":  # this rank's share of the heads
             h, g = h // self.cp.size, g // self.cp.size
+            self._sink_heads = slice(self.cp.rank * h, (self.cp.rank + 1) * h)
         _df.check_qkv(query_layer, key_layer, value_layer, fmt, h, g)
         if self.cp is not None and not _cp_local:
             return self._context_parallel(query_layer, key_layer, value_layer, fmt, mask_type, window_size,
@@ -332,17 +334,20 @@ class DotProductAttention(torch.nn.Module):
                                   handoff is not None or _df.fp8_attention_on(), cu)
 
     def sink_offset(self, device) -> Optional[torch.Tensor]:
-        """The per-head sink logits [heads] of softmax_type (zeros for "off-by-one"), None for "vanilla"."""
+        """The per-head sink logits [heads] of softmax_type (zeros for "off-by-one"), None for "vanilla";
+        inside "a2a" context parallelism, those of this rank's heads."""
+        heads = getattr(self, "_sink_heads", None) or slice(None)
         if self.softmax_type == "learnable":
-            return self.softmax_offset
+            return self.softmax_offset[heads]
         if self.softmax_type == "off-by-one":
-            return torch.zeros(self.num_attention_heads, device=device)
+            return torch.zeros(self.num_attention_heads, device=device)[heads]
         return None
 
     def fused_softmax_offset(self) -> Optional[torch.Tensor]:
         """The library's SoftmaxOffset: the learnable offsets as float32 [1, heads, 1, 1] (a view of
         the parameter when it is float32, so its gradient lands there), None otherwise."""
-        return self.softmax_offset.float().view(1, -1, 1, 1) if self.softmax_type == "learnable" else None
+        off = self.sink_offset(None) if self.softmax_type == "learnable" else None
+        return off.float().view(1, -1, 1, 1) if off is not None else None
 
     def _fused(self, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes, seq=None,
                fp8=None):

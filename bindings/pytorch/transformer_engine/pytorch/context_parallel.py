@@ -27,7 +27,11 @@ Four ways to exchange K/V (cp_comm_type), each computing the same attention:
 All four take bshd / sbhd with no_mask or causal (self attention: equal query and key lengths
 for causal); all four take THD too (context_parallel_thd.py: self attention,
 cu_seqlens of the whole sequences, each a multiple of 2 cp_size long or padded to such lengths by
-cu_seqlens_q_padded; windows with "a2a", and causal ones with "all_gather"). No bias, the vanilla softmax only: anything else is a clear error.
+cu_seqlens_q_padded; windows with "a2a", and causal ones with "all_gather"). Attention sinks
+(softmax_type): the ring folds the sink in as one more softmax term after its steps (and computes
+the learnable offsets' gradient from its statistics), "all_gather" and "a2a" (with its heads'
+offsets) in their local attention; not with FP8 nor THD "all_gather". No bias: anything else is a
+clear error.
 FP8 attention (fp8_dpa, and fp8_mha's attention): the ring over bshd / sbhd
 (context_parallel_fp8.py: K/V travel in FP8) and "a2a" (its local attention is the module's FP8
 attention); not "all_gather", whose causal attention is two calls per rank while FP8 attention's
@@ -139,8 +143,9 @@ def module_forward(dpa, q, k, v, fmt: str, mask_type: str, window, attention_mas
         return dpa.forward(q_, k_, v_, qkv_format=fmt, attn_mask_type=mt, window_size=w if w is not None else (-1, -1),
                            cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q, cu_seqlens_q_padded=cu_q_pad,
                            cu_seqlens_kv_padded=cu_q_pad, _cp_local=True)
+    sink = dpa.sink_offset(q.device)
     return attend(dpa.cp, q, k, v, fmt, mask_type, window, dpa.softmax_scale, dropout, local, cu_q, ring_fp8,
-                  cu_q_pad)
+                  cu_q_pad, None if sink is None else sink.float())
 
 
 def _ring_fp8_state(dpa, q, k, v):
@@ -171,9 +176,9 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                                                                                if thd else ""))
     if bias_type != "no_bias":
         raise NotImplementedError(f"DotProductAttention: {what} takes no attention bias or ALiBi ({bias_type!r})")
-    if softmax_type != "vanilla":
-        raise NotImplementedError(f"DotProductAttention: {what} takes the vanilla softmax only "
-                                  f"(softmax_type {softmax_type!r})")
+    if softmax_type != "vanilla" and (fp8 or (thd and cp.comm_type == "all_gather")):
+        raise NotImplementedError(f"DotProductAttention: {what} takes an attention sink (softmax_type "
+                                  f"{softmax_type!r}) {'without FP8 attention' if fp8 else 'with bshd / sbhd'}")
     if fp8 and cp.comm_type == "all_gather":
         raise NotImplementedError(f"DotProductAttention: FP8 attention (fp8_dpa / fp8_mha) with {what} is not "
                                   f"implemented (its causal attention is two calls per rank, FP8 attention's recipe "
@@ -226,12 +231,13 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
 
 
 def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float, dropout: float,
-           local: Callable, cu_seqlens=None, ring_fp8=None, cu_padded=None) -> torch.Tensor:
+           local: Callable, cu_seqlens=None, ring_fp8=None, cu_padded=None, sink=None) -> torch.Tensor:
     """The attention of this rank's queries over the whole sequence, [.., h * d_v] as the module
     returns it. local(q, k, v, mask_type, window) is the module's own (non-CP) attention (with its
     dropout); dropout: the probability the ring applies (0 outside training); cu_seqlens: THD's,
     of the whole sequences (cu_padded: their padded offsets, or None); ring_fp8: (FP8 state, cfg)
-    when the ring runs in FP8 (context_parallel_fp8.RingAttentionFP8)."""
+    when the ring runs in FP8 (context_parallel_fp8.RingAttentionFP8); sink: the attention sink's
+    float32 logits [heads] (softmax_type; the ring folds it in after its steps, local() has its own)."""
     ordered = mask_type == "causal" or window is not None
     sdim = _sdim(fmt)
     if fmt == "thd":
@@ -243,12 +249,12 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
             order = _thd.token_order(sp, a_size, coarse)
             qf, kf, vf = (_Trade.apply(t, cp.inner, 0, order, True).contiguous() for t in (q, k, v))
             o = _thd.RingAttentionTHD.apply(qf, kf, vf, cp.outer, coarse, "causal" in mask_type, float(scale),
-                                            float(dropout))
+                                            float(dropout), _inner_heads(sink, cp))
             o = _Trade.apply(o, cp.inner, 0, order, False)
             return o.reshape(o.shape[0], -1)
         if cp.comm_type == "p2p":
             o = _thd.RingAttentionTHD.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, sp,
-                                            "causal" in mask_type, float(scale), float(dropout))
+                                            "causal" in mask_type, float(scale), float(dropout), sink)
             return o.reshape(o.shape[0], -1)
         order = _thd.token_order(sp, cp.size)  # the whole sequences, packed
         if cp.comm_type == "all_gather":
@@ -258,14 +264,14 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
                                      window[0] if window is not None else -1)
             return o.reshape(o.shape[0], -1)
     elif cp.comm_type == "p2p":
-        o = _ring(cp, q, k, v, fmt, mask_type == "causal", scale, dropout, ring_fp8)
+        o = _ring(cp, q, k, v, fmt, mask_type == "causal", scale, dropout, ring_fp8, sink)
         return o.reshape(*o.shape[:-2], -1)
     elif cp.comm_type == "a2a+p2p":
         # heads traded for the a2a group's chunks (coarse chunks p and 2 P - 1 - p, in sequence
         # order: the a2a group's chunk order), the ring over the p2p group, and back
         order = chunk_order(cp.inner.size) if ordered else None
         qf, kf, vf = (_Trade.apply(t, cp.inner, sdim, order, True) for t in (q, k, v))
-        o = _ring(cp.outer, qf, kf, vf, fmt, mask_type == "causal", scale, dropout, ring_fp8)
+        o = _ring(cp.outer, qf, kf, vf, fmt, mask_type == "causal", scale, dropout, ring_fp8, _inner_heads(sink, cp))
         o = _Trade.apply(o, cp.inner, sdim, order, False)
         return o.reshape(*o.shape[:-2], -1)
     else:
@@ -306,13 +312,41 @@ def _gathered_keys(start: int, c: int, s: int, causal: bool, window):
     return lo, hi, "no_mask", (wl + e if wl >= 0 else -1, wr - e if wr >= 0 else -1)
 
 
-def _ring(cp: CPGroup, q, k, v, fmt: str, causal: bool, scale: float, dropout: float, ring_fp8):
-    """The p2p ring over cp's ranks -> O [.., h, d_v] in q's dtype (FP8 attention with ring_fp8)."""
+def _ring(cp: CPGroup, q, k, v, fmt: str, causal: bool, scale: float, dropout: float, ring_fp8, sink=None):
+    """The p2p ring over cp's ranks -> O [.., h, d_v] in q's dtype (FP8 attention with ring_fp8;
+    sink: the attention sink's logits of these heads)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if ring_fp8 is not None:
         from .context_parallel_fp8 import RingAttentionFP8
         return RingAttentionFP8.apply(q, k, v, cp, fmt, causal, float(scale), float(dropout), *ring_fp8)
-    return _RingAttention.apply(q, k, v, cp, fmt, causal, float(scale), float(dropout))
+    return _RingAttention.apply(q, k, v, cp, fmt, causal, float(scale), float(dropout), sink)
+
+
+def _inner_heads(sink, cp: CPGroup):
+    """"a2a+p2p": the sink logits of the heads this rank holds after the a2a group's trade."""
+    if sink is None:
+        return None
+    n = sink.shape[0] // cp.inner.size
+    return sink[cp.inner.rank * n:(cp.inner.rank + 1) * n]
+
+
+def fold_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, to_out: Callable) -> torch.Tensor:
+    """The attention sink as one more softmax term after the ring's steps: out (float32) rescaled in
+    place by exp(lse - lse'), lse' = log(exp(lse) + exp(sink)) returned; sink already shaped like
+    lse, to_out(stats) puts statistics in out's arrangement."""
+    new = torch.logaddexp(lse, sink)
+    out.mul_(to_out(torch.exp(lse - new)))
+    return new
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, to_out: Callable,
+              heads_dim: int) -> torch.Tensor:
+    """d loss / d sink [heads]: -sum over rows of p_sink * D, with p_sink = exp(sink - lse) the
+    sink's probability and D = dO . O per row (the sink's value is zero)."""
+    d = (dout.float() * out.float()).sum(-1)
+    p = to_out(torch.exp(sink - lse))[..., 0]
+    dims = [i for i in range(d.dim()) if i != heads_dim % d.dim()]
+    return -(p * d).sum(dims)
 
 
 # ------------------------------------------------------------------ chunk order
@@ -568,7 +602,7 @@ def add_rows(acc: Optional[torch.Tensor], x: torch.Tensor, dim: int, part) -> to
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: CPGroup, fmt: str, causal: bool, scale: float, dropout: float):
+    def forward(ctx, q, k, v, cp: CPGroup, fmt: str, causal: bool, scale: float, dropout: float, sink=None):
         sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
         c = q.shape[sdim] // 2
         zero_rng = _df._zero_rng_state(q.device)
@@ -585,9 +619,13 @@ class _RingAttention(torch.autograd.Function):
                                                       mask == "no_mask")
             rngs.append(rng_i)
             out, lse = merge_step(out, lse, o_i, lse_i, qp, sdim)
+        if sink is not None:
+            lse = fold_sink(out, lse, sink.detach().view(1, -1, 1, 1), lambda t: _stats_to_out(t, sdim))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *rngs)
         ctx.args = (cp, fmt, causal, scale, dropout)
+        ctx.sink = None if sink is None else sink.detach()
+        ctx.sink_grad = sink is not None and sink.requires_grad
         return out
 
     @staticmethod
@@ -609,5 +647,8 @@ class _RingAttention(torch.autograd.Function):
                                                         mask == "no_mask", False)
             dq = add_rows(dq, dq_i, sdim, qp)
             dkv.add(dk_i, dv_i, lambda t: _rows(t, sdim, kp))
+        dsink = None
+        if ctx.sink_grad:
+            dsink = sink_grad(dout, out, lse, ctx.sink.view(1, -1, 1, 1), lambda t: _stats_to_out(t, sdim), -1)
         dk, dv = dkv.result()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink

@@ -28,7 +28,7 @@ import torch
 
 from . import dpa_fused as _df
 from . import fused_attention as _fa
-from .context_parallel import BlockGrads, CPGroup, ring_blocks, step_kind
+from .context_parallel import BlockGrads, CPGroup, fold_sink, ring_blocks, sink_grad, step_kind
 
 
 class ThdSplit(NamedTuple):
@@ -275,7 +275,7 @@ def _to_stats(lse: torch.Tensor, sp: ThdSplit, st: _Step) -> torch.Tensor:
 
 class RingAttentionTHD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: CPGroup, sp: ThdSplit, causal: bool, scale: float, dropout: float):
+    def forward(ctx, q, k, v, cp: CPGroup, sp: ThdSplit, causal: bool, scale: float, dropout: float, sink=None):
         layout = _fa.LAYOUTS["thd"]
         zero_rng = _df._zero_rng_state(q.device)
         steps = ring_steps(sp, cp, causal)
@@ -294,9 +294,13 @@ class RingAttentionTHD(torch.autograd.Function):
                 new = torch.logaddexp(lse, lse_i)
                 out.mul_(torch.exp(lse - new)[..., None]).add_(o_i * torch.exp(lse_i - new)[..., None])
                 lse = new
+        if sink is not None:  # (padding tokens: O stays 0)
+            lse = fold_sink(out, lse, sink.detach().view(1, -1), lambda t: t[..., None])
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *rngs)
         ctx.args = (cp, sp, steps, scale, dropout)
+        ctx.sink = None if sink is None else sink.detach()
+        ctx.sink_grad = sink is not None and sink.requires_grad
         return out
 
     @staticmethod
@@ -316,5 +320,7 @@ class RingAttentionTHD(torch.autograd.Function):
             # (rows a step does not cover come back as zeros)
             dq = dq_i.float() if i == 0 else dq.add_(dq_i)
             dkv.add(dk_i, dv_i)
+        # (padding tokens: O is 0, so they add nothing to the sink's gradient)
+        dsink = sink_grad(dout, out, lse, ctx.sink.view(1, -1), lambda t: t[..., None], -1) if ctx.sink_grad else None
         dk, dv = dkv.result()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink
