@@ -17,6 +17,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import context_parallel as _cp
+from transformer_engine.pytorch import context_parallel_ring as _ring
 
 from _util import DEVICE, ON_CUDA, rel_err
 import _cp_worker as W
@@ -359,9 +360,9 @@ def test_dkv_travel_dtype_switch(monkeypatch):
     """The ring's travelling dK / dV sums: float32, or the inputs' dtype under NVTE_CP_DKV_FP32=0
     (its accuracy on bf16 is GPU-tested: tests/gpu/run_on_device.sh's cp step runs this file a
     second time with it set; on the CPU the inputs are float32 and nothing changes)."""
-    assert _cp.BlockGrads(_group(), torch.bfloat16).dtype == torch.float32
+    assert _ring.BlockGrads(_group(), torch.bfloat16).dtype == torch.float32
     monkeypatch.setenv("NVTE_CP_DKV_FP32", "0")
-    assert _cp.BlockGrads(_group(), torch.bfloat16).dtype == torch.bfloat16
+    assert _ring.BlockGrads(_group(), torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_comm_type_and_group_errors():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import context_parallel as _cp
+from . import context_parallel_ring as _cp
 from . import custom_ops as ops
 from . import dpa_fused as _df
 from . import fused_attention as _fa

@@ -28,7 +28,8 @@ import torch
 
 from . import dpa_fused as _df
 from . import fused_attention as _fa
-from .context_parallel import BlockGrads, CPGroup, fold_sink, ring_blocks, sink_grad, step_kind
+from .context_parallel import CPGroup
+from .context_parallel_ring import BlockGrads, fold_sink, ring_blocks, sink_grad, step_kind
 
 
 class ThdSplit(NamedTuple):

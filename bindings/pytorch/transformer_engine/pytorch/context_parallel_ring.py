@@ -1,0 +1,204 @@
+"""The p2p ring of context parallelism (context_parallel.py describes the comm types): K/V blocks
+go round the ring while the current block is attended to, each step's output is merged into the
+running result through its softmax statistics (log-sum-exp), an attention sink is folded in after
+the steps, and in the backward the dK / dV sums travel with their blocks back to their owners.
+Shared by the BF16 ring here, the FP8 ring (context_parallel_fp8.py) and the THD ring
+(context_parallel_thd.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import dpa_fused as _df
+from . import fused_attention as _fa
+
+
+def _sdim(fmt: str) -> int:
+    """The sequence (token) dimension."""
+    return 1 if fmt == "bshd" else 0
+
+
+class Exchange:
+    """Sends tensors to the next rank of the ring and receives the previous rank's, asynchronously."""
+
+    def __init__(self, cp: CPGroup, tensors: Sequence[torch.Tensor], tag: int):
+        nxt, prev = cp.ranks[(cp.rank + 1) % cp.size], cp.ranks[(cp.rank - 1) % cp.size]
+        self.received = [torch.empty_like(t) for t in tensors]
+        ops = []
+        for i, (t, r) in enumerate(zip(tensors, self.received)):
+            ops.append(dist.P2POp(dist.isend, t, nxt, cp.group, tag + i))
+            ops.append(dist.P2POp(dist.irecv, r, prev, cp.group, tag + i))
+        self.reqs = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> List[torch.Tensor]:
+        for r in self.reqs:
+            r.wait()
+        return self.received
+
+
+def ring_blocks(cp: CPGroup, *tensors: torch.Tensor):
+    """Yields (step, the tensors of rank - step) for the ring's steps (K, V and, in FP8, their
+    scale_inv); the next block travels while the caller works on the current one."""
+    block = list(tensors)
+    for step in range(cp.size):
+        xchg = Exchange(cp, block, 0) if step + 1 < cp.size else None
+        yield step, block
+        if xchg is not None:
+            block = xchg.wait()
+
+
+class BlockGrads:
+    """The dK / dV sums of the block this rank holds in the backward ring: after each step they go
+    on to the block's next holder (received while that one's attention runs); the last pass brings
+    them to their owner. They travel in float32; NVTE_CP_DKV_FP32=0: in `dtype` (the inputs'),
+    half the backward's bytes for one rounding per hop."""
+
+    def __init__(self, cp: CPGroup, dtype: torch.dtype):
+        self.cp, self.pending = cp, None
+        self.dtype = torch.float32 if _fa._env("NVTE_CP_DKV_FP32") != "0" else dtype
+
+    def add(self, dk: torch.Tensor, dv: torch.Tensor, rows: Callable = lambda t: t) -> None:
+        """This step's gradients of the block (rows(t): the part of the block they cover)."""
+        if self.pending is None:  # (the first step covers the whole block)
+            sums = [dk.to(self.dtype), dv.to(self.dtype)]
+        else:
+            sums = self.pending.wait()
+            rows(sums[0]).add_(dk)
+            rows(sums[1]).add_(dv)
+        self.pending = Exchange(self.cp, sums, 2)
+
+    def result(self) -> List[torch.Tensor]:
+        return self.pending.wait()
+
+
+def step_kind(cp: CPGroup, step: int, causal: bool) -> str:
+    """What step `step` of the ring computes on this rank. The block of step i comes from rank
+    (rank - i). "own": our queries over our own block (causal when the mask is); "all": every query
+    over the whole block; with a causal mask, an earlier rank's first chunk is wholly before both
+    our chunks and its second wholly after them ("kv_first": every query over the block's first
+    chunk), and a later rank's block is wholly before our second chunk and after our first
+    ("q_second": our second chunk over the whole block)."""
+    if step == 0:
+        return "own"
+    if not causal:
+        return "all"
+    return "kv_first" if (cp.rank - step) % cp.size < cp.rank else "q_second"
+
+
+def _step_parts(cp: CPGroup, step: int, causal: bool, c: int):
+    """(query rows, key rows of the block, mask) of a bshd/sbhd step, rows as (start, length) over
+    the local query and the received block (None = all rows)."""
+    kind = step_kind(cp, step, causal)
+    if kind == "kv_first":
+        return None, (0, c), "no_mask"
+    if kind == "q_second":
+        return (c, c), None, "no_mask"
+    return None, None, ("causal" if kind == "own" and causal else "no_mask")
+
+
+def _rows(t: torch.Tensor, dim: int, part):
+    return t if part is None else t.narrow(dim, part[0], part[1])
+
+
+def _stats_to_out(stats: torch.Tensor, sdim: int) -> torch.Tensor:
+    """Softmax statistics [b, h, s, 1] in the output's [b, s, h, 1] / [s, b, h, 1] arrangement."""
+    return stats.permute(0, 2, 1, 3) if sdim == 1 else stats.permute(2, 0, 1, 3)
+
+
+def merge_step(out, lse, o_i: torch.Tensor, lse_i: torch.Tensor, qp, sdim: int):
+    """The running float32 output and log-sum-exp after folding in a step's (o_i over the query
+    rows qp, its statistics lse_i); out None: the first step, which covers every row.
+    O = sum_i exp(lse_i - lse) O_i, lse = log sum_i exp(lse_i)."""
+    if out is None:
+        return o_i.float(), lse_i
+    acc_l = _rows(lse, 2, qp)
+    new_l = torch.logaddexp(acc_l, lse_i)
+    acc_o = _rows(out, sdim, qp)
+    acc_o.mul_(_stats_to_out(torch.exp(acc_l - new_l), sdim))
+    acc_o.add_(o_i * _stats_to_out(torch.exp(lse_i - new_l), sdim))
+    acc_l.copy_(new_l)
+    return out, lse
+
+
+def add_rows(acc: Optional[torch.Tensor], x: torch.Tensor, dim: int, part) -> torch.Tensor:
+    """acc (float32) with x added into its rows `part`; acc None: the first step (every row)."""
+    if acc is None:
+        return x.float()
+    _rows(acc, dim, part).add_(x)
+    return acc
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: CPGroup, fmt: str, causal: bool, scale: float, dropout: float, sink=None):
+        sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
+        c = q.shape[sdim] // 2
+        zero_rng = _df._zero_rng_state(q.device)
+        rngs = []  # each step's rng_state copy (dropout masks differ between steps; the backward reuses them)
+        out = lse = None  # float32 running output and log-sum-exp (step 0 covers every row)
+        for step, block in ring_blocks(cp, k, v):
+            qp, kp, mask = _step_parts(cp, step, causal, c)
+            qs = _rows(q, sdim, qp).contiguous()
+            ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
+            rng = _fa.new_rng_state(q.device) if dropout > 0.0 else zero_rng
+            o_i, lse_i, rng_i, _ = _fa.fused_attn_fwd(qs, ks, vs, None, None, None, None, None, rng,
+                                                      qs.shape[sdim], ks.shape[sdim], True, scale, dropout, layout,
+                                                      _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
+                                                      mask == "no_mask")
+            rngs.append(rng_i)
+            out, lse = merge_step(out, lse, o_i, lse_i, qp, sdim)
+        if sink is not None:
+            lse = fold_sink(out, lse, sink.detach().view(1, -1, 1, 1), lambda t: _stats_to_out(t, sdim))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *rngs)
+        ctx.args = (cp, fmt, causal, scale, dropout)
+        ctx.sink = None if sink is None else sink.detach()
+        ctx.sink_grad = sink is not None and sink.requires_grad
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *rngs = ctx.saved_tensors
+        cp, fmt, causal, scale, dropout = ctx.args
+        sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
+        c = q.shape[sdim] // 2
+        dout = dout.contiguous()
+        dq, dkv = None, BlockGrads(cp, k.dtype)  # sums (step 0 covers every row and the whole block)
+        for step, block in ring_blocks(cp, k, v):
+            qp, kp, mask = _step_parts(cp, step, causal, c)
+            qs, os_, dos = (_rows(t, sdim, qp).contiguous() for t in (q, out, dout))
+            ls = _rows(lse, 2, qp).contiguous()
+            ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
+            dq_i, dk_i, dv_i, _, _ = _fa.fused_attn_bwd(qs, ks, vs, os_, dos, ls, rngs[step], q.new_empty(0), None,
+                                                        None, None, None, qs.shape[sdim], ks.shape[sdim], scale, dropout,
+                                                        layout, _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
+                                                        mask == "no_mask", False)
+            dq = add_rows(dq, dq_i, sdim, qp)
+            dkv.add(dk_i, dv_i, lambda t: _rows(t, sdim, kp))
+        dsink = None
+        if ctx.sink_grad:
+            dsink = sink_grad(dout, out, lse, ctx.sink.view(1, -1, 1, 1), lambda t: _stats_to_out(t, sdim), -1)
+        dk, dv = dkv.result()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink
+
+
+def fold_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, to_out: Callable) -> torch.Tensor:
+    """The attention sink as one more softmax term after the ring's steps: out (float32) rescaled in
+    place by exp(lse - lse'), lse' = log(exp(lse) + exp(sink)) returned; sink already shaped like
+    lse, to_out(stats) puts statistics in out's arrangement."""
+    new = torch.logaddexp(lse, sink)
+    out.mul_(to_out(torch.exp(lse - new)))
+    return new
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, to_out: Callable,
+              heads_dim: int) -> torch.Tensor:
+    """d loss / d sink [heads]: -sum over rows of p_sink * D, with p_sink = exp(sink - lse) the
+    sink's probability and D = dO . O per row (the sink's value is zero)."""
+    d = (dout.float() * out.float()).sum(-1)
+    p = to_out(torch.exp(sink - lse))[..., 0]
+    dims = [i for i in range(d.dim()) if i != heads_dim % d.dim()]
+    return -(p * d).sum(dims)
