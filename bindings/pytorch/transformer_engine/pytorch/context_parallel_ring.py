@@ -150,13 +150,10 @@ class _RingAttention(torch.autograd.Function):
                                                       mask == "no_mask")
             rngs.append(rng_i)
             out, lse = merge_step(out, lse, o_i, lse_i, qp, sdim)
-        if sink is not None:
-            lse = fold_sink(out, lse, sink.detach().view(1, -1, 1, 1), lambda t: _stats_to_out(t, sdim))
+        lse = fold_sink(ctx, out, lse, sink, (1, -1, 1, 1), lambda t: _stats_to_out(t, sdim))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *rngs)
         ctx.args = (cp, fmt, causal, scale, dropout)
-        ctx.sink = None if sink is None else sink.detach()
-        ctx.sink_grad = sink is not None and sink.requires_grad
         return out
 
     @staticmethod
@@ -178,27 +175,31 @@ class _RingAttention(torch.autograd.Function):
                                                         mask == "no_mask", False)
             dq = add_rows(dq, dq_i, sdim, qp)
             dkv.add(dk_i, dv_i, lambda t: _rows(t, sdim, kp))
-        dsink = None
-        if ctx.sink_grad:
-            dsink = sink_grad(dout, out, lse, ctx.sink.view(1, -1, 1, 1), lambda t: _stats_to_out(t, sdim), -1)
+        dsink = sink_grad(ctx, dout, out, lse, (1, -1, 1, 1), lambda t: _stats_to_out(t, sdim))
         dk, dv = dkv.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink
 
 
-def fold_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, to_out: Callable) -> torch.Tensor:
-    """The attention sink as one more softmax term after the ring's steps: out (float32) rescaled in
-    place by exp(lse - lse'), lse' = log(exp(lse) + exp(sink)) returned; sink already shaped like
-    lse, to_out(stats) puts statistics in out's arrangement."""
-    new = torch.logaddexp(lse, sink)
+def fold_sink(ctx, out: torch.Tensor, lse: torch.Tensor, sink, shape, to_out: Callable) -> torch.Tensor:
+    """The attention sink (logits [heads] or None) as one more softmax term after a ring's steps:
+    out (float32) rescaled in place by exp(lse - lse'), lse' = log(exp(lse) + exp(sink)) returned
+    (sink.view(shape) broadcasts against lse; to_out(stats) puts statistics in out's arrangement,
+    heads last). Records on ctx what sink_grad needs."""
+    ctx.sink = None if sink is None else sink.detach()
+    ctx.sink_grad = sink is not None and sink.requires_grad
+    if sink is None:
+        return lse
+    new = torch.logaddexp(lse, ctx.sink.view(shape))
     out.mul_(to_out(torch.exp(lse - new)))
     return new
 
 
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, to_out: Callable,
-              heads_dim: int) -> torch.Tensor:
-    """d loss / d sink [heads]: -sum over rows of p_sink * D, with p_sink = exp(sink - lse) the
-    sink's probability and D = dO . O per row (the sink's value is zero)."""
+def sink_grad(ctx, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, shape, to_out: Callable):
+    """d loss / d sink [heads] (None when not asked for): -sum over rows of p_sink * D, with
+    p_sink = exp(sink - lse) the sink's probability and D = dO . O per row (the sink's value is
+    zero)."""
+    if not ctx.sink_grad:
+        return None
     d = (dout.float() * out.float()).sum(-1)
-    p = to_out(torch.exp(sink - lse))[..., 0]
-    dims = [i for i in range(d.dim()) if i != heads_dim % d.dim()]
-    return -(p * d).sum(dims)
+    p = to_out(torch.exp(ctx.sink.view(shape) - lse))[..., 0]
+    return -(p * d).sum(list(range(d.dim() - 1)))

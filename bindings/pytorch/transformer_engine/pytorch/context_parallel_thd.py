@@ -295,13 +295,10 @@ class RingAttentionTHD(torch.autograd.Function):
                 new = torch.logaddexp(lse, lse_i)
                 out.mul_(torch.exp(lse - new)[..., None]).add_(o_i * torch.exp(lse_i - new)[..., None])
                 lse = new
-        if sink is not None:  # (padding tokens: O stays 0)
-            lse = fold_sink(out, lse, sink.detach().view(1, -1), lambda t: t[..., None])
+        lse = fold_sink(ctx, out, lse, sink, (1, -1), lambda t: t[..., None])  # (padding tokens: O stays 0)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *rngs)
         ctx.args = (cp, sp, steps, scale, dropout)
-        ctx.sink = None if sink is None else sink.detach()
-        ctx.sink_grad = sink is not None and sink.requires_grad
         return out
 
     @staticmethod
@@ -321,7 +318,6 @@ class RingAttentionTHD(torch.autograd.Function):
             # (rows a step does not cover come back as zeros)
             dq = dq_i.float() if i == 0 else dq.add_(dq_i)
             dkv.add(dk_i, dv_i)
-        # (padding tokens: O is 0, so they add nothing to the sink's gradient)
-        dsink = sink_grad(dout, out, lse, ctx.sink.view(1, -1), lambda t: t[..., None], -1) if ctx.sink_grad else None
+        dsink = sink_grad(ctx, dout, out, lse, (1, -1), lambda t: t[..., None])  # (padding tokens: O 0, no share)
         dk, dv = dkv.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink
