@@ -372,7 +372,7 @@ class TensorMemo:
     counter). A remembered result is shared between the calls that ask for it: never write it."""
 
     def __init__(self, entries: int):
-        self.entries, self.rows = entries, []  # (weakref, _version, key, result), newest first
+        self.entries, self.rows = entries, []  # (weakrefs, versions, key, result), newest first
 
     def get(self, t, key, compute):
         """t: a tensor, or a tuple of tensors (None entries allowed) that must all be unchanged."""
