@@ -396,6 +396,19 @@ def test_p2p_says_when_the_gpu_backend_cannot_run_the_ring():
         _cp.check_call(_group("p2p"), q, k, k, "bshd", "causal", None, "no_bias", "vanilla", False, None, 4, 2)
 
 
+def test_same_values_checks_each_pair_once(monkeypatch):
+    """THD CP compares cu_seqlens_kv with cu_seqlens_q when they are different tensors: one host
+    synchronization per unchanged pair (the layers of a model share them), again after a change."""
+    calls = []
+    real = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda x, y: calls.append(1) or real(x, y))
+    a, b = torch.tensor([0, 4, 12], dtype=torch.int32), torch.tensor([0, 4, 12], dtype=torch.int32)
+    assert _cp.same_values(a, b) and _cp.same_values(a, b) and len(calls) == 1
+    b[1] = 5  # an in-place change is seen
+    assert not _cp.same_values(a, b) and len(calls) == 2
+    assert not _cp.same_values(a, torch.tensor([0, 4], dtype=torch.int32))
+
+
 def test_thd_padded_split_checks():
     """Padded offsets (cu_seqlens_q_padded): their lengths must be multiples of 2 cp_size, cover
     the real lengths, start at 0 and hold all tokens."""
