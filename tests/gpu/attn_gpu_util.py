@@ -26,7 +26,7 @@ class Case:
                  wl=-1, softmax="vanilla"):
         self.softmax = softmax  # "vanilla", "off-by-one" or "learnable" (offsets from inputs())
         self.layout, self.dtype, self.b, self.sq, self.skv, self.alibi = layout, dtype, b, sq, skv, alibi
-        self.wl = wl  # left window (keys i - wl .. of query i, top-left aligned), -1: unbounded
+        self.wl = wl  # left window (keys i + diag - wl .. of query i; diag: the mask's alignment), -1: unbounded
         self.hq, self.hkv, self.d, self.dv, self.mask, self.bias = hq, hkv, d, dv or d, mask, bias
         self.dropout, self.lens_q, self.lens_kv, self.seed = dropout, lens_q, lens_kv, seed
         self.fmt = "sbhd" if layout.startswith("NVTE_SB") else "bshd"
@@ -154,11 +154,11 @@ def visible(c, dev="cpu"):
         a = torch.ones(c.sq, c.skv, dtype=torch.bool, device=dev)
         if padded:
             a &= (i < lq[bi]) & (j < lkv[bi])
+        diag = (lkv[bi] - lq[bi]) if "bottom_right" in c.mask else 0  # the window's diagonal too
         if "causal" in c.mask:
-            diag = (lkv[bi] - lq[bi]) if "bottom_right" in c.mask else 0
             a &= j <= i + diag
-        if c.wl >= 0:  # (top-left aligned: the tests' windows come without bottom-right masks)
-            a &= j >= i - c.wl
+        if c.wl >= 0:
+            a &= j >= i + diag - c.wl
         allowed[bi, 0] = a
     return allowed
 

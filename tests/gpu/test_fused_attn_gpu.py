@@ -80,6 +80,19 @@ def test_sliding_window(mask, wl):
                lens_kv=[96, 41] if padded else None))
 
 
+@pytest.mark.parametrize("mask,sq,skv,lens_q,lens_kv,wl", [
+    ("causal_bottom_right", 48, 96, None, None, 20),  # more keys than queries: the band ends at the last key
+    ("causal_bottom_right", 72, 48, None, None, 9),  # more queries than keys (cuDNN: its padding graph)
+    ("padding_causal_bottom_right", 64, 64, [64, 40], [30, 64], 9),  # each sequence its own diagonal
+    ("padding_causal_bottom_right", 80, 96, [33, 80], [96, 41], 1),  # a window of two keys
+])
+def test_bottom_right_causal_window(mask, sq, skv, lens_q, lens_kv, wl):
+    """A left window with a bottom-right causal mask: the band of keys j in [i + diag - wl, i + diag]
+    (diag = len_kv - len_q per sequence), which cuDNN >= 9.10 takes (the adapter's context
+    parallelism over THD with 'all_gather' relies on it)."""
+    check(Case(mask=mask, sq=sq, skv=skv, lens_q=lens_q, lens_kv=lens_kv, wl=wl, b=2, hq=4, hkv=2, d=64))
+
+
 @pytest.mark.parametrize("mask,lens_q,lens_kv", [("causal_bottom_right", None, None),
                                                   ("padding_causal_bottom_right", [1, 0, 1], [200, 5, 0]),
                                                   ("padding", [1, 0, 1], [200, 5, 0])])

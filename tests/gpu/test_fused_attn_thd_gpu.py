@@ -25,8 +25,9 @@ THD_GROUP = {"NVTE_T3HD": "3hd", "NVTE_TH3D": "h3d", "NVTE_THD_T2HD": "2hd", "NV
 class ThdCase:
     def __init__(self, layout="NVTE_THD_THD_THD", dtype="bfloat16", hq=4, hkv=4, d=64, dv=None, mask="padding",
                  lens_q=(37, 1, 64, 20), lens_kv=None, gaps_q=None, gaps_kv=None, tail_q=0, tail_kv=0,
-                 max_sq=None, max_skv=None, dropout=0.0, seed=0):
+                 max_sq=None, max_skv=None, dropout=0.0, seed=0, wl=-1):
         self.layout, self.dtype, self.hq, self.hkv, self.d, self.dv = layout, dtype, hq, hkv, d, dv or d
+        self.wl = wl  # left window (keys i + diag - wl .. of query i), -1: unbounded
         self.mask, self.dropout, self.seed = mask, dropout, seed
         self.group = THD_GROUP.get(layout, "sep")
         self.lens_q = list(lens_q)
@@ -86,7 +87,7 @@ def thd_cu(c, dev):
 
 
 def thd_scalars(c):
-    sc = scalars(Case(dtype=c.dtype, sq=c.sq, skv=c.skv, d=c.d, mask=c.mask, dropout=c.dropout))
+    sc = scalars(Case(dtype=c.dtype, sq=c.sq, skv=c.skv, d=c.d, mask=c.mask, dropout=c.dropout, wl=c.wl))
     sc["qkv_layout"] = getattr(L, c.layout)
     return sc
 
@@ -145,8 +146,11 @@ def thd_visible(c, lq, lkv, dev):
     i = torch.arange(lq, device=dev)[:, None]
     j = torch.arange(lkv, device=dev)[None, :]
     a = torch.ones(lq, lkv, dtype=torch.bool, device=dev)
+    diag = (lkv - lq) if "bottom_right" in c.mask else 0
     if "causal" in c.mask:
-        a &= j <= i + ((lkv - lq) if "bottom_right" in c.mask else 0)
+        a &= j <= i + diag
+    if c.wl >= 0:
+        a &= j >= i + diag - c.wl
     return a
 
 
@@ -249,6 +253,15 @@ def test_thd_mask_types(mask):
     padding_causal (the CPU's and TE's rule). Bottom-right with more queries than keys leaves the
     first rows of a sequence without keys: O, dQ zero there and statistics -inf."""
     check_thd(ThdCase(mask=mask, lens_q=[30, 1, 12, 48], lens_kv=[41, 3, 7, 48], gaps_q=[0, 2, 1, 0], tail_q=3))
+
+
+@pytest.mark.parametrize("wl", [1, 5, 40])
+def test_thd_bottom_right_causal_window(wl):
+    """THD with a left window on the bottom-right causal diagonal and padded query / key offsets
+    (the calls of context parallelism over THD with 'all_gather': a chunk's queries over the keys
+    its window reaches, fewer queries than keys)."""
+    check_thd(ThdCase(mask="padding_causal_bottom_right", lens_q=[16, 1, 12, 9], lens_kv=[40, 3, 12, 30],
+                      gaps_q=[2, 0, 1, 3], gaps_kv=[0, 4, 0, 1], tail_q=2, wl=wl))
 
 
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])

@@ -130,8 +130,10 @@ std::string unsupported_reason(const AttnParams &p) {
   if (p.bias_type == NVTE_ALIBI && !p.rule.causal) return "cuDNN applies ALiBi only with a causal mask";
   if (p.rule.window_right >= 0 && !(p.rule.causal && p.rule.window_right == 0))
     return "a bounded right window other than the causal one is not supported on the GPU";
-  if (p.rule.window_left >= 0 && bottom_right(p))
-    return "a left window with bottom-right alignment is not supported on the GPU";
+  // A left window on the bottom-right diagonal: cuDNN >= 9.10 takes it with the bottom-right causal
+  // mask (the diagonal band's alignment); without a causal mask the graph would carry no alignment.
+  if (p.rule.window_left >= 0 && bottom_right(p) && !p.rule.causal)
+    return "a left window with bottom-right alignment is supported on the GPU with a causal mask only";
   return bottom_right_reason(p);
 }
 
