@@ -70,6 +70,19 @@ def fp8_cases(size, mode=""):
     return out + [("a2a", "causal", "bshd")]
 
 
+def bias_cases(size):
+    """(mask, fmt, bias batch, bias gradient asked) of the ring's post_scale_bias runs."""
+    fmts = ("bshd", "sbhd") if size == 2 else ("bshd",)
+    return [(mask, fmt, 1, True) for mask in ("no_mask", "causal") for fmt in fmts] + [("causal", "bshd", B, False)]
+
+
+def whole_bias(size, seed, dtype, batch):
+    """A post-scale bias [batch, h, s, s] over the whole sequence (s = 2 size C)."""
+    s = 2 * size * C
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, heads(size)[0], s, s, generator=gen).to(dtype)
+
+
 def fp8_sizes(on_cuda):
     """(chunk length, head size) of the FP8 runs: cuDNN's FP8 backward takes head size 128 and
     lengths that are multiples of 128 (a causal ring step attends over one chunk); on the CPU,
@@ -189,6 +202,7 @@ def main():
         return
 
     thd_runs(results, rank, size, group, ("p2p", "all_gather", "a2a"), dev, dtype)
+    bias_runs(results, rank, size, group, dev, dtype)
 
     # dropout (causal, bshd): L = <O, dO> at Q, K, V and at +-EPS along one direction, same seeds
     for comm in ("p2p", "all_gather", "a2a"):
@@ -281,6 +295,29 @@ def thd_runs(results, rank, size, cp_group, comms, dev, dtype):
             o.backward(loc[3].reshape(o.shape))
             results[f"thd-{pad}all_gather-window"] = [t.detach().float().cpu()
                                                      for t in (o.view(-1, h, D_V), ql.grad, kl.grad, vl.grad)]
+
+
+def bias_runs(results, rank, size, cp_group, dev, dtype):
+    """The p2p ring with a post-scale bias: each rank passes its query rows of the whole bias (every
+    key column, in sequence order); outputs, input gradients and the bias gradient (its rows)."""
+    h, g = heads(size)
+    for i, (mask, fmt, batch, grad) in enumerate(bias_cases(size)):
+        q, k, v, do = whole_inputs(size, 4000 + i, dtype)
+        loc = [local_chunks(t, rank, size).to(dev) for t in (q, k, v, do)]
+        if fmt == "sbhd":
+            loc = [t.transpose(0, 1).contiguous() for t in loc]
+        ql, kl, vl = (t.requires_grad_() for t in loc[:3])
+        bl = local_chunks(whole_bias(size, 4100 + i, dtype, batch), rank, size, dim=2).to(dev).requires_grad_(grad)
+        dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format=fmt,
+                                     attn_mask_type=mask, cp_group=cp_group, cp_global_ranks=list(range(size)),
+                                     cp_comm_type="p2p")
+        o = dpa(ql, kl, vl, core_attention_bias_type="post_scale_bias", core_attention_bias=bl)
+        o.backward(loc[3].reshape(o.shape))
+        res = [o.view(*o.shape[:-1], h, D_V), ql.grad, kl.grad, vl.grad]
+        if fmt == "sbhd":
+            res = [t.transpose(0, 1) for t in res]
+        results[f"bias-{mask}-{fmt}-{batch}"] = ([t.detach().float().cpu() for t in res]
+                                                 + [bl.grad.detach().float().cpu() if grad else None])
 
 
 def sink_runs(results, rank, size, cp_group, mode, dev, dtype):

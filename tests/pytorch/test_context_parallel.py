@@ -92,14 +92,18 @@ def whole(parts, size, dim=1):
     return torch.cat(chunks, dim=dim)
 
 
-def attention_ref(q, k, v, do, mask, window, dtype=torch.float64, sink=None):
+def attention_ref(q, k, v, do, mask, window, dtype=torch.float64, sink=None, bias=None):
     """(O, dQ, dK, dV) of attention over the whole bshd sequence, computed in dtype; sink [h]: an
-    attention sink's logits (one more softmax term per row), whose gradient is appended."""
+    attention sink's logits (one more softmax term per row), whose gradient is appended; bias
+    [b | 1, h, s, s]: a post-scale bias, whose gradient is appended."""
     q, k, v, do = (t.detach().to(dtype).requires_grad_() for t in (q, k, v, do))
     rep = q.shape[2] // k.shape[2]
     qh = q.transpose(1, 2)
     kh, vh = (t.repeat_interleave(rep, 2).transpose(1, 2) for t in (k, v))
     z = (qh @ kh.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        bias = bias.detach().to(dtype).requires_grad_()
+        z = z + bias
     s = q.shape[1]
     i, j = torch.arange(s).view(s, 1), torch.arange(s).view(1, s)
     hide = torch.zeros(s, s, dtype=torch.bool)
@@ -118,7 +122,31 @@ def attention_ref(q, k, v, do, mask, window, dtype=torch.float64, sink=None):
     o = torch.softmax(z, -1)[..., :s] @ vh
     o = o.transpose(1, 2)
     o.backward(do.detach())
-    return [o.detach(), q.grad, k.grad, v.grad] + ([sink.grad] if sink is not None else [])
+    return ([o.detach(), q.grad, k.grad, v.grad] + ([sink.grad] if sink is not None else [])
+            + ([bias.grad] if bias is not None else []))
+
+
+@pytest.mark.parametrize("size, case", [(s, c) for s in SIZES for c in W.bias_cases(s)],
+                         ids=[f"{s}-{c[0]}-{c[1]}-b{c[2]}" for s in SIZES for c in W.bias_cases(s)])
+def test_ring_post_scale_bias_matches_whole_sequence(results, size, case):
+    """The p2p ring with core_attention_bias_type "post_scale_bias" (each rank its query rows of the
+    bias, every key column): output, input gradients and the bias gradient (the ranks' rows put
+    back in sequence order) against float64 attention with the whole bias."""
+    mask, fmt, batch, grad = case
+    i = W.bias_cases(size).index(case)
+    got = [r[f"bias-{mask}-{fmt}-{batch}"] for r in results(size)]
+    parts = [whole([g[n] for g in got], size) for n in range(4)]
+    if grad:
+        parts.append(whole([g[4] for g in got], size, dim=2))
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    q, k, v, do = W.whole_inputs(size, 4000 + i, dtype)
+    bias = W.whole_bias(size, 4100 + i, dtype, batch)
+    ref = attention_ref(q, k, v, do, mask, None, bias=bias)
+    naive = attention_ref(q, k, v, do, mask, None, dtype, bias=bias)
+    for name, g, r, n in zip(("out", "dq", "dk", "dv", "dbias"), parts, ref, naive):
+        e, e_naive = rel_err(g, r), rel_err(n, r)
+        assert e <= (2e-6 + 4 * e_naive if not ON_CUDA else 2 * e_naive + 1e-3), (mask, fmt, name, e, e_naive)
+    assert all(g[4] is None for g in got) != grad
 
 
 @pytest.mark.parametrize("size, mode, case", [(s, m, c) for s, m in RUNS for c in W.cases(s, m)],
@@ -351,7 +379,17 @@ def _group(comm="p2p", size=2):
      "'padding_causal'"),
     (dict(mask_type="padding_causal"), NotImplementedError, "'no_mask' or 'causal'"),
     (dict(window=(4, 0)), NotImplementedError, "'a2a' or 'all_gather'"),
-    (dict(bias_type="alibi"), NotImplementedError, "no attention bias"),
+    (dict(bias_type="alibi"), NotImplementedError, "bias only as 'post_scale_bias' .*no ALiBi"),
+    (dict(bias_type="post_scale_bias", comm="all_gather", bias=torch.zeros(1, 4, 6, 12)), NotImplementedError,
+     "bias only as 'post_scale_bias' with cp_comm_type 'p2p'"),
+    (dict(bias_type="post_scale_bias", fp8=True, bias=torch.zeros(1, 4, 6, 12)), NotImplementedError,
+     "without FP8 attention .*FP8"),
+    (dict(bias_type="post_scale_bias"), ValueError, "needs core_attention_bias"),
+    (dict(bias_type="post_scale_bias", bias=torch.zeros(1, 4, 6, 6)), ValueError,
+     r"must be \[2 or 1, 4 or 1, 6, 12\] .*got \[1, 4, 6, 6\]"),
+    (dict(bias_type="post_scale_bias", bias=torch.zeros(3, 4, 6, 12)), ValueError, "must be"),
+    (dict(bias_type="post_scale_bias", mask_type="no_mask", q=torch.zeros(2, 5, 4, 8), k=torch.zeros(2, 5, 2, 8),
+          bias=torch.zeros(1, 4, 5, 10)), ValueError, "bias needs an even local sequence length"),
     (dict(softmax_type="learnable", fp8=True), NotImplementedError, "sink .* without FP8 attention"),
     (dict(softmax_type="off-by-one", fmt="thd", comm="all_gather", q=torch.zeros(12, 4, 8), k=torch.zeros(12, 2, 8),
           mask_type="padding_causal"), NotImplementedError, "sink .* with bshd / sbhd"),

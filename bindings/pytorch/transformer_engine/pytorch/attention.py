@@ -277,7 +277,8 @@ class DotProductAttention(torch.nn.Module):
         if self.cp is not None and not _cp_local:
             return self._context_parallel(query_layer, key_layer, value_layer, fmt, mask_type, window_size,
                                           attention_mask, core_attention_bias_type, inference_params, _fp8_handoff,
-                                          (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded))
+                                          (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded),
+                                          core_attention_bias)
         if inference_params is not None:
             if _fp8_handoff is not None:
                 raise RuntimeError("DotProductAttention: inference_params takes high-precision inputs, "
@@ -328,10 +329,10 @@ class DotProductAttention(torch.nn.Module):
         return ctx.reshape(ctx.shape[0], ctx.shape[1], -1)
 
     def _context_parallel(self, q, k, v, fmt, mask_type, window_size, attention_mask, bias_type, inference_params,
-                          handoff, cu):
+                          handoff, cu, bias=None):
         window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
         return _cp.module_forward(self, q, k, v, fmt, mask_type, window, attention_mask, bias_type, inference_params,
-                                  handoff is not None or _df.fp8_attention_on(), cu)
+                                  handoff is not None or _df.fp8_attention_on(), cu, bias)
 
     def sink_offset(self, device) -> Optional[torch.Tensor]:
         """The per-head sink logits [heads] of softmax_type (zeros for "off-by-one"), None for "vanilla";

@@ -30,8 +30,10 @@ cu_seqlens of the whole sequences, each a multiple of 2 cp_size long or padded t
 cu_seqlens_q_padded; windows with "a2a", and causal ones with "all_gather"). Attention sinks
 (softmax_type): the ring folds the sink in as one more softmax term after its steps (and computes
 the learnable offsets' gradient from its statistics), "all_gather" and "a2a" (with its heads'
-offsets) in their local attention; not with FP8 nor THD "all_gather". No bias: anything else is a
-clear error.
+offsets) in their local attention; not with FP8 nor THD "all_gather". An attention bias
+(post_scale_bias, TE's [b | 1, h | 1, local queries, whole keys]) with the ring over bshd / sbhd:
+each step takes its block's columns, and the bias gradient comes back in the same layout. Anything
+else is a clear error.
 FP8 attention (fp8_dpa, and fp8_mha's attention): the ring over bshd / sbhd
 (context_parallel_fp8.py: K/V travel in FP8) and "a2a" (its local attention is the module's FP8
 attention); not "all_gather", whose causal attention is two calls per rank while FP8 attention's
@@ -116,9 +118,10 @@ def _hierarchical_group(groups, cp_global_ranks) -> CPGroup:
 
 
 def module_forward(dpa, q, k, v, fmt: str, mask_type: str, window, attention_mask, bias_type: str,
-                   inference_params, fp8: bool, cu) -> torch.Tensor:
+                   inference_params, fp8: bool, cu, bias=None) -> torch.Tensor:
     """DotProductAttention.forward under context parallelism (dpa.cp set); window: normalized;
-    fp8: FP8 attention asked for; cu: (cu_seqlens_q, _kv, _q_padded, _kv_padded) as given."""
+    fp8: FP8 attention asked for; cu: (cu_seqlens_q, _kv, _q_padded, _kv_padded) as given; bias:
+    core_attention_bias (post_scale_bias with "p2p": [b | 1, h | 1, local queries, whole keys])."""
     if inference_params is not None:
         raise NotImplementedError("DotProductAttention: inference_params (K/V-cache generation) with context "
                                   "parallelism is not implemented")
@@ -137,7 +140,7 @@ def module_forward(dpa, q, k, v, fmt: str, mask_type: str, window, attention_mas
                                   f"cu_seqlens (padding masks are not supported there)")
     dropout = dpa.attention_dropout if dpa.training else 0.0
     check_call(dpa.cp, q, k, v, fmt, mask_type, window, bias_type, dpa.softmax_type, fp8, attention_mask,
-               dpa.num_attention_heads, dpa.num_gqa_groups, dropout)
+               dpa.num_attention_heads, dpa.num_gqa_groups, dropout, bias)
     ring_fp8 = _ring_fp8_state(dpa, q, k, v) if fp8 and dpa.cp.comm_type in RING_TYPES else None
 
     def local(q_, k_, v_, mt, w):  # the module's own attention (THD: over the whole sequences, "a2a")
@@ -146,7 +149,8 @@ def module_forward(dpa, q, k, v, fmt: str, mask_type: str, window, attention_mas
                            cu_seqlens_kv_padded=cu_q_pad, _cp_local=True)
     sink = dpa.sink_offset(q.device)
     return attend(dpa.cp, q, k, v, fmt, mask_type, window, dpa.softmax_scale, dropout, local, cu_q, ring_fp8,
-                  cu_q_pad, None if sink is None else sink.float())
+                  cu_q_pad, None if sink is None else sink.float(),
+                  bias.to(q.dtype) if bias_type != "no_bias" else None)
 
 
 _SAME = _fa.TensorMemo(8)
@@ -169,7 +173,8 @@ def _ring_fp8_state(dpa, q, k, v):
 
 
 def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type: str,
-               softmax_type: str, fp8: bool, attention_mask, h: int, g: int, dropout: float = 0.0) -> None:
+               softmax_type: str, fp8: bool, attention_mask, h: int, g: int, dropout: float = 0.0,
+               bias=None) -> None:
     """Raises for what context parallelism does not take (see the module text)."""
     what = f"context parallelism (cp_comm_type {cp.comm_type!r})"
     thd = fmt == "thd"
@@ -184,8 +189,11 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
         raise NotImplementedError(f"DotProductAttention: a sliding window {window} with context parallelism runs "
                                   f"with cp_comm_type 'a2a' or 'all_gather'" + (" (over THD: causal windows (left, 0))"
                                                                                if thd else ""))
-    if bias_type != "no_bias":
-        raise NotImplementedError(f"DotProductAttention: {what} takes no attention bias or ALiBi ({bias_type!r})")
+    if bias_type != "no_bias" and (bias_type != "post_scale_bias" or cp.comm_type != "p2p" or thd or fp8):
+        raise NotImplementedError(f"DotProductAttention: {what} takes an attention bias only as 'post_scale_bias' "
+                                  f"with cp_comm_type 'p2p' over bshd / sbhd, without FP8 attention (got "
+                                  f"core_attention_bias_type {bias_type!r}{', FP8' if fp8 else ''}"
+                                  f"{', THD' if thd else ''}); no ALiBi")
     if softmax_type != "vanilla" and (fp8 or (thd and cp.comm_type == "all_gather")):
         raise NotImplementedError(f"DotProductAttention: {what} takes an attention sink (softmax_type "
                                   f"{softmax_type!r}) {'without FP8 attention' if fp8 else 'with bshd / sbhd'}")
@@ -213,11 +221,13 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
         if sq % 2:
             raise ValueError(f"DotProductAttention: {what} with a causal mask or window needs an even local "
                              f"sequence length (two chunks per rank), got {sq}")
+    if bias_type == "post_scale_bias":
+        _check_bias(bias, q.shape[0 if fmt == "bshd" else 1], h, sq, sk, cp.size, sq % 2 == 0)
     if cp.comm_type in RING_TYPES and q.is_cuda:
         # the ring runs fused attention only (it merges the steps through their softmax statistics);
         # FP8 steps with a causal mask attend over half chunks; "a2a+p2p" rings over A ranks' chunks
         n = (cp.inner.size if cp.inner is not None else 1) / (2 if fp8 and mask_type == "causal" else 1)
-        ok, why = _fa.fused_backend_supports(q, k, v, _fa.LAYOUTS[fmt], _fa.BIAS_INT["no_bias"],
+        ok, why = _fa.fused_backend_supports(q, k, v, _fa.LAYOUTS[fmt], _fa.BIAS_INT[bias_type],
                                              _fa.MASK_INT["padding" if thd else "no_mask"], dropout if fp8 else 0.0,
                                              True, int(sq * n), int(sk * n), -1, -1, fp8=fp8)
         if not ok:
@@ -240,14 +250,30 @@ def check_call(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, bias_type
                          f"({g}) that are multiples of its a2a group's size ({a2a})")
 
 
+def _check_bias(bias, b: int, h: int, sq: int, sk: int, size: int, even: bool) -> None:
+    """The ring's post_scale_bias: [b | 1, h | 1, local queries, the whole sequence's keys] (TE's)."""
+    want = f"[{b} or 1, {h} or 1, {sq}, {sk * size}] (this rank's queries, every key in sequence order)"
+    if bias is None:
+        raise ValueError(f"DotProductAttention: core_attention_bias_type 'post_scale_bias' needs "
+                         f"core_attention_bias {want}")
+    if (bias.dim() != 4 or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, h) or bias.shape[2] != sq
+            or bias.shape[3] != sk * size):
+        raise ValueError(f"DotProductAttention: with context parallelism core_attention_bias must be {want}, got "
+                         f"{list(bias.shape)}")
+    if not even:
+        raise ValueError(f"DotProductAttention: context parallelism with an attention bias needs an even local "
+                         f"sequence length (two chunks per rank), got {sq}")
+
+
 def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float, dropout: float,
-           local: Callable, cu_seqlens=None, ring_fp8=None, cu_padded=None, sink=None) -> torch.Tensor:
+           local: Callable, cu_seqlens=None, ring_fp8=None, cu_padded=None, sink=None, bias=None) -> torch.Tensor:
     """The attention of this rank's queries over the whole sequence, [.., h * d_v] as the module
     returns it. local(q, k, v, mask_type, window) is the module's own (non-CP) attention (with its
     dropout); dropout: the probability the ring applies (0 outside training); cu_seqlens: THD's,
     of the whole sequences (cu_padded: their padded offsets, or None); ring_fp8: (FP8 state, cfg)
     when the ring runs in FP8 (context_parallel_fp8.RingAttentionFP8); sink: the attention sink's
-    float32 logits [heads] (softmax_type; the ring folds it in after its steps, local() has its own)."""
+    float32 logits [heads] (softmax_type; the ring folds it in after its steps, local() has its own);
+    bias: the post-scale bias of the "p2p" ring (_check_bias's shape)."""
     ordered = mask_type == "causal" or window is not None
     sdim = _sdim(fmt)
     if fmt == "thd":
@@ -274,7 +300,7 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
                                      window[0] if window is not None else -1)
             return o.reshape(o.shape[0], -1)
     elif cp.comm_type == "p2p":
-        o = _ring(cp, q, k, v, fmt, mask_type == "causal", scale, dropout, ring_fp8, sink)
+        o = _ring(cp, q, k, v, fmt, mask_type == "causal", scale, dropout, ring_fp8, sink, bias)
         return o.reshape(*o.shape[:-2], -1)
     elif cp.comm_type == "a2a+p2p":
         # heads traded for the a2a group's chunks (coarse chunks p and 2 P - 1 - p, in sequence
@@ -322,14 +348,15 @@ def _gathered_keys(start: int, c: int, s: int, causal: bool, window):
     return lo, hi, "no_mask", (wl + e if wl >= 0 else -1, wr - e if wr >= 0 else -1)
 
 
-def _ring(cp: CPGroup, q, k, v, fmt: str, causal: bool, scale: float, dropout: float, ring_fp8, sink=None):
+def _ring(cp: CPGroup, q, k, v, fmt: str, causal: bool, scale: float, dropout: float, ring_fp8, sink=None,
+          bias=None):
     """The p2p ring over cp's ranks -> O [.., h, d_v] in q's dtype (FP8 attention with ring_fp8;
-    sink: the attention sink's logits of these heads)."""
+    sink: the attention sink's logits of these heads; bias: a post-scale bias, _check_bias's)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if ring_fp8 is not None:
         from .context_parallel_fp8 import RingAttentionFP8
         return RingAttentionFP8.apply(q, k, v, cp, fmt, causal, float(scale), float(dropout), *ring_fp8)
-    return _RingAttention.apply(q, k, v, cp, fmt, causal, float(scale), float(dropout), sink)
+    return _RingAttention.apply(q, k, v, cp, fmt, causal, float(scale), float(dropout), sink, bias)
 
 
 def _inner_heads(sink, cp: CPGroup):

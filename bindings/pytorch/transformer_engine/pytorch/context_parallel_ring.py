@@ -16,6 +16,9 @@ from . import dpa_fused as _df
 from . import fused_attention as _fa
 
 
+_BIAS = {False: _fa.BIAS_INT["no_bias"], True: _fa.BIAS_INT["post_scale_bias"]}  # (a bias given)
+
+
 def _sdim(fmt: str) -> int:
     """The sequence (token) dimension."""
     return 1 if fmt == "bshd" else 0
@@ -131,9 +134,32 @@ def add_rows(acc: Optional[torch.Tensor], x: torch.Tensor, dim: int, part) -> to
     return acc
 
 
+def bias_block(bias: torch.Tensor, cp: CPGroup, step: int, c: int, qp, kp) -> torch.Tensor:
+    """A ring step's slice of the attention bias [b | 1, h | 1, 2 c, 2 cp c] (this rank's query rows,
+    the keys of the whole sequence in sequence order, TE's layout): query rows qp, and the columns
+    of the step's block, chunks j and 2 cp - 1 - j of rank j = rank - step (kp: the first alone)."""
+    j = (cp.rank - step) % cp.size
+    rows = _rows(bias, 2, qp)
+    first = rows.narrow(3, j * c, c)
+    if kp is not None:
+        return first.contiguous()
+    return torch.cat([first, rows.narrow(3, (2 * cp.size - 1 - j) * c, c)], 3)
+
+
+def put_bias_block(dbias: torch.Tensor, db: torch.Tensor, cp: CPGroup, step: int, c: int, qp, kp) -> None:
+    """Writes a step's bias gradient db into dbias where bias_block took the step's bias from (the
+    steps' blocks are disjoint; blocks no step computes stay zero: the causal mask hides them)."""
+    j = (cp.rank - step) % cp.size
+    rows = _rows(dbias, 2, qp)
+    rows.narrow(3, j * c, c).copy_(db.narrow(3, 0, c))
+    if kp is None:
+        rows.narrow(3, (2 * cp.size - 1 - j) * c, c).copy_(db.narrow(3, c, c))
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: CPGroup, fmt: str, causal: bool, scale: float, dropout: float, sink=None):
+    def forward(ctx, q, k, v, cp: CPGroup, fmt: str, causal: bool, scale: float, dropout: float, sink=None,
+                bias=None):
         sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
         c = q.shape[sdim] // 2
         zero_rng = _df._zero_rng_state(q.device)
@@ -144,40 +170,45 @@ class _RingAttention(torch.autograd.Function):
             qs = _rows(q, sdim, qp).contiguous()
             ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
             rng = _fa.new_rng_state(q.device) if dropout > 0.0 else zero_rng
-            o_i, lse_i, rng_i, _ = _fa.fused_attn_fwd(qs, ks, vs, None, None, None, None, None, rng,
+            bs = None if bias is None else bias_block(bias, cp, step, c, qp, kp)
+            o_i, lse_i, rng_i, _ = _fa.fused_attn_fwd(qs, ks, vs, bs, None, None, None, None, rng,
                                                       qs.shape[sdim], ks.shape[sdim], True, scale, dropout, layout,
-                                                      _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
+                                                      _BIAS[bias is not None], _fa.MASK_INT[mask], -1, -1,
                                                       mask == "no_mask")
             rngs.append(rng_i)
             out, lse = merge_step(out, lse, o_i, lse_i, qp, sdim)
         lse = fold_sink(ctx, out, lse, sink, (1, -1, 1, 1), lambda t: _stats_to_out(t, sdim))
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *rngs)
-        ctx.args = (cp, fmt, causal, scale, dropout)
+        ctx.save_for_backward(q, k, v, out, lse, bias, *rngs)
+        ctx.args = (cp, fmt, causal, scale, dropout, bias is not None and bias.requires_grad)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, *rngs = ctx.saved_tensors
-        cp, fmt, causal, scale, dropout = ctx.args
+        q, k, v, out, lse, bias, *rngs = ctx.saved_tensors
+        cp, fmt, causal, scale, dropout, need_dbias = ctx.args
         sdim, layout = _sdim(fmt), _fa.LAYOUTS[fmt]
         c = q.shape[sdim] // 2
         dout = dout.contiguous()
         dq, dkv = None, BlockGrads(cp, k.dtype)  # sums (step 0 covers every row and the whole block)
+        dbias = torch.zeros_like(bias) if need_dbias else None
         for step, block in ring_blocks(cp, k, v):
             qp, kp, mask = _step_parts(cp, step, causal, c)
             qs, os_, dos = (_rows(t, sdim, qp).contiguous() for t in (q, out, dout))
             ls = _rows(lse, 2, qp).contiguous()
             ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
-            dq_i, dk_i, dv_i, _, _ = _fa.fused_attn_bwd(qs, ks, vs, os_, dos, ls, rngs[step], q.new_empty(0), None,
-                                                        None, None, None, qs.shape[sdim], ks.shape[sdim], scale, dropout,
-                                                        layout, _fa.BIAS_INT["no_bias"], _fa.MASK_INT[mask], -1, -1,
-                                                        mask == "no_mask", False)
+            bs = q.new_empty(0) if bias is None else bias_block(bias, cp, step, c, qp, kp)
+            dq_i, dk_i, dv_i, db_i, _ = _fa.fused_attn_bwd(qs, ks, vs, os_, dos, ls, rngs[step], bs, None,
+                                                           None, None, None, qs.shape[sdim], ks.shape[sdim], scale,
+                                                           dropout, layout, _BIAS[bias is not None],
+                                                           _fa.MASK_INT[mask], -1, -1, mask == "no_mask", need_dbias)
             dq = add_rows(dq, dq_i, sdim, qp)
             dkv.add(dk_i, dv_i, lambda t: _rows(t, sdim, kp))
+            if dbias is not None:
+                put_bias_block(dbias, db_i, cp, step, c, qp, kp)
         dsink = sink_grad(ctx, dout, out, lse, (1, -1, 1, 1), lambda t: _stats_to_out(t, sdim))
         dk, dv = dkv.result()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink, dbias
 
 
 def fold_sink(ctx, out: torch.Tensor, lse: torch.Tensor, sink, shape, to_out: Callable) -> torch.Tensor:
