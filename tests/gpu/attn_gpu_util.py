@@ -23,10 +23,12 @@ def mask_enum(name):
 class Case:
     def __init__(self, layout="NVTE_BSHD_BSHD_BSHD", dtype="bfloat16", b=2, sq=64, skv=64, hq=4, hkv=4, d=64,
                  dv=None, mask="no_mask", bias=False, dropout=0.0, lens_q=None, lens_kv=None, seed=0, alibi=False,
-                 wl=-1, softmax="vanilla"):
+                 wl=-1, softmax="vanilla", wr=-1, br=False):
         self.softmax = softmax  # "vanilla", "off-by-one" or "learnable" (offsets from inputs())
         self.layout, self.dtype, self.b, self.sq, self.skv, self.alibi = layout, dtype, b, sq, skv, alibi
         self.wl = wl  # left window (keys i + diag - wl .. of query i; diag: the mask's alignment), -1: unbounded
+        self.wr = wr  # right window (keys .. i + diag + wr), -1: unbounded
+        self.br = br  # bottom_right_diagonal: a non-causal mask's window aligned to the bottom-right diagonal
         self.hq, self.hkv, self.d, self.dv, self.mask, self.bias = hq, hkv, d, dv or d, mask, bias
         self.dropout, self.lens_q, self.lens_kv, self.seed = dropout, lens_q, lens_kv, seed
         self.fmt = "sbhd" if layout.startswith("NVTE_SB") else "bshd"
@@ -83,7 +85,7 @@ def scalars(c):
                 qkv_layout=getattr(L, c.layout),
                 bias_type=BT.NVTE_POST_SCALE_BIAS if c.bias else (BT.NVTE_ALIBI if c.alibi else BT.NVTE_NO_BIAS),
                 attn_mask_type=mask_enum(c.mask), softmax_type=SOFTMAX[c.softmax], window_size_left=c.wl,
-                window_size_right=-1, bottom_right_diagonal=False)
+                window_size_right=getattr(c, "wr", -1), bottom_right_diagonal=getattr(c, "br", False))
 
 
 def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, training=True, offset=None):
@@ -104,7 +106,8 @@ def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, tr
     sc = scalars(c)
     ws_f = nvte.fused_attn_fwd_workspace_size(*H, side["Bias"], c.sq, c.skv, training, max_logit, c.dropout,
                                                sc["qkv_layout"], sc["bias_type"], sc["attn_mask_type"],
-                                               sc["softmax_type"])
+                                               sc["softmax_type"], sc["window_size_left"], sc["window_size_right"],
+                                               sc["bottom_right_diagonal"])  # (the window shapes the graph)
     wsf = torch.empty(max(ws_f, 1), dtype=torch.uint8, device=dev)
     off_t = offset.float().view(1, c.hq, 1, 1).to(dev).contiguous() if c.softmax == "learnable" else None
     kw = dict(**side, SoftmaxOffset=T(off_t).t if off_t is not None else None, S=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
@@ -131,7 +134,8 @@ def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, tr
         db = torch.full_like(bias_t, float("nan")) if bias_t is not None else None
         ws_b = nvte.fused_attn_bwd_workspace_size(*H, T(db).t if db is not None else None, c.sq, c.skv, c.dropout,
                                                    sc["qkv_layout"], sc["bias_type"], sc["attn_mask_type"],
-                                                   sc["softmax_type"])
+                                                   sc["softmax_type"], sc["window_size_left"],
+                                                   sc["window_size_right"], sc["bottom_right_diagonal"])
         wsb = torch.empty(max(ws_b, 1), dtype=torch.uint8, device=dev)
         doff = torch.full((1, c.hq, 1, 1), float("nan"), device=dev) if c.softmax == "learnable" else None
         nvte.fused_attn_bwd(*H, ot, handle(dO, nd), None, None, aux, *G, T(db).t if db is not None else None,
@@ -144,6 +148,12 @@ def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, tr
     return res
 
 
+def aligned_bottom_right(c):
+    """The diagonal of the case's mask and window: bottom-right for the bottom-right causal masks,
+    and for the other non-causal ones when bottom_right_diagonal is set."""
+    return "bottom_right" in c.mask or ("causal" not in c.mask and getattr(c, "br", False))
+
+
 def visible(c, dev="cpu"):
     """[b, 1, sq, skv] bool: which keys each query sees (padding, causal and left-window rules)."""
     padded, lq, lkv, _, _ = lengths(c)
@@ -154,11 +164,13 @@ def visible(c, dev="cpu"):
         a = torch.ones(c.sq, c.skv, dtype=torch.bool, device=dev)
         if padded:
             a &= (i < lq[bi]) & (j < lkv[bi])
-        diag = (lkv[bi] - lq[bi]) if "bottom_right" in c.mask else 0  # the window's diagonal too
+        diag = (lkv[bi] - lq[bi]) if aligned_bottom_right(c) else 0  # the window's diagonal too
         if "causal" in c.mask:
             a &= j <= i + diag
         if c.wl >= 0:
             a &= j >= i + diag - c.wl
+        if c.wr >= 0:
+            a &= j <= i + diag + c.wr
         allowed[bi, 0] = a
     return allowed
 

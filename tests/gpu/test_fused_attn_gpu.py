@@ -93,6 +93,21 @@ def test_bottom_right_causal_window(mask, sq, skv, lens_q, lens_kv, wl):
     check(Case(mask=mask, sq=sq, skv=skv, lens_q=lens_q, lens_kv=lens_kv, wl=wl, b=2, hq=4, hkv=2, d=64))
 
 
+@pytest.mark.parametrize("mask,sq,skv,lens_q,lens_kv,wl,wr,br", [
+    ("no_mask", 96, 96, None, None, 7, 5, False),  # a band of both bounds
+    ("no_mask", 48, 96, None, None, 10, 3, True),  # on the bottom-right diagonal, more keys than queries
+    ("no_mask", 72, 48, None, None, 6, 2, True),  # more queries than keys (cuDNN: its padding graph)
+    ("no_mask", 72, 48, None, None, -1, 4, False),  # the right bound alone: rows from 43 on see every key
+    ("padding", 64, 80, [64, 40], [80, 33], 9, 0, True),  # each sequence its own diagonal
+    ("padding", 64, 64, [64, 20], [64, 50], 3, -1, False),  # the left bound alone, top-left
+])
+def test_window_band(mask, sq, skv, lens_q, lens_kv, wl, wr, br):
+    """Windows without a causal mask (cuDNN's diagonal band, either bound), top-left or (with
+    bottom_right_diagonal) bottom-right aligned, forward and backward."""
+    check(Case(mask=mask, sq=sq, skv=skv, lens_q=lens_q, lens_kv=lens_kv, wl=wl, wr=wr, br=br, b=2, hq=4, hkv=2,
+               d=64))
+
+
 @pytest.mark.parametrize("mask,lens_q,lens_kv", [("causal_bottom_right", None, None),
                                                   ("padding_causal_bottom_right", [1, 0, 1], [200, 5, 0]),
                                                   ("padding", [1, 0, 1], [200, 5, 0])])

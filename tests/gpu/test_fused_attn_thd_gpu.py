@@ -6,7 +6,7 @@ import torch
 
 from transformer_engine import _nvte as nvte
 
-from attn_gpu_util import BT, DTYPES, L, M, ST, Case, check_logit_aux, handle, nv_dtype, scalars
+from attn_gpu_util import BT, DTYPES, L, M, ST, Case, aligned_bottom_right, check_logit_aux, handle, nv_dtype, scalars
 from gpu_util import T
 
 # ------------------------------------------------------------------ THD (packed sequences)
@@ -25,9 +25,10 @@ THD_GROUP = {"NVTE_T3HD": "3hd", "NVTE_TH3D": "h3d", "NVTE_THD_T2HD": "2hd", "NV
 class ThdCase:
     def __init__(self, layout="NVTE_THD_THD_THD", dtype="bfloat16", hq=4, hkv=4, d=64, dv=None, mask="padding",
                  lens_q=(37, 1, 64, 20), lens_kv=None, gaps_q=None, gaps_kv=None, tail_q=0, tail_kv=0,
-                 max_sq=None, max_skv=None, dropout=0.0, seed=0, wl=-1):
+                 max_sq=None, max_skv=None, dropout=0.0, seed=0, wl=-1, wr=-1, br=False):
         self.layout, self.dtype, self.hq, self.hkv, self.d, self.dv = layout, dtype, hq, hkv, d, dv or d
-        self.wl = wl  # left window (keys i + diag - wl .. of query i), -1: unbounded
+        self.wl, self.wr = wl, wr  # window (keys i + diag - wl .. i + diag + wr of query i), -1: unbounded
+        self.br = br  # bottom_right_diagonal (non-causal masks)
         self.mask, self.dropout, self.seed = mask, dropout, seed
         self.group = THD_GROUP.get(layout, "sep")
         self.lens_q = list(lens_q)
@@ -87,7 +88,8 @@ def thd_cu(c, dev):
 
 
 def thd_scalars(c):
-    sc = scalars(Case(dtype=c.dtype, sq=c.sq, skv=c.skv, d=c.d, mask=c.mask, dropout=c.dropout, wl=c.wl))
+    sc = scalars(Case(dtype=c.dtype, sq=c.sq, skv=c.skv, d=c.d, mask=c.mask, dropout=c.dropout, wl=c.wl, wr=c.wr,
+                      br=c.br))
     sc["qkv_layout"] = getattr(L, c.layout)
     return sc
 
@@ -101,7 +103,9 @@ def run_thd(c, dev, q, k, v, do, rng_state, backward=True, training=True, max_lo
     H = [handle(x, nd) for x in (tq, tk, tv)]
     sc = thd_scalars(c)
     ws_f = nvte.fused_attn_fwd_workspace_size(*H, None, c.sq, c.skv, training, max_logit, c.dropout, sc["qkv_layout"],
-                                               sc["bias_type"], sc["attn_mask_type"], sc["softmax_type"])
+                                               sc["bias_type"], sc["attn_mask_type"], sc["softmax_type"],
+                                               sc["window_size_left"], sc["window_size_right"],
+                                               sc["bottom_right_diagonal"])  # (the window shapes the graph)
     wsf = torch.empty(max(ws_f, 1), dtype=torch.uint8, device=dev)
     o = torch.full((c.tq, c.hq, c.dv), float("nan"), dtype=DTYPES[c.dtype], device=dev)
     ot = handle(o, nd)
@@ -130,7 +134,8 @@ def run_thd(c, dev, q, k, v, do, rng_state, backward=True, training=True, max_lo
         (gq, gk, gv), gkeep = thd_layout(c, (nan(q), nan(k), nan(v)), dev)
         G = [handle(x, nd) for x in (gq, gk, gv)]
         ws_b = nvte.fused_attn_bwd_workspace_size(*H, None, c.sq, c.skv, c.dropout, sc["qkv_layout"], sc["bias_type"],
-                                                   sc["attn_mask_type"], sc["softmax_type"])
+                                                   sc["attn_mask_type"], sc["softmax_type"], sc["window_size_left"],
+                                                   sc["window_size_right"], sc["bottom_right_diagonal"])
         wsb = torch.empty(max(ws_b, 1), dtype=torch.uint8, device=dev)
         nvte.fused_attn_bwd(*H, ot, handle(dO, nd), None, None, aux, *G, None, None, side["cu_seqlens_q"],
                             side["cu_seqlens_kv"], side["cu_seqlens_q_padded"], side["cu_seqlens_kv_padded"],
@@ -146,11 +151,13 @@ def thd_visible(c, lq, lkv, dev):
     i = torch.arange(lq, device=dev)[:, None]
     j = torch.arange(lkv, device=dev)[None, :]
     a = torch.ones(lq, lkv, dtype=torch.bool, device=dev)
-    diag = (lkv - lq) if "bottom_right" in c.mask else 0
+    diag = (lkv - lq) if aligned_bottom_right(c) else 0
     if "causal" in c.mask:
         a &= j <= i + diag
     if c.wl >= 0:
         a &= j >= i + diag - c.wl
+    if c.wr >= 0:
+        a &= j <= i + diag + c.wr
     return a
 
 
@@ -262,6 +269,14 @@ def test_thd_bottom_right_causal_window(wl):
     its window reaches, fewer queries than keys)."""
     check_thd(ThdCase(mask="padding_causal_bottom_right", lens_q=[16, 1, 12, 9], lens_kv=[40, 3, 12, 30],
                       gaps_q=[2, 0, 1, 3], gaps_kv=[0, 4, 0, 1], tail_q=2, wl=wl))
+
+
+@pytest.mark.parametrize("wl,wr,br", [(4, 2, False), (6, 1, True), (-1, 0, True)])
+def test_thd_window_band(wl, wr, br):
+    """THD with a padding mask and a window of both bounds (cuDNN's diagonal band), top-left or
+    bottom-right aligned per sequence (bottom_right_diagonal), with padded offsets."""
+    check_thd(ThdCase(mask="padding", lens_q=[16, 1, 12, 9], lens_kv=[40, 3, 12, 30], gaps_q=[2, 0, 1, 3],
+                      gaps_kv=[0, 4, 0, 1], tail_q=2, wl=wl, wr=wr, br=br))
 
 
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])

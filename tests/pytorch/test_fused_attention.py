@@ -138,11 +138,9 @@ def test_padding_right_padded(spy, mask_type):
               q_valid=~qm.reshape(3, 6))
 
 
-def test_sliding_window(spy):
-    if ON_GPU:  # the CUDA backend bounds the right side only causally (fused_attn_cudnn.cpp)
-        run_check(spy, "sbhd", "causal", 2, 9, 9, 2, 2, 8, window=(2, 0))
-    else:
-        run_check(spy, "sbhd", "no_mask", 2, 9, 9, 2, 2, 8, window=(2, 1))
+@pytest.mark.parametrize("mask_type,window", [("no_mask", (2, 1)), ("causal", (2, 0))])
+def test_sliding_window(spy, mask_type, window):
+    run_check(spy, "sbhd", mask_type, 2, 9, 9, 2, 2, 8, window=window)
 
 
 def test_sliding_window_left_only(spy):
@@ -151,22 +149,12 @@ def test_sliding_window_left_only(spy):
     run_check(spy, "bshd", "no_mask", 2, 9, 9, 2, 2, 8, window=(3, -1))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the GPU backend's alignment rule (NVTE_TEST_DEVICE=cuda only; the CPU "
-                                        "backend takes every window)")
-def test_bottom_right_window_with_cross_lengths_runs_unfused_on_gpu(spy):
-    """A left window on a non-causal mask is aligned to the bottom-right diagonal; with sq != skv
-    cuDNN does not take it. TE's backend query cannot tell (no alignment argument), so the adapter
-    asks the workspace query, which says NOT_SUPPORTED: the unfused path runs the call (before,
-    the fused call failed with that error), and its result is right."""
-    b, sq, sk, h, d = 2, 5, 9, 2, 8
-    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="no_mask", window_size=(3, -1))
-    q, k, v = make_qkv("bshd", b, sq, sk, h, h, d, seed=3, dtype=DT)
-    out = dpa(dev(q), dev(k), dev(v))
-    assert spy.fwd == 0, "the fused path was taken"
-    m = ref_mask("no_mask", b, sq, sk, None, (3, -1))
-    ref = ref_fused(*(t.double() for t in (q, k, v)), "bshd", 1.0 / math.sqrt(d), m)
-    naive = ref_fused(*(dev(t) for t in (q, k, v)), "bshd", 1.0 / math.sqrt(d), dev(m), dtype=DT)
-    assert_close_fused(out, ref, naive, TOL, "out")
+@pytest.mark.parametrize("window", [(3, -1), (3, 1)])
+def test_bottom_right_window_with_cross_lengths(spy, window):
+    """A left window on a non-causal mask is aligned to the bottom-right diagonal (the adapter's
+    choice); with sq != skv the fused path runs it (on the GPU: cuDNN's diagonal band aligned
+    bottom-right; it ran unfused before cuDNN's band took an alignment here)."""
+    run_check(spy, "bshd", "no_mask", 2, 5, 9, 2, 2, 8, window=window)
 
 
 def test_post_scale_bias_with_dbias(spy):

@@ -190,7 +190,12 @@ void common_options(fe::graph::Graph &g, const AttnParams &p, Attr &a, bool has_
   if (p.rule.causal && !causal_hides_nothing(p)) {
     if (bottom_right(p)) a.set_causal_mask_bottom_right(true);
     else a.set_causal_mask(true);
+  } else if (!p.rule.causal && windowed(p)) {  // a band without the causal mask: its own alignment
+    a.set_diagonal_alignment(bottom_right(p) ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
+                                             : fe::DiagonalAlignment_t::TOP_LEFT);
+    if (p.rule.window_right >= 0) a.set_diagonal_band_right_bound((int)p.rule.window_right);
   }
+  // cuDNN keeps keys j > i - left_bound (i, j on the aligned diagonal): the window's wl keys back
   if (p.rule.window_left >= 0) a.set_diagonal_band_left_bound((int)p.rule.window_left + 1);
   if (p.padding) {
     a.set_padding_mask(true)

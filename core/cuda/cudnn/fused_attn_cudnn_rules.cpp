@@ -15,6 +15,10 @@ bool bottom_right(const AttnParams &p) {
   return p.rule.bottom_right && (p.padding || thd(p) || p.max_sq != p.max_skv);
 }
 
+bool windowed(const AttnParams &p) {
+  return p.rule.window_left >= 0 || (p.rule.window_right >= 0 && !p.rule.causal);
+}
+
 bool causal_hides_nothing(const AttnParams &p) {
   return p.rule.causal && bottom_right(p) && p.max_sq == 1 && p.rule.window_left < 0;
 }
@@ -128,12 +132,8 @@ std::string unsupported_reason(const AttnParams &p) {
   if (p.bias_type == NVTE_PRE_SCALE_BIAS) return "pre-scale bias is not supported by cuDNN";
   if (p.bias_type == NVTE_ALIBI && p.slopes_b != 0) return "ALiBi with caller-given slopes is not supported on the GPU";
   if (p.bias_type == NVTE_ALIBI && !p.rule.causal) return "cuDNN applies ALiBi only with a causal mask";
-  if (p.rule.window_right >= 0 && !(p.rule.causal && p.rule.window_right == 0))
-    return "a bounded right window other than the causal one is not supported on the GPU";
-  // A left window on the bottom-right diagonal: cuDNN >= 9.10 takes it with the bottom-right causal
-  // mask (the diagonal band's alignment); without a causal mask the graph would carry no alignment.
-  if (p.rule.window_left >= 0 && bottom_right(p) && !p.rule.causal)
-    return "a left window with bottom-right alignment is supported on the GPU with a causal mask only";
+  // Windows (either bound, top-left or bottom-right diagonal) are cuDNN's diagonal band (>= 9.10;
+  // common_options builds it), the left bound together with the bottom-right causal mask too.
   return bottom_right_reason(p);
 }
 
@@ -151,7 +151,9 @@ AttnParams graph_params(const AttnParams &p) {
     // cuDNN's bottom-right causal mask takes max_seqlen_q > max_seqlen_kv only with its padding
     // mask (frontend validation): such a call runs the padding graph with every length at its
     // maximum (bind_seqlens).
-    if (p.rule.causal && bottom_right(p) && p.max_sq > p.max_skv) g.padding = true;
+    // The same for a window's band (either alignment): cuDNN takes it at max_seqlen_q >
+    // max_seqlen_kv with the padding mask only.
+    if ((p.rule.causal && bottom_right(p) || windowed(p)) && p.max_sq > p.max_skv) g.padding = true;
     return g;
   }
   g.padding = true;

@@ -19,6 +19,8 @@ bool kv_thd(const AttnParams &p);
 // max_seqlen_kv the bottom-right diagonal is the top-left one, and the graphs use top-left
 // (which cuDNN takes with windows, bias and dropout; Hopper's FP8 graphs take no bottom-right).
 bool bottom_right(const AttnParams &p);
+// Whether the call has a window bound beyond the causal one (cuDNN's diagonal band).
+bool windowed(const AttnParams &p);
 
 // Whether the call's bottom-right causal mask hides nothing: one query row per sequence
 // (max_seqlen_q 1, the decode step) sees every key j <= len_kv - 1, i.e. all of them.
