@@ -153,7 +153,7 @@ AttnParams graph_params(const AttnParams &p) {
     // maximum (bind_seqlens).
     // The same for a window's band (either alignment): cuDNN takes it at max_seqlen_q >
     // max_seqlen_kv with the padding mask only.
-    if ((p.rule.causal && bottom_right(p) || windowed(p)) && p.max_sq > p.max_skv) g.padding = true;
+    if (((p.rule.causal && bottom_right(p)) || windowed(p)) && p.max_sq > p.max_skv) g.padding = true;
     return g;
   }
   g.padding = true;
