@@ -286,3 +286,23 @@ def test_paged_with_sink(softmax, sq, lens_q):
     check_paged(Case(layout="NVTE_Paged_KV_BSHD_BSHD_BSHD", b=4, sq=sq, skv=160, hq=8, hkv=2, d=128,
                      mask="padding_causal_bottom_right", lens_q=lens_q, lens_kv=[160, 33, 0, 97], softmax=softmax),
                 page_size=16)
+
+
+@pytest.mark.parametrize("layout", ["NVTE_Paged_KV_BSHD_BSHD_BSHD", "NVTE_THD_BSHD_BSHD", "NVTE_Paged_KV_THD_BSHD_BSHD"])
+def test_kv_cache_window_needs_a_causal_mask(layout):
+    """K/V-cache layouts (paged, THD queries over BSHD K/V) take a window on the GPU with a causal
+    mask only (cuDNN's band was checked there with causal windows): the backend query says so, and
+    the PyTorch adapter's K/V-cache path runs the others unfused."""
+    A = nvte
+    BK = A.NVTE_Fused_Attn_Backend
+    bf16 = A.DType.kBFloat16
+    args = dict(is_training=False, q_dtype=bf16, kv_dtype=bf16, qkv_layout=getattr(A.NVTE_QKV_Layout, layout),
+                bias_type=A.NVTE_Bias_Type.NVTE_NO_BIAS, softmax_type=A.NVTE_Softmax_Type.NVTE_VANILLA_SOFTMAX,
+                dropout=0.0, num_attn_heads=4, num_gqa_groups=4, max_seqlen_q=8, max_seqlen_kv=64, head_dim_qk=64,
+                head_dim_v=64, window_size_left=4)
+    M = A.NVTE_Mask_Type
+    assert A.get_fused_attn_backend(attn_mask_type=M.NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK, window_size_right=0,
+                                    **args) == BK.NVTE_F16_arbitrary_seqlen
+    assert A.get_fused_attn_backend(attn_mask_type=M.NVTE_PADDING_MASK, window_size_right=-1,
+                                    **args) == BK.NVTE_No_Backend
+    assert "causal mask only" in A.get_last_error()

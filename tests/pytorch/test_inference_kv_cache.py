@@ -146,8 +146,8 @@ def test_dpa_kv_cache_matches_full_history(fmt, paged, mask):
 
 
 def test_dpa_kv_cache_sliding_window():
-    """Windows are aligned to the bottom-right diagonal like the causal mask. cuDNN 9.19 takes no
-    left window with that alignment: on the GPU these calls run the unfused path."""
+    """Windows are aligned to the bottom-right diagonal like the causal mask (on the GPU: cuDNN's
+    band with the bottom-right causal mask, paged and THD caches)."""
     run_script("bshd", True, "padding_causal", window=(3, 0))
     run_script("thd", False, "causal", window=(2, 0), seed=1)
 

@@ -134,6 +134,10 @@ std::string unsupported_reason(const AttnParams &p) {
   if (p.bias_type == NVTE_ALIBI && !p.rule.causal) return "cuDNN applies ALiBi only with a causal mask";
   // Windows (either bound, top-left or bottom-right diagonal) are cuDNN's diagonal band (>= 9.10;
   // common_options builds it), the left bound together with the bottom-right causal mask too.
+  // K/V caches (paged, or THD queries over BSHD/SBHD K/V) were checked on the GPU with causal
+  // windows only: the others stay rejected there.
+  if ((p.layout.paged || thd(p) != kv_thd(p)) && windowed(p) && !p.rule.causal)
+    return concat("layout ", p.layout.name, " (a K/V cache) takes a window on the GPU with a causal mask only");
   return bottom_right_reason(p);
 }
 

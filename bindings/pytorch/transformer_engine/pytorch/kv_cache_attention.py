@@ -8,9 +8,9 @@ aligned the same way.
 
 It is the library's fused path on both backends (cuDNN's paged / decode attention on the GPU,
 the float64 reference on the CPU). Where the fused path is off (NVTE_FUSED_ATTN=0) or the backend
-rejects the call (on the GPU: a left sliding window, which cuDNN takes only top-left aligned), the
-unfused path runs it: K/V gathered from the cache, torch matmuls and the library's masked softmax
-(NVTE_UNFUSED_ATTN=0 turns that off too: then it raises). Attention bias, ALiBi and arbitrary
+rejects the call (on the GPU: a window without a causal mask over a paged cache or under THD
+queries), the unfused path runs it: K/V gathered from the cache, torch matmuls and the library's
+masked softmax (NVTE_UNFUSED_ATTN=0 turns that off too: then it raises). Attention bias, ALiBi and arbitrary
 masks raise; an FP8 recipe's fp8_dpa / fp8_mha leave this attention in the inputs' precision, and
 dropout is not applied. The call keeps no softmax statistics, so it has no backward: inputs that
 need gradients raise."""
