@@ -340,8 +340,10 @@ class DotProductAttention(torch.nn.Module):
         heads = getattr(self, "_sink_heads", None) or slice(None)
         if self.softmax_type == "learnable":
             return self.softmax_offset[heads]
-        if self.softmax_type == "off-by-one":
-            return torch.zeros(self.num_attention_heads, device=device)[heads]
+        if self.softmax_type == "off-by-one":  # the module's zeros, made again only on another device
+            if self.softmax_offset.device != torch.device(device):
+                self.softmax_offset = torch.zeros(self.num_attention_heads, device=device)
+            return self.softmax_offset[heads]
         return None
 
     def fused_softmax_offset(self) -> Optional[torch.Tensor]:
