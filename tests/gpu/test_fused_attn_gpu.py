@@ -108,19 +108,22 @@ def test_window_band(mask, sq, skv, lens_q, lens_kv, wl, wr, br):
                d=64))
 
 
-@pytest.mark.parametrize("bias_type,dropout", [("NVTE_POST_SCALE_BIAS", 0.0), ("NVTE_NO_BIAS", 0.1)])
-def test_window_band_with_bias_or_dropout_is_not_supported(bias_type, dropout):
-    """A band without the causal mask that has a right bound was checked without bias and dropout
-    only: with them the backend query answers NVTE_No_Backend (a left window alone still runs)."""
+@pytest.mark.parametrize("bias_type,dropout,softmax", [("NVTE_POST_SCALE_BIAS", 0.0, "NVTE_VANILLA_SOFTMAX"),
+                                                       ("NVTE_NO_BIAS", 0.1, "NVTE_VANILLA_SOFTMAX"),
+                                                       ("NVTE_NO_BIAS", 0.0, "NVTE_OFF_BY_ONE_SOFTMAX")])
+def test_window_band_with_bias_dropout_or_sink_is_not_supported(bias_type, dropout, softmax):
+    """A band without the causal mask that has a right bound was checked with the vanilla softmax and
+    without bias and dropout only: with those the backend query answers NVTE_No_Backend (a left
+    window alone still runs)."""
     BK = nvte.NVTE_Fused_Attn_Backend
     bf16 = nvte.DType.kBFloat16
     args = dict(is_training=True, q_dtype=bf16, kv_dtype=bf16, qkv_layout=L.NVTE_BSHD_BSHD_BSHD,
-                bias_type=getattr(BT, bias_type), attn_mask_type=M.NVTE_NO_MASK, softmax_type=ST.NVTE_VANILLA_SOFTMAX,
+                bias_type=getattr(BT, bias_type), attn_mask_type=M.NVTE_NO_MASK, softmax_type=getattr(ST, softmax),
                 dropout=dropout, num_attn_heads=4, num_gqa_groups=4, max_seqlen_q=64, max_seqlen_kv=64,
                 head_dim_qk=64, head_dim_v=64, window_size_left=8)
     assert nvte.get_fused_attn_backend(window_size_right=-1, **args) == BK.NVTE_F16_arbitrary_seqlen
     assert nvte.get_fused_attn_backend(window_size_right=2, **args) == BK.NVTE_No_Backend
-    assert "takes no bias, ALiBi or dropout" in nvte.get_last_error()
+    assert "takes no bias, ALiBi, dropout or attention sink" in nvte.get_last_error()
 
 
 @pytest.mark.parametrize("mask,lens_q,lens_kv", [("causal_bottom_right", None, None),

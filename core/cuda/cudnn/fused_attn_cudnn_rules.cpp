@@ -134,12 +134,13 @@ std::string unsupported_reason(const AttnParams &p) {
   if (p.bias_type == NVTE_ALIBI && !p.rule.causal) return "cuDNN applies ALiBi only with a causal mask";
   // Windows (either bound, top-left or bottom-right diagonal) are cuDNN's diagonal band (>= 9.10;
   // common_options builds it), the left bound together with the bottom-right causal mask too.
-  // A band without the causal mask that has a right bound or bottom-right alignment was checked on
-  // the GPU without bias or dropout only: with them it stays rejected.
-  const bool new_band = !p.rule.causal && (p.rule.window_right >= 0 || (p.rule.window_left >= 0 && bottom_right(p)));
-  if (new_band && (p.bias_type != NVTE_NO_BIAS || p.dropout > 0.0f))
-    return "a window without a causal mask, with a bounded right side or bottom-right alignment, takes no bias, "
-           "ALiBi or dropout on the GPU";
+  // Windows beyond a top-left left one (a bottom-right left bound, a right bound without the causal
+  // mask) were checked on the GPU with the vanilla softmax and without bias or dropout only: with
+  // those they stay rejected.
+  const bool band = (p.rule.window_left >= 0 && bottom_right(p)) || (p.rule.window_right >= 0 && !p.rule.causal);
+  if (band && (p.bias_type != NVTE_NO_BIAS || p.dropout > 0.0f || p.softmax_type != NVTE_VANILLA_SOFTMAX))
+    return "a window with a bottom-right left bound or a bounded right side takes no bias, ALiBi, dropout or "
+           "attention sink on the GPU";
   // K/V caches (paged, or THD queries over BSHD/SBHD K/V) were checked on the GPU with causal
   // windows only: the others stay rejected there.
   if ((p.layout.paged || thd(p) != kv_thd(p)) && windowed(p) && !p.rule.causal)
