@@ -85,7 +85,7 @@ def scalars(c):
                 qkv_layout=getattr(L, c.layout),
                 bias_type=BT.NVTE_POST_SCALE_BIAS if c.bias else (BT.NVTE_ALIBI if c.alibi else BT.NVTE_NO_BIAS),
                 attn_mask_type=mask_enum(c.mask), softmax_type=SOFTMAX[c.softmax], window_size_left=c.wl,
-                window_size_right=getattr(c, "wr", -1), bottom_right_diagonal=getattr(c, "br", False))
+                window_size_right=c.wr, bottom_right_diagonal=c.br)
 
 
 def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, training=True, offset=None):
@@ -151,7 +151,7 @@ def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, tr
 def aligned_bottom_right(c):
     """The diagonal of the case's mask and window: bottom-right for the bottom-right causal masks,
     and for the other non-causal ones when bottom_right_diagonal is set."""
-    return "bottom_right" in c.mask or ("causal" not in c.mask and getattr(c, "br", False))
+    return "bottom_right" in c.mask or ("causal" not in c.mask and c.br)
 
 
 def visible(c, dev="cpu"):

@@ -132,11 +132,9 @@ std::string unsupported_reason(const AttnParams &p) {
   if (p.bias_type == NVTE_PRE_SCALE_BIAS) return "pre-scale bias is not supported by cuDNN";
   if (p.bias_type == NVTE_ALIBI && p.slopes_b != 0) return "ALiBi with caller-given slopes is not supported on the GPU";
   if (p.bias_type == NVTE_ALIBI && !p.rule.causal) return "cuDNN applies ALiBi only with a causal mask";
-  // Windows (either bound, top-left or bottom-right diagonal) are cuDNN's diagonal band (>= 9.10;
-  // common_options builds it), the left bound together with the bottom-right causal mask too.
-  // Windows beyond a top-left left one (a bottom-right left bound, a right bound without the causal
-  // mask) were checked on the GPU with the vanilla softmax and without bias or dropout only: with
-  // those they stay rejected.
+  // Windows are cuDNN's diagonal band (>= 9.10; common_options builds it). Those beyond a top-left
+  // left one (a bottom-right left bound, a right bound without the causal mask) were checked on the
+  // GPU with the vanilla softmax and without bias or dropout only: with those they stay rejected.
   const bool band = (p.rule.window_left >= 0 && bottom_right(p)) || (p.rule.window_right >= 0 && !p.rule.causal);
   if (band && (p.bias_type != NVTE_NO_BIAS || p.dropout > 0.0f || p.softmax_type != NVTE_VANILLA_SOFTMAX))
     return "a window with a bottom-right left bound or a bounded right side takes no bias, ALiBi, dropout or "
