@@ -380,6 +380,38 @@ NVTE_API NVTEStatus nvte_copy_to_kv_cache(NVTETensor new_k, NVTETensor new_v, NV
                                           int max_ctx_len, int max_seq_len, int max_pages_per_seq,
                                           int is_non_paged, cudaStream_t stream);
 
+/** \brief Folds a partial attention result into a running one, in place: the merge of attention
+ *  over disjoint sets of keys (context parallelism's ring steps, split keys).
+ *
+ *  Per token and head, with a = lse and b = lse_part (natural logs of the softmax denominators):
+ *    lse' = log(exp(a) + exp(b)),  out = exp(a - lse') out + exp(b - lse') out_part,  lse = lse'.
+ *  A row whose a and b are both -inf (no key on either side) is left unchanged; a NaN statistic
+ *  gives NaN in the row and its statistic.
+ *
+ *  \param[in,out] out     float32, in qkv_format: NVTE_BSHD [b, s, h, d], NVTE_SBHD [s, b, h, d],
+ *                         NVTE_THD [t, h, d].
+ *  \param[in,out] lse     float32 statistics of out's rows: BSHD / SBHD [b, h, s] or [b, h, s, 1]
+ *                         (nvte_fused_attn_fwd's aux [0] layout), THD [t, h] (token-major).
+ *  \param[in]  out_part   float32, bfloat16 or float16, out's shape except in the sequence (BSHD /
+ *                         SBHD) or token (THD) dimension, where it has s_p rows: its row j is out's
+ *                         row row_offset + j (row_offset + s_p <= out's rows).
+ *  \param[in]  lse_part   float32 statistics of out_part's rows, laid out as lse.
+ *  \param[in]  row_offset see out_part.
+ *  \param[in]  qkv_format NVTE_BSHD, NVTE_SBHD or NVTE_THD.
+ *  \param[in]  stream     CUDA stream (ignored for host data). All four tensors on one device. */
+NVTE_API NVTEStatus nvte_attn_merge(NVTETensor out, NVTETensor lse, const NVTETensor out_part,
+                                    const NVTETensor lse_part, size_t row_offset, NVTE_QKV_Format qkv_format,
+                                    cudaStream_t stream);
+
+/** \brief Folds an attention sink into a running result: nvte_attn_merge with a term of value zero
+ *  and statistic sink[h] in every row (the extra softmax term of the off-by-one / learnable
+ *  softmax, added once after the key blocks' merges).
+ *  \param[in,out] out, lse  as in nvte_attn_merge.
+ *  \param[in]  sink       float32 [h], the sink's logit per head.
+ *  \param[in]  qkv_format, stream  as in nvte_attn_merge. */
+NVTE_API NVTEStatus nvte_attn_merge_sink(NVTETensor out, NVTETensor lse, const NVTETensor sink,
+                                         NVTE_QKV_Format qkv_format, cudaStream_t stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -237,6 +237,21 @@ void bind_fused_attn(py::module_ &m) {
         py::arg("cu_new_lens"), py::arg("cu_cached_lens"), py::arg("qkv_format"), py::arg("b"),
         py::arg("max_ctx_len"), py::arg("max_seq_len"), py::arg("max_pages_per_seq"), py::arg("is_non_paged"),
         py::arg("stream") = 0);
+
+  m.def("attn_merge",
+        [](Tensor &out, Tensor &lse, const Tensor &out_part, const Tensor &lse_part, size_t row_offset,
+           NVTE_QKV_Format fmt, uintptr_t stream) {
+          check(nvte_attn_merge(out.handle(), lse.handle(), out_part.handle(), lse_part.handle(), row_offset, fmt,
+                                to_stream(stream)));
+        },
+        py::arg("out"), py::arg("lse"), py::arg("out_part"), py::arg("lse_part"), py::arg("row_offset"),
+        py::arg("qkv_format"), py::arg("stream") = 0);
+
+  m.def("attn_merge_sink",
+        [](Tensor &out, Tensor &lse, const Tensor &sink, NVTE_QKV_Format fmt, uintptr_t stream) {
+          check(nvte_attn_merge_sink(out.handle(), lse.handle(), sink.handle(), fmt, to_stream(stream)));
+        },
+        py::arg("out"), py::arg("lse"), py::arg("sink"), py::arg("qkv_format"), py::arg("stream") = 0);
 }
 
 }  // namespace nvte_py

@@ -56,7 +56,7 @@ class RingAttentionFP8(torch.autograd.Function):
                 qs, ks, vs, q_si, kv_si, kv_si, None, None, None, None, rng, fwd_scale, fwd_hist, qs.shape[sdim],
                 ks.shape[sdim], True, scale, dropout, layout, _fa.MASK_INT[mask], -1, -1, mask == "no_mask")
             rngs.append(rng_i)
-            out, lse = _cp.merge_step(out, lse, _decode(od, o_si, E4M3), lse_i, qp, sdim)
+            out, lse = _cp.merge_step(out, lse, _decode(od, o_si, E4M3), lse_i, qp, fmt)
         od, o_si = _fa8._cast(out.to(q.dtype), fwd_scale, fwd_hist, _fa8.SLOT_O, E4M3)
         ctx.save_for_backward(qd, kd, vd, q_si, k_si, od, o_si, lse, s_scale, *rngs)
         ctx.bwd_meta = meta[2:]  # updated in place by the backward's recipe step: kept on ctx, not saved

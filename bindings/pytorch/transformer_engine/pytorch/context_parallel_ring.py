@@ -1,7 +1,8 @@
 """The p2p ring of context parallelism (context_parallel.py describes the comm types): K/V blocks
 go round the ring while the current block is attended to, each step's output is merged into the
-running result through its softmax statistics (log-sum-exp), an attention sink is folded in after
-the steps, and in the backward the dK / dV sums travel with their blocks back to their owners.
+running result through its softmax statistics (log-sum-exp; the library's nvte_attn_merge), an
+attention sink is folded in after the steps (nvte_attn_merge_sink), and in the backward the dK / dV
+sums travel with their blocks back to their owners.
 Shared by the BF16 ring here, the FP8 ring (context_parallel_fp8.py) and the THD ring
 (context_parallel_thd.py).
 """
@@ -12,10 +13,15 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from transformer_engine import _nvte
+
+from . import _ops
 from . import dpa_fused as _df
 from . import fused_attention as _fa
 
 
+_FORMAT = {"bshd": _nvte.NVTE_QKV_Format.NVTE_BSHD, "sbhd": _nvte.NVTE_QKV_Format.NVTE_SBHD,
+           "thd": _nvte.NVTE_QKV_Format.NVTE_THD}
 _BIAS = {False: _fa.BIAS_INT["no_bias"], True: _fa.BIAS_INT["post_scale_bias"]}  # (a bias given)
 
 
@@ -111,18 +117,22 @@ def _stats_to_out(stats: torch.Tensor, sdim: int) -> torch.Tensor:
     return stats.permute(0, 2, 1, 3) if sdim == 1 else stats.permute(2, 0, 1, 3)
 
 
-def merge_step(out, lse, o_i: torch.Tensor, lse_i: torch.Tensor, qp, sdim: int):
+def merge_into(out: torch.Tensor, lse: torch.Tensor, o_i: torch.Tensor, lse_i: torch.Tensor, row_offset: int,
+               fmt: str) -> None:
+    """nvte_attn_merge: folds a step's output o_i (rows row_offset .. of out) and its statistics
+    lse_i into the running float32 out and lse, in place (fmt "bshd" / "sbhd": statistics
+    [b, h, s, 1]; "thd": [t, h])."""
+    part, part_lse = o_i.contiguous(), lse_i.contiguous()  # (held: the handles borrow their memory)
+    _nvte.attn_merge(_ops._tensor(out), _ops._tensor(lse), _ops._tensor(part), _ops._tensor(part_lse), row_offset,
+                     _FORMAT[fmt], _ops._stream(out))
+
+
+def merge_step(out, lse, o_i: torch.Tensor, lse_i: torch.Tensor, qp, fmt: str):
     """The running float32 output and log-sum-exp after folding in a step's (o_i over the query
-    rows qp, its statistics lse_i); out None: the first step, which covers every row.
-    O = sum_i exp(lse_i - lse) O_i, lse = log sum_i exp(lse_i)."""
+    rows qp, its statistics lse_i); out None: the first step, which covers every row."""
     if out is None:
         return o_i.float(), lse_i
-    acc_l = _rows(lse, 2, qp)
-    new_l = torch.logaddexp(acc_l, lse_i)
-    acc_o = _rows(out, sdim, qp)
-    acc_o.mul_(_stats_to_out(torch.exp(acc_l - new_l), sdim))
-    acc_o.add_(o_i * _stats_to_out(torch.exp(lse_i - new_l), sdim))
-    acc_l.copy_(new_l)
+    merge_into(out, lse, o_i, lse_i, 0 if qp is None else qp[0], fmt)
     return out, lse
 
 
@@ -176,8 +186,8 @@ class _RingAttention(torch.autograd.Function):
                                                       _BIAS[bias is not None], _fa.MASK_INT[mask], -1, -1,
                                                       mask == "no_mask")
             rngs.append(rng_i)
-            out, lse = merge_step(out, lse, o_i, lse_i, qp, sdim)
-        lse = fold_sink(ctx, out, lse, sink, (1, -1, 1, 1), lambda t: _stats_to_out(t, sdim))
+            out, lse = merge_step(out, lse, o_i, lse_i, qp, fmt)
+        lse = fold_sink(ctx, out, lse, sink, fmt)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, bias, *rngs)
         ctx.args = (cp, fmt, causal, scale, dropout, bias is not None and bias.requires_grad)
@@ -211,18 +221,18 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink, dbias
 
 
-def fold_sink(ctx, out: torch.Tensor, lse: torch.Tensor, sink, shape, to_out: Callable) -> torch.Tensor:
-    """The attention sink (logits [heads] or None) as one more softmax term after a ring's steps:
-    out (float32) rescaled in place by exp(lse - lse'), lse' = log(exp(lse) + exp(sink)) returned
-    (sink.view(shape) broadcasts against lse; to_out(stats) puts statistics in out's arrangement,
-    heads last). Records on ctx what sink_grad needs."""
+def fold_sink(ctx, out: torch.Tensor, lse: torch.Tensor, sink, fmt: str) -> torch.Tensor:
+    """The attention sink (logits [heads] or None) as one more softmax term after a ring's steps
+    (nvte_attn_merge_sink: out rescaled and lse updated in place; lse returned). Records on ctx
+    what sink_grad needs."""
     ctx.sink = None if sink is None else sink.detach()
     ctx.sink_grad = sink is not None and sink.requires_grad
     if sink is None:
         return lse
-    new = torch.logaddexp(lse, ctx.sink.view(shape))
-    out.mul_(to_out(torch.exp(lse - new)))
-    return new
+    logits = ctx.sink.float().contiguous()
+    _nvte.attn_merge_sink(_ops._tensor(out), _ops._tensor(lse), _ops._tensor(logits), _FORMAT[fmt],
+                          _ops._stream(out))
+    return lse
 
 
 def sink_grad(ctx, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, shape, to_out: Callable):

@@ -29,7 +29,7 @@ import torch
 from . import dpa_fused as _df
 from . import fused_attention as _fa
 from .context_parallel import CPGroup
-from .context_parallel_ring import BlockGrads, fold_sink, ring_blocks, sink_grad, step_kind
+from .context_parallel_ring import BlockGrads, fold_sink, merge_into, ring_blocks, sink_grad, step_kind
 
 
 class ThdSplit(NamedTuple):
@@ -292,10 +292,8 @@ class RingAttentionTHD(torch.autograd.Function):
             if i == 0:  # (every real token sees itself; padding tokens: O 0 and a finite lse, so they stay 0)
                 out, lse = o_i.float(), lse_i if st.covered is None else lse_i.masked_fill(~st.covered[:, None], 0.0)
             else:  # O = sum_i exp(lse_i - lse) O_i; uncovered rows: weight 0 (their O_i rows are zeros)
-                new = torch.logaddexp(lse, lse_i)
-                out.mul_(torch.exp(lse - new)[..., None]).add_(o_i * torch.exp(lse_i - new)[..., None])
-                lse = new
-        lse = fold_sink(ctx, out, lse, sink, (1, -1), lambda t: t[..., None])  # (padding tokens: O stays 0)
+                merge_into(out, lse, o_i, lse_i, 0, "thd")
+        lse = fold_sink(ctx, out, lse, sink, "thd")  # (padding tokens: O stays 0)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *rngs)
         ctx.args = (cp, sp, steps, scale, dropout)

@@ -1,0 +1,129 @@
+// api/attn_merge.cpp - nvte_attn_merge / nvte_attn_merge_sink (fused_attn.h): check the shapes
+// once (attn_merge::Geometry), pick the backend, run the shared merge rule.
+#include "transformer_engine/fused_attn.h"
+
+#include "../common/attn_merge.h"
+#include "../common/backend.h"
+#include "../cpu/attn_merge.h"
+#ifdef NVTE_WITH_CUDA
+#include "../cuda/attn_merge.h"
+#endif
+
+using namespace nvte;
+using attn_merge::Geometry;
+
+namespace {
+
+// Sizes of a statistics tensor: [b, h, s] or [b, h, s, 1] (BSHD / SBHD), [t, h] (THD).
+bool stats_shape(const NVTEShape &s, NVTE_QKV_Format fmt, int64_t b, int64_t h, int64_t rows) {
+  if (fmt == NVTE_THD) return s.ndim == 2 && (int64_t)s.data[0] == rows && (int64_t)s.data[1] == h;
+  const bool trail = s.ndim == 4 && s.data[3] == 1;
+  return (s.ndim == 3 || trail) && (int64_t)s.data[0] == b && (int64_t)s.data[1] == h && (int64_t)s.data[2] == rows;
+}
+
+const char *stats_text(NVTE_QKV_Format fmt) {
+  return fmt == NVTE_THD ? "[t, h] (THD)" : "[b, h, s] or [b, h, s, 1]";
+}
+
+// The running pair: out float32 [b, s, h, d] / [s, b, h, d] / [t, h, d], lse float32 statistics.
+Geometry running(const Tensor &out, const Tensor &lse, NVTE_QKV_Format fmt) {
+  NVTE_CHECK(fmt == NVTE_BSHD || fmt == NVTE_SBHD || fmt == NVTE_THD,
+             "qkv_format must be NVTE_BSHD, NVTE_SBHD or NVTE_THD, got ", (int)fmt);
+  const NVTEShape os = logical_shape(out), ls = logical_shape(lse);
+  const size_t want = fmt == NVTE_THD ? 3 : 4;
+  NVTE_CHECK(os.ndim == want, "out must be ", fmt == NVTE_THD ? "[t, h, d] (THD)" : "4-D [.., h, d]", ", got ",
+             shape_str(os));
+  NVTE_CHECK(logical_dtype(out) == kNVTEFloat32 && logical_dtype(lse) == kNVTEFloat32,
+             "out and lse must be float32 (the running sums), got ", dtype_name(logical_dtype(out)), " and ",
+             dtype_name(logical_dtype(lse)));
+  Geometry g;
+  if (fmt == NVTE_THD) {
+    g.batch = 1;
+    g.rows = (int64_t)os.data[0];
+  } else {
+    g.batch = (int64_t)os.data[fmt == NVTE_BSHD ? 0 : 1];
+    g.rows = (int64_t)os.data[fmt == NVTE_BSHD ? 1 : 0];
+  }
+  g.heads = (int64_t)os.data[want - 2];
+  g.dim = (int64_t)os.data[want - 1];
+  NVTE_CHECK(stats_shape(ls, fmt, g.batch, g.heads, g.rows), "lse must be float32 ", stats_text(fmt),
+             " matching out ", shape_str(os), ", got ", shape_str(ls));
+  g.out_tok_n = fmt == NVTE_SBHD ? 1 : g.rows;
+  g.out_tok_s = fmt == NVTE_SBHD ? g.batch : 1;
+  if (fmt == NVTE_THD) {
+    g.lse_n = 0, g.lse_s = g.heads, g.lse_h = 1;
+  } else {
+    g.lse_n = g.heads * g.rows, g.lse_s = 1, g.lse_h = g.rows;
+  }
+  return g;
+}
+
+void run(const char *op, const Geometry &g, Tensor &o, Tensor &l, const Tensor *part, const Tensor &pl,
+         std::initializer_list<NamedTensor> named, cudaStream_t stream) {
+  const Backend where = backend_of(named);
+  if (g.batch == 0 || g.part_rows == 0 || g.heads == 0) return;
+  switch (where) {
+    case Backend::CPU: return cpu::attn_merge(g, o, l, part, pl);
+    case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+      return cuda::attn_merge(g, o, l, part, pl, stream);
+#else
+      (void)stream;
+      cuda_not_built(op);
+#endif
+  }
+}
+
+}  // namespace
+
+extern "C" NVTEStatus nvte_attn_merge(NVTETensor out, NVTETensor lse, const NVTETensor out_part,
+                                      const NVTETensor lse_part, size_t row_offset, NVTE_QKV_Format qkv_format,
+                                      cudaStream_t stream) {
+  const char *op = "nvte_attn_merge";
+  return api_call(op, [&] {
+    Tensor &o = require_mut(out, "out"), &l = require_mut(lse, "lse");
+    const Tensor &p = require(out_part, "out_part"), &pl = require(lse_part, "lse_part");
+    Geometry g = running(o, l, qkv_format);
+    const NVTEShape os = logical_shape(o), ps = logical_shape(p), pls = logical_shape(pl);
+    const NVTEDType pd = logical_dtype(p);
+    NVTE_CHECK(pd == kNVTEFloat32 || pd == kNVTEBFloat16 || pd == kNVTEFloat16,
+               "out_part must be float32, bfloat16 or float16, got ", dtype_name(pd));
+    const int sdim = qkv_format == NVTE_SBHD ? 0 : (qkv_format == NVTE_BSHD ? 1 : 0);
+    bool same = ps.ndim == os.ndim;
+    for (size_t i = 0; same && i < os.ndim; ++i) same = (int)i == sdim || ps.data[i] == os.data[i];
+    NVTE_CHECK(same, "out_part ", shape_str(ps), " must match out ", shape_str(os), " except in the ",
+               qkv_format == NVTE_THD ? "token" : "sequence", " dimension (", sdim, ")");
+    g.part_rows = (int64_t)ps.data[sdim];
+    g.row_offset = (int64_t)row_offset;
+    NVTE_CHECK(row_offset <= (size_t)g.rows && g.part_rows <= g.rows - g.row_offset, "out_part's ", g.part_rows,
+               " rows from row_offset ", row_offset, " run past out's ", g.rows);
+    NVTE_CHECK(logical_dtype(pl) == kNVTEFloat32 && stats_shape(pls, qkv_format, g.batch, g.heads, g.part_rows),
+               "lse_part must be float32 ", stats_text(qkv_format), " matching out_part ", shape_str(ps), ", got ",
+               dtype_name(logical_dtype(pl)), " ", shape_str(pls));
+    g.part_tok_n = qkv_format == NVTE_SBHD ? 1 : g.part_rows;
+    g.part_tok_s = qkv_format == NVTE_SBHD ? g.batch : 1;
+    if (qkv_format == NVTE_THD) {
+      g.plse_n = 0, g.plse_s = g.heads, g.plse_h = 1;
+    } else {
+      g.plse_n = g.heads * g.part_rows, g.plse_s = 1, g.plse_h = g.part_rows;
+    }
+    run(op, g, o, l, &p, pl, {{"out", out}, {"lse", lse}, {"out_part", out_part}, {"lse_part", lse_part}}, stream);
+  });
+}
+
+extern "C" NVTEStatus nvte_attn_merge_sink(NVTETensor out, NVTETensor lse, const NVTETensor sink,
+                                           NVTE_QKV_Format qkv_format, cudaStream_t stream) {
+  const char *op = "nvte_attn_merge_sink";
+  return api_call(op, [&] {
+    Tensor &o = require_mut(out, "out"), &l = require_mut(lse, "lse");
+    const Tensor &sk = require(sink, "sink");
+    Geometry g = running(o, l, qkv_format);
+    const NVTEShape ss = logical_shape(sk);
+    NVTE_CHECK(logical_dtype(sk) == kNVTEFloat32 && ss.ndim == 1 && (int64_t)ss.data[0] == g.heads,
+               "sink must be float32 [h] = [", g.heads, "], got ", dtype_name(logical_dtype(sk)), " ", shape_str(ss));
+    g.part_rows = g.rows;  // every row gets the sink's term
+    g.part_is_zero = true;
+    g.plse_n = 0, g.plse_s = 0, g.plse_h = 1;
+    run(op, g, o, l, nullptr, sk, {{"out", out}, {"lse", lse}, {"sink", sink}}, stream);
+  });
+}

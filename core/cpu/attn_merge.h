@@ -1,0 +1,14 @@
+// cpu/attn_merge.h - CPU reference of nvte_attn_merge / nvte_attn_merge_sink (fused_attn.h).
+#pragma once
+
+#include "../common/attn_merge.h"
+#include "../common/tensor.h"
+
+namespace nvte::cpu {
+
+// Folds the part (out_part rows and their statistics; part null: the sink, a zero value with the
+// per-head statistic lse_part[h]) into out / lse in place, row by row, in double precision.
+void attn_merge(const attn_merge::Geometry &g, Tensor &out, Tensor &lse, const Tensor *out_part,
+                const Tensor &lse_part);
+
+}  // namespace nvte::cpu

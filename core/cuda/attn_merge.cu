@@ -1,0 +1,81 @@
+// cuda/attn_merge.cu - the softmax-statistics merge of context-parallel attention on the GPU.
+//
+// Design: one warp per (token, head). Its lanes read the two statistics first, compute the
+// weights in float32 (common/attn_merge.h's rule, shared with the CPU reference), scale-and-add
+// the head's row of out in 4-element vectors where the row length and buffers allow, and lane 0
+// writes the new statistic after a __syncwarp: no other warp touches that (token, head), so the
+// in-place update needs no second pass. It replaces the ~10 elementwise torch kernels per ring
+// step (logaddexp, exps, broadcast multiplies) that the adapter used to launch.
+#include "attn_merge.h"
+#include "common.cuh"
+
+namespace nvte::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+
+template <class P, int V, bool kZero>
+__global__ void __launch_bounds__(kWarps * 32)
+    merge_kernel(attn_merge::Geometry g, float *__restrict__ out, float *__restrict__ lse,
+                 const P *__restrict__ part, const float *__restrict__ plse, int64_t pairs) {
+  const int lane = threadIdx.x & 31;
+  const int64_t pair = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (pair >= pairs) return;
+  const int64_t h = pair % g.heads, tok = pair / g.heads;
+  const int64_t j = tok % g.part_rows, n = tok / g.part_rows, s = g.row_offset + j;
+  float *lp = lse + n * g.lse_n + s * g.lse_s + h * g.lse_h;
+  const float a = *lp, b = plse[n * g.plse_n + j * g.plse_s + h * g.plse_h];
+  float wa, wb, nl;
+  if (!attn_merge::merge_weights<float>(a, b, wa, wb, nl)) return;
+  const int64_t hd = g.heads * g.dim;
+  float *o = out + (n * g.out_tok_n + s * g.out_tok_s) * hd + h * g.dim;
+  const P *p = kZero ? nullptr : part + (n * g.part_tok_n + j * g.part_tok_s) * hd + h * g.dim;
+  for (int64_t d = (int64_t)lane * V; d < g.dim; d += 32 * V) {
+    Vec<float, V> ov = load_vec<float, V>(o + d);
+    if constexpr (kZero) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) ov.v[i] *= wa;
+    } else {
+      const Vec<P, V> pv = load_vec<P, V>(p + d);
+#pragma unroll
+      for (int i = 0; i < V; ++i) ov.v[i] = wa * ov.v[i] + wb * load_f32(pv.v[i]);
+    }
+    store_vec<float, V>(o + d, ov);
+  }
+  __syncwarp();  // every lane has read *lp (at the top) before it changes
+  if (lane == 0) *lp = nl;
+}
+
+bool aligned(const void *p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+template <class P, bool kZero>
+void launch(const attn_merge::Geometry &g, float *o, float *l, const P *p, const float *pl, cudaStream_t stream) {
+  const int64_t pairs = g.batch * g.part_rows * g.heads;
+  const int64_t blocks = (pairs + kWarps - 1) / kWarps;
+  NVTE_CHECK(blocks <= 0x7fffffff, "attn_merge: ", pairs, " (token, head) pairs are too many for one launch");
+  const bool vec4 = g.dim % 4 == 0 && aligned(o, 16) && (kZero || aligned(p, 4 * sizeof(P)));
+  if (vec4)
+    merge_kernel<P, 4, kZero><<<(unsigned)blocks, kWarps * 32, 0, stream>>>(g, o, l, p, pl, pairs);
+  else
+    merge_kernel<P, 1, kZero><<<(unsigned)blocks, kWarps * 32, 0, stream>>>(g, o, l, p, pl, pairs);
+  NVTE_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void attn_merge(const attn_merge::Geometry &g, Tensor &out, Tensor &lse, const Tensor *out_part,
+                const Tensor &lse_part, cudaStream_t stream) {
+  float *o = static_cast<float *>(out.params[kNVTERowwiseData].data_ptr);
+  float *l = static_cast<float *>(lse.params[kNVTERowwiseData].data_ptr);
+  const float *pl = static_cast<const float *>(lse_part.params[kNVTERowwiseData].data_ptr);
+  if (out_part == nullptr) return launch<float, true>(g, o, l, nullptr, pl, stream);
+  const void *p = out_part->params[kNVTERowwiseData].data_ptr;
+  switch (logical_dtype(*out_part)) {
+    case kNVTEFloat32: return launch<float, false>(g, o, l, static_cast<const float *>(p), pl, stream);
+    case kNVTEBFloat16: return launch<bf16, false>(g, o, l, static_cast<const bf16 *>(p), pl, stream);
+    case kNVTEFloat16: return launch<fp16, false>(g, o, l, static_cast<const fp16 *>(p), pl, stream);
+    default: NVTE_FAIL(NVTE_ERROR_INVALID_ARGUMENT, "out_part must be float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace nvte::cuda
