@@ -40,15 +40,15 @@ def run(report: Report):
     rnd = lambda *s: torch.randn(*s, generator=g, device="cuda")
     outs = [rnd(B, S, H, D) for _ in range(2)]  # ours, torch (each updated in place every call)
     lses = [rnd(B, H, S, 1) * 3 for _ in range(2)]
-    lses[1].copy_(lses[0])
-    outs[1].copy_(outs[0])
     for rows, off in ((S // 2, S // 2), (S, 0)):
         part, plse = rnd(B, rows, H, D).to(torch.bfloat16), rnd(B, H, rows, 1) * 3
+        lses[1].copy_(lses[0])  # (the timed calls below let the two drift apart by rounding)
+        outs[1].copy_(outs[0])
         ring.merge_into(outs[0], lses[0], part, plse, off, "bshd")  # one call each, then compare
         torch_merge(outs[1], lses[1], part, plse, off)
         torch.cuda.synchronize()
         err = float((outs[0] - outs[1]).abs().max())
-        assert err < 1e-4, f"the library merge disagrees with the torch ops by {err}"
+        assert err < 1e-5, f"the library merge disagrees with the torch ops by {err}"
         fns = [lambda: ring.merge_into(outs[0], lses[0], part, plse, off, "bshd"),
                lambda: torch_merge(outs[1], lses[1], part, plse, off)]
         t = time_alternating_ms(fns)

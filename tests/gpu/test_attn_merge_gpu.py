@@ -65,8 +65,9 @@ def naive(out, lse, part, plse, off, fmt):
 def check(gpu, cpu, ref32, fmt):
     """GPU (float32 math) against the CPU backend (float64 math, rounded once): NaN where the CPU
     has NaN, and elsewhere at most twice the float32 naive implementation's largest error (the
-    flash-attention rule), or one float32 rounding of the largest value where the naive one is
-    exact."""
+    flash-attention rule), or 4 float32 ulps of the largest value where the naive one happens to
+    be that exact (small cases: expf's 2-ulp bound, the division and the sum give the kernel a few
+    ulps; a first run with half an ulp as the floor failed tiny cases at 1 ulp)."""
     for g, c, n in zip(canon(*gpu, fmt), canon(*cpu, fmt), ref32):
         assert torch.equal(g.isnan(), c.isnan()), "NaN positions differ"
         inf = c.isinf()
@@ -76,7 +77,7 @@ def check(gpu, cpu, ref32, fmt):
         if c.numel() == 0:
             continue
         err, err_naive = (g - c).abs().max().item(), (n - c).abs().max().item()
-        bound = max(2 * err_naive, 2.0**-24 * c.abs().max().item())
+        bound = max(2 * err_naive, 2.0**-21 * c.abs().max().item())
         worst = int((g - c).abs().argmax())
         assert err <= bound, (f"GPU error {err:.3g} > bound {bound:.3g} (naive float32 error {err_naive:.3g}); "
                               f"worst: got {g[worst].item()!r} cpu {c[worst].item()!r}")
