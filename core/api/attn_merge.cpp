@@ -2,6 +2,8 @@
 // once (attn_merge::Geometry), pick the backend, run the shared merge rule.
 #include "transformer_engine/fused_attn.h"
 
+#include <utility>
+
 #include "../common/attn_merge.h"
 #include "../common/backend.h"
 #include "../cpu/attn_merge.h"
@@ -21,6 +23,22 @@ bool stats_shape(const NVTEShape &s, NVTE_QKV_Format fmt, int64_t b, int64_t h, 
   return (s.ndim == 3 || trail) && (int64_t)s.data[0] == b && (int64_t)s.data[1] == h && (int64_t)s.data[2] == rows;
 }
 
+// The tensors are read through their rowwise data; a handle without it is an error, not a null read.
+void check_rowwise(const Tensor &t, const char *name) {
+  NVTE_CHECK(buffer_set(t.params[kNVTERowwiseData]), name, " needs rowwise data");
+}
+
+// Whether two tensors' rowwise bytes intersect (the kernel reads the part while it writes out / lse).
+bool overlap(const Tensor &a, const Tensor &b) {
+  const auto range = [](const Tensor &t) {
+    const auto *p = static_cast<const char *>(t.params[kNVTERowwiseData].data_ptr);
+    return std::pair{p, p + numel(logical_shape(t)) * dtype_size(logical_dtype(t))};
+  };
+  const auto [a0, a1] = range(a);
+  const auto [b0, b1] = range(b);
+  return a0 < b1 && b0 < a1;
+}
+
 const char *stats_text(NVTE_QKV_Format fmt) {
   return fmt == NVTE_THD ? "[t, h] (THD)" : "[b, h, s] or [b, h, s, 1]";
 }
@@ -29,6 +47,9 @@ const char *stats_text(NVTE_QKV_Format fmt) {
 Geometry running(const Tensor &out, const Tensor &lse, NVTE_QKV_Format fmt) {
   NVTE_CHECK(fmt == NVTE_BSHD || fmt == NVTE_SBHD || fmt == NVTE_THD,
              "qkv_format must be NVTE_BSHD, NVTE_SBHD or NVTE_THD, got ", (int)fmt);
+  check_rowwise(out, "out");
+  check_rowwise(lse, "lse");
+  NVTE_CHECK(!overlap(out, lse), "out and lse must not share memory");
   const NVTEShape os = logical_shape(out), ls = logical_shape(lse);
   const size_t want = fmt == NVTE_THD ? 3 : 4;
   NVTE_CHECK(os.ndim == want, "out must be ", fmt == NVTE_THD ? "[t, h, d] (THD)" : "4-D [.., h, d]", ", got ",
@@ -84,6 +105,11 @@ extern "C" NVTEStatus nvte_attn_merge(NVTETensor out, NVTETensor lse, const NVTE
     Tensor &o = require_mut(out, "out"), &l = require_mut(lse, "lse");
     const Tensor &p = require(out_part, "out_part"), &pl = require(lse_part, "lse_part");
     Geometry g = running(o, l, qkv_format);
+    check_rowwise(p, "out_part");
+    check_rowwise(pl, "lse_part");
+    for (const Tensor *t : {&p, &pl})
+      NVTE_CHECK(!overlap(*t, o) && !overlap(*t, l), t == &p ? "out_part" : "lse_part",
+                 " must not share memory with out or lse (they are written while it is read)");
     const NVTEShape os = logical_shape(o), ps = logical_shape(p), pls = logical_shape(pl);
     const NVTEDType pd = logical_dtype(p);
     NVTE_CHECK(pd == kNVTEFloat32 || pd == kNVTEBFloat16 || pd == kNVTEFloat16,
@@ -118,6 +144,8 @@ extern "C" NVTEStatus nvte_attn_merge_sink(NVTETensor out, NVTETensor lse, const
     Tensor &o = require_mut(out, "out"), &l = require_mut(lse, "lse");
     const Tensor &sk = require(sink, "sink");
     Geometry g = running(o, l, qkv_format);
+    check_rowwise(sk, "sink");
+    NVTE_CHECK(!overlap(sk, o) && !overlap(sk, l), "sink must not share memory with out or lse");
     const NVTEShape ss = logical_shape(sk);
     NVTE_CHECK(logical_dtype(sk) == kNVTEFloat32 && ss.ndim == 1 && (int64_t)ss.data[0] == g.heads,
                "sink must be float32 [h] = [", g.heads, "], got ", dtype_name(logical_dtype(sk)), " ", shape_str(ss));

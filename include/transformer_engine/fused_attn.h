@@ -398,7 +398,8 @@ NVTE_API NVTEStatus nvte_copy_to_kv_cache(NVTETensor new_k, NVTETensor new_v, NV
  *  \param[in]  lse_part   float32 statistics of out_part's rows, laid out as lse.
  *  \param[in]  row_offset see out_part.
  *  \param[in]  qkv_format NVTE_BSHD, NVTE_SBHD or NVTE_THD.
- *  \param[in]  stream     CUDA stream (ignored for host data). All four tensors on one device. */
+ *  \param[in]  stream     CUDA stream (ignored for host data). All four tensors on one device, in
+ *                         memory of their own (no two overlap). */
 NVTE_API NVTEStatus nvte_attn_merge(NVTETensor out, NVTETensor lse, const NVTETensor out_part,
                                     const NVTETensor lse_part, size_t row_offset, NVTE_QKV_Format qkv_format,
                                     cudaStream_t stream);

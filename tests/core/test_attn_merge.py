@@ -194,6 +194,13 @@ def _f32(*s):
      "run past"),
     ("part lse rows", lambda: (T(_f32(2, 4, 3, 8)), T(_f32(2, 3, 4)), T(_f32(2, 2, 3, 8)), T(_f32(2, 3, 4)), 0),
      "lse_part must be"),
+    ("stats 4-D not 1", lambda: (T(_f32(2, 4, 3, 8)), T(_f32(2, 3, 4, 2)), T(_f32(2, 4, 3, 8)), T(_f32(2, 3, 4)),
+                                 0), "lse must be"),
+    ("out without rowwise data", lambda: (nvte.Tensor(None, columnwise_data=_f32(2, 4, 3, 8)), T(_f32(2, 3, 4)),
+                                          T(_f32(2, 4, 3, 8)), T(_f32(2, 3, 4)), 0), "out needs rowwise data"),
+    ("part without rowwise data", lambda: (T(_f32(2, 4, 3, 8)), T(_f32(2, 3, 4)),
+                                           nvte.Tensor(None, columnwise_data=_f32(2, 4, 3, 8)), T(_f32(2, 3, 4)), 0),
+     "out_part needs rowwise data"),
     ("part fp8", lambda: (T(_f32(2, 4, 3, 8)), T(_f32(2, 3, 4)),
                           nvte.Tensor(np.zeros((2, 4, 3, 8), np.uint8), dtype=DT.kFloat8E4M3), T(_f32(2, 3, 4)), 0),
      "out_part must be float32"),
@@ -202,6 +209,30 @@ def test_merge_rejects_bad_arguments(what, args, msg):
     a = args()
     with pytest.raises(RuntimeError, match=msg):
         nvte.attn_merge(*a, FMT["bshd"])
+
+
+def test_merge_rejects_overlapping_buffers():
+    """The part is read while out / lse are written: shared memory is an error, not a race."""
+    out, lse = _f32(2, 4, 3, 8), _f32(2, 3, 4)
+    with pytest.raises(RuntimeError, match="out_part must not share memory"):
+        nvte.attn_merge(T(out), T(lse), T(out), T(_f32(2, 3, 4)), 0, FMT["bshd"])
+    with pytest.raises(RuntimeError, match="lse_part must not share memory"):
+        nvte.attn_merge(T(out), T(lse), T(_f32(2, 2, 3, 8)), T(lse.reshape(-1)[:12].reshape(2, 3, 2)), 2, FMT["bshd"])
+    with pytest.raises(RuntimeError, match="out and lse must not share memory"):
+        nvte.attn_merge(T(out), T(out.reshape(-1)[:24].reshape(2, 3, 4)), T(_f32(2, 4, 3, 8)), T(_f32(2, 3, 4)), 0,
+                        FMT["bshd"])
+    with pytest.raises(RuntimeError, match="sink must not share memory"):
+        nvte.attn_merge_sink(T(out), T(lse), T(lse.reshape(-1)[:3]), FMT["bshd"])
+
+
+@pytest.mark.parametrize("fmt,out_shape,lse_shape,part_shape,plse_shape", [
+    ("sbhd", (4, 2, 3, 8), (2, 3, 4), (2, 3, 3, 8), (2, 3, 2)),   # the part's batch differs
+    ("thd", (6, 3, 8), (6, 3), (4, 3, 5), (4, 3)),                 # the part's head dim differs
+])
+def test_merge_rejects_parts_of_other_shapes(fmt, out_shape, lse_shape, part_shape, plse_shape):
+    with pytest.raises(RuntimeError, match="must match out"):
+        nvte.attn_merge(T(_f32(*out_shape)), T(_f32(*lse_shape)), T(_f32(*part_shape)), T(_f32(*plse_shape)), 0,
+                        FMT[fmt])
 
 
 def test_merge_rejects_bad_format_and_sink():

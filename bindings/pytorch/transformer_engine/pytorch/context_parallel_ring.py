@@ -117,11 +117,20 @@ def _stats_to_out(stats: torch.Tensor, sdim: int) -> torch.Tensor:
     return stats.permute(0, 2, 1, 3) if sdim == 1 else stats.permute(2, 0, 1, 3)
 
 
+def _check_running(out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The running pair is updated in place through raw pointers: it must be dense float32 (a
+    copy would leave the caller's tensors unchanged)."""
+    if not (out.dtype == lse.dtype == torch.float32 and out.is_contiguous() and lse.is_contiguous()):
+        raise ValueError(f"the ring's running output / statistics must be contiguous float32, got {out.dtype} / "
+                         f"{lse.dtype} (contiguous: {out.is_contiguous()} / {lse.is_contiguous()})")
+
+
 def merge_into(out: torch.Tensor, lse: torch.Tensor, o_i: torch.Tensor, lse_i: torch.Tensor, row_offset: int,
                fmt: str) -> None:
     """nvte_attn_merge: folds a step's output o_i (rows row_offset .. of out) and its statistics
     lse_i into the running float32 out and lse, in place (fmt "bshd" / "sbhd": statistics
     [b, h, s, 1]; "thd": [t, h])."""
+    _check_running(out, lse)
     part, part_lse = o_i.contiguous(), lse_i.contiguous()  # (held: the handles borrow their memory)
     _nvte.attn_merge(_ops._tensor(out), _ops._tensor(lse), _ops._tensor(part), _ops._tensor(part_lse), row_offset,
                      _FORMAT[fmt], _ops._stream(out))
@@ -229,6 +238,7 @@ def fold_sink(ctx, out: torch.Tensor, lse: torch.Tensor, sink, fmt: str) -> torc
     ctx.sink_grad = sink is not None and sink.requires_grad
     if sink is None:
         return lse
+    _check_running(out, lse)
     logits = ctx.sink.float().contiguous()
     _nvte.attn_merge_sink(_ops._tensor(out), _ops._tensor(lse), _ops._tensor(logits), _FORMAT[fmt],
                           _ops._stream(out))
