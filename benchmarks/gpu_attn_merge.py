@@ -1,7 +1,8 @@
 """The context-parallel ring's merge of one step into the running output (nvte_attn_merge through
 context_parallel_ring.merge_into) against the float32 torch ops the adapter ran before (logaddexp,
-two exps, broadcast multiply-adds, the statistic's copy), in the same process; and the attention
-sink's fold (nvte_attn_merge_sink) against its torch ops. Shape of a 2-rank ring over 16384 tokens:
+two exps, broadcast multiply-adds, the statistic's copy), in the same process; the attention
+sink's fold (nvte_attn_merge_sink) and its gradient (nvte_attn_merge_sink_grad) against their
+torch ops. Shape of a 2-rank ring over 16384 tokens:
 the running output float32 [b=2, 8192, 32, 128], a "q_second" step's bf16 part over the second
 4096 rows (and a whole-rows step). GB/s counts bytes read + written (out rows read and written,
 the part read; statistics small). GPU ms from gpu_harness (host cost not counted) and host us per
@@ -33,6 +34,13 @@ def torch_sink(out, lse, sink):
     new = torch.logaddexp(lse, sink.view(1, -1, 1, 1))
     out.mul_(torch.exp(lse - new).permute(0, 2, 1, 3))
     lse.copy_(new)
+
+
+def torch_sink_grad(dout, out, lse, sink):
+    """The adapter's sink gradient before the library op (bshd)."""
+    d = (dout.float() * out.float()).sum(-1)
+    p = torch.exp(sink.view(1, -1, 1, 1) - lse).permute(0, 2, 1, 3)[..., 0]
+    return -(p * d).sum([0, 1])
 
 
 def run(report: Report):
@@ -67,6 +75,19 @@ def run(report: Report):
     nbytes = B * S * H * D * 8
     report.add("attn merge", f"sink fold bshd b={B} s={S} h={H} d={D}", ours_ms=t[0], GBps=nbytes / t[0] / 1e6,
                torch_ops_ms=t[1], speed_vs_torch=t[1] / t[0])
+    # the sink's gradient from the merged bf16 output and its gradient
+    o, do = rnd(B, S, H, D).to(torch.bfloat16), rnd(B, S, H, D).to(torch.bfloat16)
+    lse = rnd(B, H, S, 1) * 2 + 1
+    ctx = Ctx()
+    ctx.sink, ctx.sink_grad = sink, True
+    ours, ref = ring.sink_grad(ctx, do, o, lse, "bshd"), torch_sink_grad(do, o, lse, sink)
+    err = float(((ours - ref).abs() / ref.abs().clamp_min(1.0)).max())
+    assert err < 1e-3, f"the library sink gradient disagrees with the torch ops by {err} (relative)"
+    fns = [lambda: ring.sink_grad(ctx, do, o, lse, "bshd"), lambda: torch_sink_grad(do, o, lse, sink)]
+    t = time_alternating_ms(fns)
+    nbytes = B * S * H * D * 4
+    report.add("attn merge", f"sink gradient bshd b={B} s={S} h={H} d={D}, bf16 O / dO", ours_ms=t[0],
+               GBps=nbytes / t[0] / 1e6, torch_ops_ms=t[1], speed_vs_torch=t[1] / t[0])
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ const char *stats_text(NVTE_QKV_Format fmt) {
   return fmt == NVTE_THD ? "[t, h] (THD)" : "[b, h, s] or [b, h, s, 1]";
 }
 
-// The running pair: out float32 [b, s, h, d] / [s, b, h, d] / [t, h, d], lse float32 statistics.
-Geometry running(const Tensor &out, const Tensor &lse, NVTE_QKV_Format fmt) {
+// The running pair: out float32 [b, s, h, d] / [s, b, h, d] / [t, h, d], lse float32 statistics
+// (out_f32 false: out may also be bfloat16 / float16, read only).
+Geometry running(const Tensor &out, const Tensor &lse, NVTE_QKV_Format fmt, bool out_f32 = true) {
   NVTE_CHECK(fmt == NVTE_BSHD || fmt == NVTE_SBHD || fmt == NVTE_THD,
              "qkv_format must be NVTE_BSHD, NVTE_SBHD or NVTE_THD, got ", (int)fmt);
   check_rowwise(out, "out");
@@ -54,9 +55,16 @@ Geometry running(const Tensor &out, const Tensor &lse, NVTE_QKV_Format fmt) {
   const size_t want = fmt == NVTE_THD ? 3 : 4;
   NVTE_CHECK(os.ndim == want, "out must be ", fmt == NVTE_THD ? "[t, h, d] (THD)" : "4-D [.., h, d]", ", got ",
              shape_str(os));
-  NVTE_CHECK(logical_dtype(out) == kNVTEFloat32 && logical_dtype(lse) == kNVTEFloat32,
-             "out and lse must be float32 (the running sums), got ", dtype_name(logical_dtype(out)), " and ",
-             dtype_name(logical_dtype(lse)));
+  const NVTEDType od = logical_dtype(out);
+  if (out_f32)
+    NVTE_CHECK(od == kNVTEFloat32 && logical_dtype(lse) == kNVTEFloat32,
+               "out and lse must be float32 (the running sums), got ", dtype_name(od), " and ",
+               dtype_name(logical_dtype(lse)));
+  else
+    NVTE_CHECK((od == kNVTEFloat32 || od == kNVTEBFloat16 || od == kNVTEFloat16) &&
+                   logical_dtype(lse) == kNVTEFloat32,
+               "out must be float32, bfloat16 or float16 and lse float32, got ", dtype_name(od), " and ",
+               dtype_name(logical_dtype(lse)));
   Geometry g;
   if (fmt == NVTE_THD) {
     g.batch = 1;
@@ -153,5 +161,44 @@ extern "C" NVTEStatus nvte_attn_merge_sink(NVTETensor out, NVTETensor lse, const
     g.part_is_zero = true;
     g.plse_n = 0, g.plse_s = 0, g.plse_h = 1;
     run(op, g, o, l, nullptr, sk, {{"out", out}, {"lse", lse}, {"sink", sink}}, stream);
+  });
+}
+
+extern "C" NVTEStatus nvte_attn_merge_sink_grad(const NVTETensor dout, const NVTETensor out, const NVTETensor lse,
+                                                const NVTETensor sink, NVTETensor dsink, NVTE_QKV_Format qkv_format,
+                                                cudaStream_t stream) {
+  const char *op = "nvte_attn_merge_sink_grad";
+  return api_call(op, [&] {
+    const Tensor &o = require(out, "out"), &l = require(lse, "lse"), &sk = require(sink, "sink");
+    const Tensor &d = require(dout, "dout");
+    Tensor &ds = require_mut(dsink, "dsink");
+    Geometry g = running(o, l, qkv_format, false);
+    check_rowwise(d, "dout");
+    check_rowwise(sk, "sink");
+    check_rowwise(ds, "dsink");
+    const NVTEShape dsh = logical_shape(d), osh = logical_shape(o);
+    bool same = dsh.ndim == osh.ndim;
+    for (size_t i = 0; same && i < osh.ndim; ++i) same = dsh.data[i] == osh.data[i];
+    NVTE_CHECK(same && logical_dtype(d) == logical_dtype(o),
+               "dout must have out's shape and dtype ", shape_str(logical_shape(o)), " ",
+               dtype_name(logical_dtype(o)), ", got ", shape_str(logical_shape(d)), " ", dtype_name(logical_dtype(d)));
+    for (const auto &[t, name] : {std::pair<const Tensor *, const char *>{&sk, "sink"}, {&ds, "dsink"}}) {
+      const NVTEShape ts = logical_shape(*t);
+      NVTE_CHECK(logical_dtype(*t) == kNVTEFloat32 && ts.ndim == 1 && (int64_t)ts.data[0] == g.heads, name,
+                 " must be float32 [h] = [", g.heads, "], got ", dtype_name(logical_dtype(*t)), " ", shape_str(ts));
+    }
+    for (const Tensor *t : {&d, &o, &l, &sk})
+      NVTE_CHECK(!overlap(ds, *t), "dsink must not share memory with the inputs");
+    g.part_rows = g.rows;
+    const Backend where = backend_of({{"dout", dout}, {"out", out}, {"lse", lse}, {"sink", sink}, {"dsink", dsink}});
+    switch (where) {
+      case Backend::CPU: return cpu::attn_merge_sink_grad(g, d, o, l, sk, ds);
+      case Backend::CUDA:
+#ifdef NVTE_WITH_CUDA
+        return cuda::attn_merge_sink_grad(g, d, o, l, sk, ds, stream);
+#else
+        cuda_not_built(op);
+#endif
+    }
   });
 }

@@ -2,6 +2,8 @@
 // two terms' weights in double precision (attn_merge::merge_weights), then the row of out.
 #include "attn_merge.h"
 
+#include <cmath>
+
 #include "../common/dtype_switch.h"
 
 namespace nvte::cpu {
@@ -34,6 +36,32 @@ void attn_merge(const attn_merge::Geometry &g, Tensor &out, Tensor &lse, const T
           a = (float)nl;
         }
       }
+  });
+}
+
+void attn_merge_sink_grad(const attn_merge::Geometry &g, const Tensor &dout, const Tensor &out, const Tensor &lse,
+                          const Tensor &sink, Tensor &dsink) {
+  const float *l = static_cast<const float *>(lse.params[kNVTERowwiseData].data_ptr);
+  const float *sk = static_cast<const float *>(sink.params[kNVTERowwiseData].data_ptr);
+  float *ds = static_cast<float *>(dsink.params[kNVTERowwiseData].data_ptr);
+  with_float_dtype(logical_dtype(out), "out", [&](auto tag) {
+    using O = typename decltype(tag)::type;
+    const O *o = static_cast<const O *>(out.params[kNVTERowwiseData].data_ptr);
+    const O *d = static_cast<const O *>(dout.params[kNVTERowwiseData].data_ptr);
+    const int64_t hd = g.heads * g.dim;
+    for (int64_t h = 0; h < g.heads; ++h) {
+      double acc = 0.0;
+      for (int64_t n = 0; n < g.batch; ++n)
+        for (int64_t s = 0; s < g.rows; ++s) {
+          const float a = l[n * g.lse_n + s * g.lse_s + h * g.lse_h];
+          if (a == -INFINITY) continue;  // a row without keys or sink share
+          const int64_t off = (n * g.out_tok_n + s * g.out_tok_s) * hd + h * g.dim;
+          double dot = 0.0;
+          for (int64_t k = 0; k < g.dim; ++k) dot += (double)to_f32(o[off + k]) * (double)to_f32(d[off + k]);
+          acc += std::exp((double)sk[h] - (double)a) * dot;
+        }
+      ds[h] = (float)-acc;
+    }
   });
 }
 

@@ -11,4 +11,8 @@ namespace nvte::cpu {
 void attn_merge(const attn_merge::Geometry &g, Tensor &out, Tensor &lse, const Tensor *out_part,
                 const Tensor &lse_part);
 
+// dsink[h] = -sum over rows of exp(sink[h] - lse) (dO . O), in double precision, rows in order.
+void attn_merge_sink_grad(const attn_merge::Geometry &g, const Tensor &dout, const Tensor &out, const Tensor &lse,
+                          const Tensor &sink, Tensor &dsink);
+
 }  // namespace nvte::cpu

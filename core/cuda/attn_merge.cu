@@ -5,7 +5,8 @@
 // the head's row of out in 4-element vectors where the row length and buffers allow, and lane 0
 // writes the new statistic after a __syncwarp: no other warp touches that (token, head), so the
 // in-place update needs no second pass. It replaces the ~10 elementwise torch kernels per ring
-// step (logaddexp, exps, broadcast multiplies) that the adapter used to launch.
+// step (logaddexp, exps, broadcast multiplies) that the adapter used to launch. The sink's
+// gradient: one block per head, its rows summed in a fixed order (no scratch, deterministic).
 #include "attn_merge.h"
 #include "common.cuh"
 
@@ -61,7 +62,74 @@ void launch(const attn_merge::Geometry &g, float *o, float *l, const P *p, const
   NVTE_CHECK_LAUNCH();
 }
 
+// dsink of one head (blockIdx.x): each warp takes rows warp, warp + kGradWarps, ..., forms D =
+// dO . O over the head dim (float32), weights it by the sink's share exp(sink - lse); the warps'
+// sums are added in warp order. The same rows always go to the same lanes: deterministic.
+constexpr int kGradWarps = 16;
+
+template <class O, int V>
+__global__ void __launch_bounds__(kGradWarps * 32)
+    sink_grad_kernel(attn_merge::Geometry g, const O *__restrict__ dout, const O *__restrict__ out,
+                     const float *__restrict__ lse, const float *__restrict__ sink, float *__restrict__ dsink) {
+  const int64_t h = blockIdx.x, rows = g.batch * g.rows, hd = g.heads * g.dim;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float alpha = sink[h];
+  float acc = 0.0f;  // (lane 0's)
+  for (int64_t r = warp; r < rows; r += kGradWarps) {
+    const int64_t n = r / g.rows, s = r % g.rows;
+    const float a = lse[n * g.lse_n + s * g.lse_s + h * g.lse_h];
+    if (a == -INFINITY) continue;  // (warp-uniform)
+    const int64_t off = (n * g.out_tok_n + s * g.out_tok_s) * hd + h * g.dim;
+    float dot = 0.0f;
+    for (int64_t k = (int64_t)lane * V; k < g.dim; k += 32 * V) {
+      const Vec<O, V> x = load_vec<O, V>(out + off + k), y = load_vec<O, V>(dout + off + k);
+#pragma unroll
+      for (int i = 0; i < V; ++i) dot += load_f32(x.v[i]) * load_f32(y.v[i]);
+    }
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    acc += expf(alpha - a) * dot;
+  }
+  __shared__ float warp_sum[kGradWarps];
+  if (lane == 0) warp_sum[warp] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.0f;
+    for (int w = 0; w < kGradWarps; ++w) total += warp_sum[w];
+    dsink[h] = -total;
+  }
+}
+
+template <class O>
+void launch_grad(const attn_merge::Geometry &g, const O *d, const O *o, const float *l, const float *sk, float *ds,
+                 cudaStream_t stream) {
+  NVTE_CHECK(g.heads <= 0x7fffffff, "attn_merge_sink_grad: too many heads (", g.heads, ")");
+  const bool vec4 = g.dim % 4 == 0 && aligned(o, 4 * sizeof(O)) && aligned(d, 4 * sizeof(O));
+  if (vec4)
+    sink_grad_kernel<O, 4><<<(unsigned)g.heads, kGradWarps * 32, 0, stream>>>(g, d, o, l, sk, ds);
+  else
+    sink_grad_kernel<O, 1><<<(unsigned)g.heads, kGradWarps * 32, 0, stream>>>(g, d, o, l, sk, ds);
+  NVTE_CHECK_LAUNCH();
+}
+
 }  // namespace
+
+void attn_merge_sink_grad(const attn_merge::Geometry &g, const Tensor &dout, const Tensor &out, const Tensor &lse,
+                          const Tensor &sink, Tensor &dsink, cudaStream_t stream) {
+  if (g.heads == 0) return;
+  const void *d = dout.params[kNVTERowwiseData].data_ptr, *o = out.params[kNVTERowwiseData].data_ptr;
+  const float *l = static_cast<const float *>(lse.params[kNVTERowwiseData].data_ptr);
+  const float *sk = static_cast<const float *>(sink.params[kNVTERowwiseData].data_ptr);
+  float *ds = static_cast<float *>(dsink.params[kNVTERowwiseData].data_ptr);
+  switch (logical_dtype(out)) {
+    case kNVTEFloat32:
+      return launch_grad(g, static_cast<const float *>(d), static_cast<const float *>(o), l, sk, ds, stream);
+    case kNVTEBFloat16:
+      return launch_grad(g, static_cast<const bf16 *>(d), static_cast<const bf16 *>(o), l, sk, ds, stream);
+    case kNVTEFloat16:
+      return launch_grad(g, static_cast<const fp16 *>(d), static_cast<const fp16 *>(o), l, sk, ds, stream);
+    default: NVTE_FAIL(NVTE_ERROR_INVALID_ARGUMENT, "out must be float32, bfloat16 or float16");
+  }
+}
 
 void attn_merge(const attn_merge::Geometry &g, Tensor &out, Tensor &lse, const Tensor *out_part,
                 const Tensor &lse_part, cudaStream_t stream) {

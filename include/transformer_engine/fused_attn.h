@@ -413,6 +413,21 @@ NVTE_API NVTEStatus nvte_attn_merge(NVTETensor out, NVTETensor lse, const NVTETe
 NVTE_API NVTEStatus nvte_attn_merge_sink(NVTETensor out, NVTETensor lse, const NVTETensor sink,
                                          NVTE_QKV_Format qkv_format, cudaStream_t stream);
 
+/** \brief Gradient of the sink logits of a result that nvte_attn_merge_sink folded:
+ *    dsink[h] = -sum over rows (tokens) of exp(sink[h] - lse) * (dO . O)
+ *  (the sink's probability times the row's softmax_sum D; the sink's value is zero). Rows whose
+ *  lse is -inf contribute nothing. Deterministic: fixed-order sums.
+ *  \param[in]  dout, out  the merged output and its gradient: out's layout in nvte_attn_merge,
+ *                         one dtype, float32, bfloat16 or float16.
+ *  \param[in]  lse        float32 statistics of the rows after the sink's fold (nvte_attn_merge's
+ *                         layouts).
+ *  \param[in]  sink       float32 [h].
+ *  \param[out] dsink      float32 [h], written (not accumulated).
+ *  \param[in]  qkv_format, stream  as in nvte_attn_merge. */
+NVTE_API NVTEStatus nvte_attn_merge_sink_grad(const NVTETensor dout, const NVTETensor out, const NVTETensor lse,
+                                              const NVTETensor sink, NVTETensor dsink, NVTE_QKV_Format qkv_format,
+                                              cudaStream_t stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

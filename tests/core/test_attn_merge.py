@@ -1,9 +1,11 @@
-"""nvte_attn_merge / nvte_attn_merge_sink (fused_attn.h) on the CPU backend against a float64
+"""nvte_attn_merge / nvte_attn_merge_sink / nvte_attn_merge_sink_grad (fused_attn.h) on the CPU
+backend against a float64
 numpy reference (attn_merge_ref): BSHD / SBHD / THD, float32 / bfloat16 / float16 parts, parts
 covering all rows or a range from row_offset (rows outside it keep their bits), odd sizes and
 size 1, empty parts; -inf statistics on either side and on both (row unchanged), NaN (propagates),
 statistics 2000 apart (no overflow). A structured check: attention split into key blocks and
-merged block by block equals attention over all keys. Bad shapes and dtypes raise."""
+merged block by block equals attention over all keys. The sink gradient against its float64
+formula and against central differences of the fold. Bad shapes, dtypes and buffers raise."""
 import numpy as np
 import pytest
 
@@ -243,3 +245,72 @@ def test_merge_rejects_bad_format_and_sink():
         nvte.attn_merge_sink(T(out), T(lse), T(_f32(4)), FMT["bshd"])
     with pytest.raises(RuntimeError, match="THD"):
         nvte.attn_merge(T(_f32(4, 3, 8)), T(_f32(3, 4)), T(_f32(4, 3, 8)), T(_f32(3, 4)), 0, FMT["thd"])
+
+
+def sink_grad_ref(dout, out, lse, sink, fmt):
+    """float64 dsink[h] = -sum over rows of exp(sink[h] - lse) (dO . O); rows with lse -inf: none."""
+    o, d = canon(out.astype(np.float64), fmt), canon(dout.astype(np.float64), fmt)
+    l = canon_lse(lse.astype(np.float64), fmt)  # [b, h, s]
+    dot = np.einsum("bshd,bshd->bhs", o, d)
+    with np.errstate(over="ignore"):
+        p = np.where(l == -np.inf, 0.0, np.exp(sink.astype(np.float64)[None, :, None] - l))
+    return -(p * dot).sum(axis=(0, 2))
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("odt", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("b,s,h,d", [(2, 5, 3, 7), (1, 1, 1, 1), (3, 9, 2, 16), (2, 17, 4, 128)])
+def test_sink_grad_matches_float64(rng, fmt, odt, b, s, h, d):
+    out = rng.standard_normal(shapes(fmt, b, s, h, d)).astype(np.float32).astype(PART[odt][0])
+    dout = rng.standard_normal(shapes(fmt, b, s, h, d)).astype(np.float32).astype(PART[odt][0])
+    lse = (rng.standard_normal(stats_shape(fmt, b, s, h)) * 2 + 1).astype(np.float32)
+    if lse.size > 2:
+        lse.reshape(-1)[2] = -np.inf
+    sink = rng.standard_normal(h).astype(np.float32)
+    dsink = np.full(h, np.nan, np.float32)
+    nvte.attn_merge_sink_grad(T(dout, PART[odt][1]), T(out, PART[odt][1]), T(lse), T(sink), T(dsink), FMT[fmt])
+    assert_close(dsink, sink_grad_ref(dout, out, lse, sink, fmt), "float32", atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_sink_grad_is_the_derivative_of_the_fold(fmt):
+    """Central differences in float64 of loss(sink) = sum dO * fold(out0, lse0, sink) (the fold of
+    nvte_attn_merge_sink) against the library's gradient at the folded output and statistics."""
+    rng = np.random.default_rng(5)
+    b, s, h, d = 2, 6, 3, 8
+    out0 = rng.standard_normal(shapes(fmt, b, s, h, d))
+    lse0 = rng.standard_normal(stats_shape(fmt, b, s, h))
+    dout = rng.standard_normal(out0.shape)
+    sink = rng.standard_normal(h)
+
+    def fold(sk):
+        o, l = attn_merge_ref(out0, lse0, None, np.broadcast_to(
+            sk[None, :] if fmt == "thd" else sk[None, :, None], lse0.shape), 0, fmt)
+        return o, l
+
+    def loss(sk):
+        return float((dout * fold(sk)[0]).sum())
+
+    eps, fd = 1e-6, np.zeros(h)
+    for i in range(h):
+        e = np.zeros(h)
+        e[i] = eps
+        fd[i] = (loss(sink + e) - loss(sink - e)) / (2 * eps)
+    o, l = fold(sink)
+    dsink = np.zeros(h, np.float32)
+    f32 = lambda x: np.ascontiguousarray(x, np.float32)
+    nvte.attn_merge_sink_grad(T(f32(dout)), T(f32(o)), T(f32(l)),
+                              T(f32(sink)), T(dsink), FMT[fmt])
+    assert_close(dsink, fd, "float32", atol=1e-4, rtol=1e-4)  # float32 inputs; differences to ~1e-8
+
+
+def test_sink_grad_rejects_bad_arguments():
+    out, lse, sink = _f32(2, 4, 3, 8), _f32(2, 3, 4), _f32(3)
+    with pytest.raises(RuntimeError, match="dout must have out's shape and dtype"):
+        nvte.attn_merge_sink_grad(T(_f32(2, 4, 3, 4)), T(out), T(lse), T(sink), T(_f32(3)), FMT["bshd"])
+    with pytest.raises(RuntimeError, match=r"dsink must be float32 \[h\]"):
+        nvte.attn_merge_sink_grad(T(_f32(2, 4, 3, 8)), T(out), T(lse), T(sink), T(_f32(4)), FMT["bshd"])
+    with pytest.raises(RuntimeError, match="dsink must not share memory"):
+        nvte.attn_merge_sink_grad(T(_f32(2, 4, 3, 8)), T(out), T(lse), T(sink), T(sink), FMT["bshd"])
+    with pytest.raises(RuntimeError, match="lse must be"):
+        nvte.attn_merge_sink_grad(T(_f32(2, 4, 3, 8)), T(out), T(_f32(2, 4, 3)), T(sink), T(_f32(3)), FMT["bshd"])

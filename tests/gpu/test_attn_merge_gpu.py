@@ -1,9 +1,11 @@
-"""nvte_attn_merge / nvte_attn_merge_sink on the CUDA backend against the CPU backend on the same
-inputs (float32 math on the GPU, float64 on the CPU; the float32 tolerance): BSHD / SBHD / THD,
-float32 / bfloat16 / float16 parts, a part over a row range (rows outside it keep their bits),
+"""nvte_attn_merge / nvte_attn_merge_sink / nvte_attn_merge_sink_grad on the CUDA backend against
+the CPU backend on the same inputs (float32 math on the GPU, float64 on the CPU; errors held to
+twice those of the float32 torch formulas): BSHD / SBHD / THD, float32 / bfloat16 / float16 parts,
+a part over a row range (rows outside it keep their bits),
 head dims that take the 4-element vectors and odd ones that do not, a misaligned part (the scalar
 path), special statistics (-inf on either or both sides, NaN), and a context-parallel-sized call
-(b=2, 4096 rows, 32 heads, d=128)."""
+(b=2, 4096 rows, 32 heads, d=128); the sink gradient, deterministic, up to the ring's size
+(b=2, 8192 rows)."""
 import pytest
 import torch
 
@@ -174,3 +176,42 @@ def test_merge_context_parallel_size():
     (go, gl, _, _), (co, cl, _, _) = both(call, out, lse, part, plse)
     check((go, gl), (co, cl), naive(out, lse, part, plse, s // 2, "bshd"), "bshd")
     assert torch.equal(go[:, :s // 2], out[:, :s // 2]), "rows before row_offset changed"
+
+
+def sink_grad_naive(dout, out, lse, sink, fmt):
+    """dsink as float32 torch ops (what the adapter computed before the library op)."""
+    o, l = canon(out.float(), lse, fmt)
+    d = canon(dout.float(), lse, fmt)[0]
+    dot = (o * d).sum(-1).transpose(1, 2)  # [b, h, s]
+    p = torch.where(l == float("-inf"), 0.0, torch.exp(sink.view(1, -1, 1) - l))
+    return -(p * dot).sum((0, 2)), (p * dot).abs().sum((0, 2))
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("odt", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("b,s,h,d", [(2, 5, 3, 7), (1, 1, 1, 1), (3, 9, 2, 16), (2, 8192, 32, 128)])
+def test_sink_grad_matches_cpu(fmt, odt, b, s, h, d):
+    """GPU against the CPU backend (float64 sums): NaN never, twice the float32 torch formula's
+    error or 2^-20 of the terms' absolute sum (the float32 sum's rounding), and the same bits on
+    a second run (fixed-order sums)."""
+    g = torch.Generator().manual_seed(b * 100 + s + d)
+    out = torch.randn(shape(fmt, b, s, h, d), generator=g).to(DTYPES[odt])
+    dout = torch.randn(shape(fmt, b, s, h, d), generator=g).to(DTYPES[odt])
+    lse = torch.randn(stats(fmt, b, s, h), generator=g) * 2 + 1
+    if lse.numel() > 2:
+        lse.view(-1)[2] = float("-inf")
+    sink = torch.randn(h, generator=g)
+    res = {}
+    for dev in ("cuda", "cpu", "cuda"):
+        x = [t.to(dev) for t in (dout, out, lse, sink)]
+        ds = torch.full((h,), float("nan"), device=dev)
+        nvte.attn_merge_sink_grad(T(x[0]).t, T(x[1]).t, T(x[2]).t, T(x[3]).t, T(ds).t, FMT[fmt])
+        sync()
+        res.setdefault(dev, []).append(ds.cpu())
+    gpu, cpu = res["cuda"][0], res["cpu"][0]
+    assert torch.equal(gpu.view(torch.int32), res["cuda"][1].view(torch.int32)), "two GPU runs differ"
+    naive, mag = sink_grad_naive(dout, out, lse.view(stats(fmt, b, s, h)), sink, fmt)
+    assert not gpu.isnan().any()
+    err, err_naive = (gpu.double() - cpu.double()).abs(), (naive.double() - cpu.double()).abs()
+    bound = torch.maximum(2 * err_naive.max(), 2.0**-20 * mag.double())
+    assert (err <= bound).all(), f"GPU {gpu.tolist()} CPU {cpu.tolist()} naive error {err_naive.tolist()}"

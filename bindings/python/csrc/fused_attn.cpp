@@ -252,6 +252,15 @@ void bind_fused_attn(py::module_ &m) {
           check(nvte_attn_merge_sink(out.handle(), lse.handle(), sink.handle(), fmt, to_stream(stream)));
         },
         py::arg("out"), py::arg("lse"), py::arg("sink"), py::arg("qkv_format"), py::arg("stream") = 0);
+
+  m.def("attn_merge_sink_grad",
+        [](const Tensor &dout, const Tensor &out, const Tensor &lse, const Tensor &sink, Tensor &dsink,
+           NVTE_QKV_Format fmt, uintptr_t stream) {
+          check(nvte_attn_merge_sink_grad(dout.handle(), out.handle(), lse.handle(), sink.handle(), dsink.handle(),
+                                          fmt, to_stream(stream)));
+        },
+        py::arg("dout"), py::arg("out"), py::arg("lse"), py::arg("sink"), py::arg("dsink"), py::arg("qkv_format"),
+        py::arg("stream") = 0);
 }
 
 }  // namespace nvte_py

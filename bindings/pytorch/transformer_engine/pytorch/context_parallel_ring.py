@@ -112,11 +112,6 @@ def _rows(t: torch.Tensor, dim: int, part):
     return t if part is None else t.narrow(dim, part[0], part[1])
 
 
-def _stats_to_out(stats: torch.Tensor, sdim: int) -> torch.Tensor:
-    """Softmax statistics [b, h, s, 1] in the output's [b, s, h, 1] / [s, b, h, 1] arrangement."""
-    return stats.permute(0, 2, 1, 3) if sdim == 1 else stats.permute(2, 0, 1, 3)
-
-
 def _check_running(out: torch.Tensor, lse: torch.Tensor) -> None:
     """The running pair is updated in place through raw pointers: it must be dense float32 (a
     copy would leave the caller's tensors unchanged)."""
@@ -225,7 +220,7 @@ class _RingAttention(torch.autograd.Function):
             dkv.add(dk_i, dv_i, lambda t: _rows(t, sdim, kp))
             if dbias is not None:
                 put_bias_block(dbias, db_i, cp, step, c, qp, kp)
-        dsink = sink_grad(ctx, dout, out, lse, (1, -1, 1, 1), lambda t: _stats_to_out(t, sdim))
+        dsink = sink_grad(ctx, dout, out, lse, fmt)
         dk, dv = dkv.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink, dbias
 
@@ -245,12 +240,15 @@ def fold_sink(ctx, out: torch.Tensor, lse: torch.Tensor, sink, fmt: str) -> torc
     return lse
 
 
-def sink_grad(ctx, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, shape, to_out: Callable):
-    """d loss / d sink [heads] (None when not asked for): -sum over rows of p_sink * D, with
-    p_sink = exp(sink - lse) the sink's probability and D = dO . O per row (the sink's value is
-    zero)."""
+def sink_grad(ctx, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, fmt: str):
+    """d loss / d sink [heads] (None when not asked for): nvte_attn_merge_sink_grad, -sum over rows
+    of p_sink * D with p_sink = exp(sink - lse) the sink's probability and D = dO . O per row (the
+    sink's value is zero)."""
     if not ctx.sink_grad:
         return None
-    d = (dout.float() * out.float()).sum(-1)
-    p = to_out(torch.exp(ctx.sink.view(shape) - lse))[..., 0]
-    return -(p * d).sum(list(range(d.dim() - 1)))
+    o, d = out.contiguous(), dout.to(out.dtype).contiguous()
+    stats, logits = lse.contiguous(), ctx.sink.float().contiguous()
+    dsink = torch.empty_like(logits)
+    _nvte.attn_merge_sink_grad(_ops._tensor(d), _ops._tensor(o), _ops._tensor(stats), _ops._tensor(logits),
+                               _ops._tensor(dsink), _FORMAT[fmt], _ops._stream(o))
+    return dsink

@@ -316,6 +316,6 @@ class RingAttentionTHD(torch.autograd.Function):
             # (rows a step does not cover come back as zeros)
             dq = dq_i.float() if i == 0 else dq.add_(dq_i)
             dkv.add(dk_i, dv_i)
-        dsink = sink_grad(ctx, dout, out, lse, (1, -1), lambda t: t[..., None])  # (padding tokens: O 0, no share)
+        dsink = sink_grad(ctx, dout, out, lse, "thd")  # (padding tokens: O 0, no share)
         dk, dv = dkv.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink
