@@ -6,7 +6,8 @@
 // writes the new statistic after a __syncwarp: no other warp touches that (token, head), so the
 // in-place update needs no second pass. It replaces the ~10 elementwise torch kernels per ring
 // step (logaddexp, exps, broadcast multiplies) that the adapter used to launch. The sink's
-// gradient: one block per head, its rows summed in a fixed order (no scratch, deterministic).
+// gradient: one block per head, its rows summed in a fixed order (no scratch, deterministic; see
+// sink_grad_kernel).
 #include "attn_merge.h"
 #include "common.cuh"
 
@@ -62,39 +63,46 @@ void launch(const attn_merge::Geometry &g, float *o, float *l, const P *p, const
   NVTE_CHECK_LAUNCH();
 }
 
-// dsink of one head (blockIdx.x): each warp takes rows warp, warp + kGradWarps, ..., forms D =
-// dO . O over the head dim (float32), weights it by the sink's share exp(sink - lse); the warps'
-// sums are added in warp order. The same rows always go to the same lanes: deterministic.
-constexpr int kGradWarps = 16;
+// dsink of one head (blockIdx.x). Each row is read by `lpr` consecutive threads (a power of two
+// covering the head dim in V-element vectors: 16 of them at d 128 in bf16), so a 1024-thread block
+// reads 1024 / lpr rows per pass and keeps several passes' loads in flight. The row's sink share
+// exp(sink - lse) is the same for its threads, so each thread folds it into its own partial dot
+// and the block reduces once at the end, in a fixed order: the same rows always meet the same
+// threads and the same sums (deterministic, no scratch). A per-row shuffle reduction made the
+// first version latency-bound (233 GB/s on an H100, slower than the torch ops it replaced).
+constexpr int kGradThreads = 1024;
 
 template <class O, int V>
-__global__ void __launch_bounds__(kGradWarps * 32)
+__global__ void __launch_bounds__(kGradThreads)
     sink_grad_kernel(attn_merge::Geometry g, const O *__restrict__ dout, const O *__restrict__ out,
-                     const float *__restrict__ lse, const float *__restrict__ sink, float *__restrict__ dsink) {
+                     const float *__restrict__ lse, const float *__restrict__ sink, float *__restrict__ dsink,
+                     int lpr) {
   const int64_t h = blockIdx.x, rows = g.batch * g.rows, hd = g.heads * g.dim;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t per_pass = kGradThreads / lpr;
+  const int sl = threadIdx.x % lpr;
   const float alpha = sink[h];
-  float acc = 0.0f;  // (lane 0's)
-  for (int64_t r = warp; r < rows; r += kGradWarps) {
+  float acc = 0.0f;
+#pragma unroll 4
+  for (int64_t r = threadIdx.x / lpr; r < rows; r += per_pass) {
     const int64_t n = r / g.rows, s = r % g.rows;
     const float a = lse[n * g.lse_n + s * g.lse_s + h * g.lse_h];
-    if (a == -INFINITY) continue;  // (warp-uniform)
+    const float share = a == -INFINITY ? 0.0f : expf(alpha - a);  // (rows without keys: none)
     const int64_t off = (n * g.out_tok_n + s * g.out_tok_s) * hd + h * g.dim;
     float dot = 0.0f;
-    for (int64_t k = (int64_t)lane * V; k < g.dim; k += 32 * V) {
+    for (int64_t k = (int64_t)sl * V; k < g.dim; k += (int64_t)lpr * V) {
       const Vec<O, V> x = load_vec<O, V>(out + off + k), y = load_vec<O, V>(dout + off + k);
 #pragma unroll
       for (int i = 0; i < V; ++i) dot += load_f32(x.v[i]) * load_f32(y.v[i]);
     }
-    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    acc += expf(alpha - a) * dot;
+    acc += share * dot;
   }
-  __shared__ float warp_sum[kGradWarps];
-  if (lane == 0) warp_sum[warp] = acc;
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  __shared__ float warp_sum[kGradThreads / 32];
+  if (threadIdx.x % 32 == 0) warp_sum[threadIdx.x / 32] = acc;
   __syncthreads();
   if (threadIdx.x == 0) {
     float total = 0.0f;
-    for (int w = 0; w < kGradWarps; ++w) total += warp_sum[w];
+    for (int w = 0; w < kGradThreads / 32; ++w) total += warp_sum[w];
     dsink[h] = -total;
   }
 }
@@ -103,11 +111,15 @@ template <class O>
 void launch_grad(const attn_merge::Geometry &g, const O *d, const O *o, const float *l, const float *sk, float *ds,
                  cudaStream_t stream) {
   NVTE_CHECK(g.heads <= 0x7fffffff, "attn_merge_sink_grad: too many heads (", g.heads, ")");
-  const bool vec4 = g.dim % 4 == 0 && aligned(o, 4 * sizeof(O)) && aligned(d, 4 * sizeof(O));
-  if (vec4)
-    sink_grad_kernel<O, 4><<<(unsigned)g.heads, kGradWarps * 32, 0, stream>>>(g, d, o, l, sk, ds);
+  constexpr int kV = 16 / sizeof(O);  // 16-byte loads
+  const bool vec = g.dim % kV == 0 && aligned(o, 16) && aligned(d, 16);
+  const int64_t units = vec ? g.dim / kV : g.dim;
+  int lpr = 1;
+  while (lpr < 32 && lpr < units) lpr *= 2;
+  if (vec)
+    sink_grad_kernel<O, kV><<<(unsigned)g.heads, kGradThreads, 0, stream>>>(g, d, o, l, sk, ds, lpr);
   else
-    sink_grad_kernel<O, 1><<<(unsigned)g.heads, kGradWarps * 32, 0, stream>>>(g, d, o, l, sk, ds);
+    sink_grad_kernel<O, 1><<<(unsigned)g.heads, kGradThreads, 0, stream>>>(g, d, o, l, sk, ds, lpr);
   NVTE_CHECK_LAUNCH();
 }
 
