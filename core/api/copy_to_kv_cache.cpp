@@ -108,6 +108,10 @@ extern "C" NVTEStatus nvte_copy_to_kv_cache(NVTETensor new_k, NVTETensor new_v, 
     Tensor &kc = require_mut(k_cache, "k_cache"), &vc = require_mut(v_cache, "v_cache");
     const Tensor &cn = require(cu_new_lens, "cu_new_lens"), &cc = require(cu_cached_lens, "cu_cached_lens");
     const Tensor *table = present(page_table) ? &require(page_table, "page_table") : nullptr;
+    for (const auto &[t, name] : {std::pair{&nk, "new_k"}, std::pair{&nv, "new_v"}, std::pair{&cn, "cu_new_lens"},
+                                  std::pair{&cc, "cu_cached_lens"}, std::pair{table, "page_table"},
+                                  std::pair<const Tensor *, const char *>{&kc, "k_cache"}, {&vc, "v_cache"}})
+      NVTE_CHECK(t == nullptr || buffer_set(t->params[kNVTERowwiseData]), name, " needs rowwise data");
     const CopyParams p = validate(nk, nv, kc, vc, table, cn, cc, qkv_format, b, max_ctx_len, max_seq_len,
                                   max_pages_per_seq, is_non_paged == 0);
     const Backend where = backend_of({{"new_k", new_k},

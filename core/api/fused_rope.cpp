@@ -56,6 +56,7 @@ RopeParams validate(const RopeCall &c, NVTE_QKV_Format fmt, bool interleaved, bo
     p.rows = (int64_t)ys.data[0];
     p.s = p.rows;
     const Tensor &cu = require(c.cu_seqlens, "cu_seqlens");
+    NVTE_CHECK(buffer_set(cu.params[kNVTERowwiseData]), "cu_seqlens needs rowwise data");
     const NVTEShape cs = logical_shape(cu);
     NVTE_CHECK(logical_dtype(cu) == kNVTEInt32 && cs.ndim == 1 && cs.data[0] == (size_t)b + 1,
                "cu_seqlens must be int32 [b + 1] = [", b + 1, "] for THD, got ", dtype_name(logical_dtype(cu)), " ",
@@ -86,8 +87,10 @@ RopeParams validate(const RopeCall &c, NVTE_QKV_Format fmt, bool interleaved, bo
              "freqs must be float32 with last dim d2 = ", d2, ", got ", dtype_name(logical_dtype(f)), " ",
              shape_str(fs));
   p.freq_rows = (int64_t)(numel(fs) / (size_t)d2);
+  NVTE_CHECK(buffer_set(f.params[kNVTERowwiseData]), "freqs needs rowwise data");
   if (present(c.start_positions)) {
     const Tensor &sp = require(c.start_positions, "start_positions");
+    NVTE_CHECK(buffer_set(sp.params[kNVTERowwiseData]), "start_positions needs rowwise data");
     const NVTEShape ss = logical_shape(sp);
     NVTE_CHECK(logical_dtype(sp) == kNVTEInt32 && ss.ndim == 1 && ss.data[0] == (size_t)b,
                "start_positions must be int32 [b] = [", b, "], got ", dtype_name(logical_dtype(sp)), " ",

@@ -210,3 +210,17 @@ def test_lengths_without_data_raise(rng):
         nvte.copy_to_kv_cache(T(c["nk"]), T(c["nv"]), T(kc), T(c["vc"].copy()), T(c["table"]), T(c["cu_new"]), empty,
                               F.NVTE_BSHD, 3, c["ctx"], 8, 2, 0)
     assert np.array_equal(kc, c["kc"])
+
+
+@pytest.mark.parametrize("which", ["new_k", "k_cache"])
+def test_columnwise_only_handles_raise(rng, which):
+    """A tensor given only as columnwise data (its logical shape right) is an error, not a null read
+    (a segfault before)."""
+    c = make_case(rng, "bshd", 3, 2, 4, 4, np.float32, True, 4, 2, ctx=2)
+    args = {"new_k": c["nk"], "k_cache": c["kc"].copy()}
+    args[which] = nvte.Tensor(None, columnwise_data=np.ascontiguousarray(np.moveaxis(args[which], -1, 0)))
+    wrap = lambda a: a if isinstance(a, nvte.Tensor) else T(a)
+    with pytest.raises(nvte.Error, match=f"{which} needs rowwise data"):
+        nvte.copy_to_kv_cache(wrap(args["new_k"]), T(c["nv"]), wrap(args["k_cache"]), T(c["vc"].copy()), T(c["table"]),
+                              T(c["cu_new"]), T(c["cu_cached"]), F.NVTE_BSHD, 3, c["ctx"], 8, 2, 0)
+

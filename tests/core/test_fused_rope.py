@@ -199,6 +199,17 @@ def test_errors(rng):
              cu=T(np.array([0, 5, 3], np.int32)))
 
 
+def test_freqs_without_rowwise_data_raise(rng):
+    """freqs given only as columnwise data (its logical shape right): an error, not a null read (a
+    segfault before)."""
+    x = rng.standard_normal((4, 2, 2, 8)).astype(np.float32)
+    f = angles(4, 8, rng)
+    col = nvte.Tensor(None, columnwise_data=np.ascontiguousarray(np.moveaxis(f, -1, 0)))
+    with pytest.raises(nvte.Error, match="freqs needs rowwise data"):
+        nvte.fused_rope_forward(T(x), None, col, None, T(np.zeros_like(x)), F.NVTE_SBHD, False, 1, 0, 4, 2, 2, 8, 8,
+                                16, 8, 4, 1)
+
+
 def cp_chunks(n, cp_size, rank):
     """Indices of a sequence of n tokens that context-parallel rank `rank` holds (TE's split: chunks
     rank and 2 cp_size - 1 - rank of 2 cp_size)."""
