@@ -43,6 +43,16 @@ const char *stats_text(NVTE_QKV_Format fmt) {
   return fmt == NVTE_THD ? "[t, h] (THD)" : "[b, h, s] or [b, h, s, 1]";
 }
 
+// Token and statistics strides of a [.., h, d] tensor of `rows` rows per batch entry in fmt
+// (Geometry's units: tokens of h * d elements; statistics elements).
+struct Strides {
+  int64_t tok_n, tok_s, lse_n, lse_s, lse_h;
+};
+Strides strides_of(NVTE_QKV_Format fmt, int64_t batch, int64_t heads, int64_t rows) {
+  if (fmt == NVTE_THD) return {0, 1, 0, heads, 1};  // [t, h, d], statistics [t, h]
+  return {fmt == NVTE_SBHD ? 1 : rows, fmt == NVTE_SBHD ? batch : 1, heads * rows, 1, rows};
+}
+
 // The running pair: out float32 [b, s, h, d] / [s, b, h, d] / [t, h, d], lse float32 statistics
 // (out_f32 false: out may also be bfloat16 / float16, read only).
 Geometry running(const Tensor &out, const Tensor &lse, NVTE_QKV_Format fmt, bool out_f32 = true) {
@@ -77,13 +87,8 @@ Geometry running(const Tensor &out, const Tensor &lse, NVTE_QKV_Format fmt, bool
   g.dim = (int64_t)os.data[want - 1];
   NVTE_CHECK(stats_shape(ls, fmt, g.batch, g.heads, g.rows), "lse must be float32 ", stats_text(fmt),
              " matching out ", shape_str(os), ", got ", shape_str(ls));
-  g.out_tok_n = fmt == NVTE_SBHD ? 1 : g.rows;
-  g.out_tok_s = fmt == NVTE_SBHD ? g.batch : 1;
-  if (fmt == NVTE_THD) {
-    g.lse_n = 0, g.lse_s = g.heads, g.lse_h = 1;
-  } else {
-    g.lse_n = g.heads * g.rows, g.lse_s = 1, g.lse_h = g.rows;
-  }
+  const Strides st = strides_of(fmt, g.batch, g.heads, g.rows);
+  g.out_tok_n = st.tok_n, g.out_tok_s = st.tok_s, g.lse_n = st.lse_n, g.lse_s = st.lse_s, g.lse_h = st.lse_h;
   return g;
 }
 
@@ -134,13 +139,8 @@ extern "C" NVTEStatus nvte_attn_merge(NVTETensor out, NVTETensor lse, const NVTE
     NVTE_CHECK(logical_dtype(pl) == kNVTEFloat32 && stats_shape(pls, qkv_format, g.batch, g.heads, g.part_rows),
                "lse_part must be float32 ", stats_text(qkv_format), " matching out_part ", shape_str(ps), ", got ",
                dtype_name(logical_dtype(pl)), " ", shape_str(pls));
-    g.part_tok_n = qkv_format == NVTE_SBHD ? 1 : g.part_rows;
-    g.part_tok_s = qkv_format == NVTE_SBHD ? g.batch : 1;
-    if (qkv_format == NVTE_THD) {
-      g.plse_n = 0, g.plse_s = g.heads, g.plse_h = 1;
-    } else {
-      g.plse_n = g.heads * g.part_rows, g.plse_s = 1, g.plse_h = g.part_rows;
-    }
+    const Strides st = strides_of(qkv_format, g.batch, g.heads, g.part_rows);
+    g.part_tok_n = st.tok_n, g.part_tok_s = st.tok_s, g.plse_n = st.lse_n, g.plse_s = st.lse_s, g.plse_h = st.lse_h;
     run(op, g, o, l, &p, pl, {{"out", out}, {"lse", lse}, {"out_part", out_part}, {"lse_part", lse_part}}, stream);
   });
 }
