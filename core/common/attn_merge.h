@@ -1,4 +1,4 @@
-// attn_merge.h - the validated geometry of one nvte_attn_merge / nvte_attn_merge_sink call
+// attn_merge.h - the validated geometry of one nvte_attn_merge / _merge_sink / _merge_sink_grad call
 // (fused_attn.h) and the merge rule, shared by the CPU reference and the CUDA kernel.
 //
 // A context-parallel ring (or any split of the keys) attends with each block of keys on its own;

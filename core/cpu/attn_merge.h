@@ -1,4 +1,4 @@
-// cpu/attn_merge.h - CPU reference of nvte_attn_merge / nvte_attn_merge_sink (fused_attn.h).
+// cpu/attn_merge.h - CPU reference of nvte_attn_merge / _merge_sink / _merge_sink_grad (fused_attn.h).
 #pragma once
 
 #include "../common/attn_merge.h"
