@@ -27,7 +27,7 @@
 # cuBLASLt's trace log ($OUT/cublaslt_trace.log).
 # memcheck_all: the whole GPU suite (tests/gpu, "large" cases left out) under compute-sanitizer
 # memcheck, in parallel shards of test files (one process each; MEMCHECK_TIMEOUT per shard,
-# default 540 s); logs $OUT/memcheck_<shard>.log.
+# default 540 s, pytest interrupted 30 s before it); logs $OUT/memcheck_<shard>.log.
 # candidates: benchmarks/cublaslt_candidates.cu on the benchmark's GEMM shapes (FP8 and BF16):
 # cuBLASLt's heuristic candidates, their speed and whether their outputs agree ($OUT/candidates.txt);
 # CANDIDATES_KINDS (default "fp8 bf16"), CANDIDATES_NK ("N K" pairs separated by ";", default the
@@ -104,11 +104,19 @@ if [[ " $steps " == *" memcheck_all "* ]]; then
     [norm]="tests/gpu/test_normalization_gpu.py"
     [transpose]="tests/gpu/test_transpose_gpu.py"
     [gemm_recipe]="tests/gpu/test_gemm_gpu.py tests/gpu/test_gemm_fp8_gpu.py tests/gpu/test_gemm_epilogue_gpu.py tests/gpu/test_gemm_autotune_gpu.py tests/gpu/test_recipe_gpu.py"
-    [attention]="tests/gpu/test_fused_attn_gpu.py tests/gpu/test_fused_attn_thd_gpu.py tests/gpu/test_fused_attn_fp8_gpu.py"
-    [attention_kv_cache]="tests/gpu/test_fused_attn_kv_cache_gpu.py tests/gpu/test_copy_to_kv_cache_gpu.py")
+    [attention]="tests/gpu/test_fused_attn_gpu.py"
+    [attention_thd]="tests/gpu/test_fused_attn_thd_gpu.py"
+    [attention_fp8]="tests/gpu/test_fused_attn_fp8_gpu.py"
+    [attention_softmax]="tests/gpu/test_fused_attn_softmax_gpu.py tests/gpu/test_attn_merge_gpu.py"
+    [attention_kv_cache]="tests/gpu/test_fused_attn_kv_cache_gpu.py tests/gpu/test_copy_to_kv_cache_gpu.py"
+    [rope]="tests/gpu/test_fused_rope_gpu.py")
+  # pytest gets SIGINT 30 s before the shard's limit, so a shard cut short still prints its
+  # summary (and compute-sanitizer its ERROR SUMMARY) for the tests it ran
+  mt=${MEMCHECK_TIMEOUT:-540}
   for name in "${!shards[@]}"; do
-    timeout "${MEMCHECK_TIMEOUT:-540}" compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
-      $PY -m pytest -q ${shards[$name]} -p no:cacheprovider -k "not large" >"$OUT/memcheck_$name.log" 2>&1 &
+    timeout "$mt" compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
+      timeout -s INT $((mt - 30)) $PY -m pytest -q ${shards[$name]} -p no:cacheprovider -k "not large" \
+      >"$OUT/memcheck_$name.log" 2>&1 &
   done
   wait
   for name in "${!shards[@]}"; do
