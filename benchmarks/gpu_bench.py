@@ -12,7 +12,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_harness import Report, copy_bandwidth_gbs  # noqa: E402
 
-GROUPS = ["gpu_gemm", "gpu_cast", "gpu_norm", "gpu_activation", "gpu_attention", "gpu_rope", "gpu_attn_merge"]
+GROUPS = ["gpu_gemm", "gpu_cast", "gpu_norm", "gpu_activation", "gpu_attention", "gpu_rope", "gpu_attn_merge",
+          "gpu_batched_gemm"]
 
 
 def main():

@@ -1,4 +1,4 @@
-// api/gemm.cpp - nvte_cublas_gemm* / nvte_multi_tensor_gemm entry points: resolve the
+// api/gemm.cpp - nvte_cublas_gemm* / nvte_multi_tensor_gemm / nvte_batched_gemm entry points: resolve the
 // operands (layout, transpose, FP8 scale_inv), check shapes and epilogue arguments,
 // pick the backend, run.
 #include "transformer_engine/gemm.h"
@@ -26,6 +26,7 @@ struct Request {
   bool use_split_accumulator = true;  // CUDA FP8 only; the CPU always accumulates in full precision
   int sm_count = 0;                   // CUDA only
   cudaStream_t stream = nullptr;
+  size_t batch = 1;  // CUDA: A, B, D are slice 0 of dense stacks of `batch` (nvte_batched_gemm)
 };
 
 // An optional argument: NULL handles and tensors with no memory and no elements count as
@@ -153,6 +154,7 @@ void run_cuda(const Request &r, size_t m, size_t n, size_t k) {
   g.workspace_bytes = buffer_bytes(r.workspace);
   g.use_split_accumulator = r.use_split_accumulator;
   g.sm_count = r.sm_count;
+  g.batch = r.batch;
   cuda::gemm(g, r.stream);
 }
 #endif
@@ -235,6 +237,7 @@ void run(const char *op, Request r) {
                             {"bias gradient", r.dbias}, {"pre_gelu_out", r.aux}, {"workspace", r.workspace}};
   switch (backend_of(ts, sizeof(ts) / sizeof(ts[0]))) {
     case Backend::CPU:  // the CPU needs no workspace
+      NVTE_CHECK(r.batch == 1, "internal: a batched CPU GEMM runs slice by slice");
       if (a_scale_inv) p.y.scale_inv = *a_scale_inv;
       if (b_scale_inv) p.x.scale_inv = *b_scale_inv;
       return cpu::gemm(p);
@@ -340,6 +343,56 @@ NVTEStatus nvte_multi_tensor_gemm(const NVTETensor *A, const NVTETensor *B, NVTE
       } catch (const Error &e) {
         throw Error(e.status(), concat("GEMM ", i, " of ", num_gemms, ": ", e.what()));
       }
+    }
+  });
+}
+
+NVTEStatus nvte_batched_gemm(const NVTETensor A, const NVTETensor B, NVTETensor D, bool transa, bool transb,
+                             bool accumulate, NVTETensor workspace, cudaStream_t stream) {
+  const char *op = "nvte_batched_gemm";
+  return api_call(op, [&] {
+    const Tensor &a = require(A, "A"), &b = require(B, "B");
+    Tensor &d = require_mut(D, "D");
+    // Slice 0 of each stack as a 2-D tensor: run() checks the shapes, dtypes and flags on it.
+    Tensor slices[3];
+    const Tensor *whole[3] = {&a, &b, &d};
+    const char *names[3] = {"A", "B", "D"};
+    size_t batch = 0, stride[3] = {0, 0, 0};
+    for (int i = 0; i < 3; ++i) {
+      const NVTEBasicTensor &t = whole[i]->params[kNVTERowwiseData];
+      NVTE_CHECK(buffer_set(t), names[i], " needs rowwise data (a dense [batch, rows, cols] stack)");
+      NVTE_CHECK(t.shape.ndim == 3, names[i], " must be 3-D [batch, rows, cols], got ", shape_str(t.shape));
+      NVTE_CHECK(is_high_precision(t.dtype), names[i], " has dtype ", dtype_name(t.dtype),
+                 "; batched GEMMs take float32, float16 or bfloat16");
+      if (i == 0) batch = t.shape.data[0];
+      NVTE_CHECK(t.shape.data[0] == batch, names[i], " holds ", t.shape.data[0], " matrices but A holds ", batch);
+      NVTEBasicTensor &v = slices[i].params[kNVTERowwiseData];
+      v = t;
+      v.shape.ndim = 2;
+      v.shape.data[0] = t.shape.data[1];
+      v.shape.data[1] = t.shape.data[2];
+      stride[i] = t.shape.data[1] * t.shape.data[2] * dtype_size(t.dtype);
+    }
+    Request r;
+    r.A = &slices[0];
+    r.B = &slices[1];
+    r.D = &slices[2];
+    r.transa = transa;
+    r.transb = transb;
+    r.beta = accumulate ? 1.0f : 0.0f;
+    r.workspace = workspace;
+    r.stream = stream;
+    const Backend where = backend_of({{"A", A}, {"B", B}, {"D", D}, {"workspace", workspace}});
+    if (where == Backend::CUDA) {
+      r.batch = batch;
+      if (batch > 0) run(op, r);
+      return;
+    }
+    for (size_t i = 0; i < batch; ++i) {  // CPU: one threaded GEMM per matrix
+      for (int j = 0; j < 3; ++j)
+        slices[j].params[kNVTERowwiseData].data_ptr =
+            static_cast<char *>(whole[j]->params[kNVTERowwiseData].data_ptr) + i * stride[j];
+      run(op, r);
     }
   });
 }

@@ -59,6 +59,7 @@ Loaded load() {
     ok &= resolve(lib, "cublasLtMatmulDescSetAttribute", &a.MatmulDescSetAttribute, &missing);
     ok &= resolve(lib, "cublasLtMatrixLayoutCreate", &a.MatrixLayoutCreate, &missing);
     ok &= resolve(lib, "cublasLtMatrixLayoutDestroy", &a.MatrixLayoutDestroy, &missing);
+    ok &= resolve(lib, "cublasLtMatrixLayoutSetAttribute", &a.MatrixLayoutSetAttribute, &missing);
     ok &= resolve(lib, "cublasLtMatmulPreferenceCreate", &a.MatmulPreferenceCreate, &missing);
     ok &= resolve(lib, "cublasLtMatmulPreferenceDestroy", &a.MatmulPreferenceDestroy, &missing);
     ok &= resolve(lib, "cublasLtMatmulPreferenceSetAttribute", &a.MatmulPreferenceSetAttribute, &missing);

@@ -20,6 +20,7 @@ struct CublasLtApi {
   decltype(&cublasLtMatmulDescSetAttribute) MatmulDescSetAttribute = nullptr;
   decltype(&cublasLtMatrixLayoutCreate) MatrixLayoutCreate = nullptr;
   decltype(&cublasLtMatrixLayoutDestroy) MatrixLayoutDestroy = nullptr;
+  decltype(&cublasLtMatrixLayoutSetAttribute) MatrixLayoutSetAttribute = nullptr;
   decltype(&cublasLtMatmulPreferenceCreate) MatmulPreferenceCreate = nullptr;
   decltype(&cublasLtMatmulPreferenceDestroy) MatmulPreferenceDestroy = nullptr;
   decltype(&cublasLtMatmulPreferenceSetAttribute) MatmulPreferenceSetAttribute = nullptr;

@@ -157,6 +157,7 @@ struct Problem {
     if (fp8) s += concat(", fast_accum ", (int)fast_accum);
     if (a.sm_count > 0) s += concat(", sm_count ", a.sm_count);
     s += concat(", workspace ", ws_bytes, " bytes");
+    if (a.batch > 1) s += concat(", batch ", a.batch);
     return s;
   }
   NVTEDType d_type() const { return g->d->params[kNVTERowwiseData].dtype; }
@@ -177,6 +178,7 @@ struct Problem {
     put(bias_ptr ? align_of(bias_ptr) : 0), put(aux_ptr ? align_of(aux_ptr) : 0);
     put(amax_tmp != nullptr), put(d_scale != nullptr);
     put(a.beta != 0.0f);
+    put((int64_t)a.batch);
     return k;
   }
 };
@@ -241,6 +243,18 @@ std::unique_ptr<Plan> make_plan(const CublasLtApi &lt, cublasLtHandle_t h, const
   NVTE_CHECK_CUBLAS(lt.MatrixLayoutCreate(&plan->lb, p.tb, g.b.cols, g.b.rows, (int64_t)g.b.cols));
   NVTE_CHECK_CUBLAS(lt.MatrixLayoutCreate(&plan->lc, p.tc, g.m, g.n, (int64_t)g.m));
   NVTE_CHECK_CUBLAS(lt.MatrixLayoutCreate(&plan->ld, p.td, g.m, g.n, (int64_t)g.m));
+  if (g.batch > 1) {  // dense stacks: each matrix right after the previous one
+    const int32_t count = (int32_t)g.batch;
+    const int64_t strides[4] = {(int64_t)(g.a.rows * g.a.cols), (int64_t)(g.b.rows * g.b.cols), (int64_t)(g.m * g.n),
+                                (int64_t)(g.m * g.n)};
+    const cublasLtMatrixLayout_t layouts[4] = {plan->la, plan->lb, plan->lc, plan->ld};
+    for (int i = 0; i < 4; ++i) {
+      NVTE_CHECK_CUBLAS(lt.MatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                                    sizeof(count)));
+      NVTE_CHECK_CUBLAS(lt.MatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                    &strides[i], sizeof(strides[i])));
+    }
+  }
 
   cublasLtMatmulPreference_t pref = nullptr;
   NVTE_CHECK_CUBLAS(lt.MatmulPreferenceCreate(&pref));
@@ -383,7 +397,8 @@ void gemm_k0(const GemmArgs &g, const Problem &p, cudaStream_t stream) {
                        "the CUDA GEMM with k = 0 supports only D = 0, accumulate into D and the bias gradient "
                        "of op(B) (", p.describe(), ")");
   const NVTEBasicTensor &d = g.d->params[kNVTERowwiseData];
-  if (g.beta == 0.0f) NVTE_CHECK_CUDA(cudaMemsetAsync(d.data_ptr, 0, g.m * g.n * dtype_size(d.dtype), stream));
+  if (g.beta == 0.0f)
+    NVTE_CHECK_CUDA(cudaMemsetAsync(d.data_ptr, 0, g.batch * g.m * g.n * dtype_size(d.dtype), stream));
   if (g.dbias) {
     const NVTEBasicTensor &b = rowwise(*g.dbias, "the bias gradient");
     NVTE_CHECK_CUDA(cudaMemsetAsync(b.data_ptr, 0, numel(b.shape) * dtype_size(b.dtype), stream));
@@ -523,7 +538,7 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
   // Autotuning (gemm_autotune.h): a large call that can run twice over its inputs, with the
   // scratch for the check's hashes.
   const TuneMode mode = autotune_mode();
-  const bool rerunnable = g.beta == 0.0f && !p.d_fp8;
+  const bool rerunnable = g.beta == 0.0f && !p.d_fp8 && g.batch == 1;  // (batched calls are not tuned)
   p.tune = rerunnable && ws_bytes >= kScratchBytes &&
            (mode == TuneMode::all || (mode == TuneMode::large && (double)g.m * g.n * g.k >= kTuneMinVolume));
   uintptr_t scratch = 0;

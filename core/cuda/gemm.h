@@ -36,6 +36,9 @@ struct GemmArgs {
   size_t workspace_bytes = 0;
   bool use_split_accumulator = true;  // FP8: false selects cuBLASLt's fast accumulation
   int sm_count = 0;                   // 0: all SMs
+  // Strided batch: A, B, C and D are `batch` dense matrices one after another (strides a.rows *
+  // a.cols, b.rows * b.cols and m * n elements), one cuBLASLt call; no epilogue or FP8 with > 1.
+  size_t batch = 1;
 };
 
 void gemm(const GemmArgs &g, cudaStream_t stream);

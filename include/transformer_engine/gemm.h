@@ -95,6 +95,16 @@ NVTE_API NVTEStatus nvte_multi_tensor_gemm(const NVTETensor *A, const NVTETensor
                                            bool use_split_accumulator, int math_sm_count,
                                            cudaStream_t stream);
 
+/** \brief batch independent GEMMs over dense stacks, D[i] = op(B[i]) @ op(A[i]) (+ D[i] with
+ *  accumulate): attention's score and context products, for example. On the GPU one strided-batched
+ *  cuBLASLt call (not autotuned); on the CPU one GEMM per matrix.
+ *  \param[in]  A, B        rowwise [batch, rows, cols], float32 / float16 / bfloat16 (no FP8, no
+ *                          epilogue); each matrix as in nvte_cublas_gemm.
+ *  \param[in,out] D        [batch, n, m], float32 / float16 / bfloat16.
+ *  \param[in]  transa, transb, accumulate, workspace, stream  as in nvte_cublas_gemm. */
+NVTE_API NVTEStatus nvte_batched_gemm(const NVTETensor A, const NVTETensor B, NVTETensor D, bool transa,
+                                      bool transb, bool accumulate, NVTETensor workspace, cudaStream_t stream);
+
 /** \brief Bytes of workspace one GEMM wants on the given backend (0 on the CPU). */
 NVTE_API NVTEStatus nvte_cublas_gemm_workspace_size(NVTEBackend backend, size_t *bytes);
 

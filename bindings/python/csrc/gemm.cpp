@@ -53,6 +53,21 @@ void bind_gemm(py::module_ &m) {
         py::arg("use_split_accumulator") = false, py::arg("math_sm_count") = 0, py::arg("stream") = 0,
         "nvte_cublas_gemm: D = op(B) @ op(A) with the epilogues of gemm.h (row-major view).");
 
+  m.def("batched_gemm",
+        [](const Tensor &A, const Tensor &B, Tensor &D, bool transa, bool transb, bool accumulate, Tensor *workspace,
+           uintptr_t stream) {
+          NVTEStatus s;
+          {
+            py::gil_scoped_release nogil;
+            s = nvte_batched_gemm(A.handle(), B.handle(), D.handle(), transa, transb, accumulate, handle(workspace),
+                                  to_stream(stream));
+          }
+          check(s);
+        },
+        py::arg("A"), py::arg("B"), py::arg("D"), py::arg("transa") = false, py::arg("transb") = false,
+        py::arg("accumulate") = false, py::arg("workspace") = py::none(), py::arg("stream") = 0,
+        "nvte_batched_gemm: D[i] = op(B[i]) @ op(A[i]) over dense [batch, rows, cols] stacks.");
+
   m.def("gemm_v2",
         [](bool transa, bool transb, float alpha, const Tensor &A, const Tensor &B, float beta, const Tensor *C,
            Tensor &D, Tensor *workspace, const Tensor *bias, Tensor *dbias, bool gelu, bool dgelu, Tensor *aux,

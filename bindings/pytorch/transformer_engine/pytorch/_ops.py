@@ -378,6 +378,26 @@ def gemm(A, B, out_dtype: torch.dtype, transa: bool, transb: bool, bias: Optiona
     return out
 
 
+def batched_gemm(A: torch.Tensor, B: torch.Tensor, transa: bool, transb: bool) -> torch.Tensor:
+    """D[i] = op(B[i]) @ op(A[i]) over [batch, rows, cols] stacks (nvte_batched_gemm, TE's
+    convention per matrix), D in A's dtype."""
+    device = A.device
+    for t, name in ((A, "A"), (B, "B")):
+        _check(t, name, HIGH_PRECISION, device)
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected a [batch, rows, cols] tensor, got shape {tuple(t.shape)}")
+    if A.shape[0] != B.shape[0]:
+        raise ValueError(f"A holds {A.shape[0]} matrices but B {B.shape[0]}")
+    m, ka = (A.shape[1], A.shape[2]) if transa else (A.shape[2], A.shape[1])
+    n, kb = (B.shape[2], B.shape[1]) if transb else (B.shape[1], B.shape[2])
+    if ka != kb:
+        raise ValueError(f"batched GEMM inner dimensions differ: op(A) is [{ka}, {m}], op(B) is [{n}, {kb}]")
+    out = torch.empty(A.shape[0], n, m, dtype=A.dtype, device=device)
+    _nvte.batched_gemm(_tensor(A), _tensor(B), _tensor(out), transa, transb, False, _gemm_workspace(device),
+                       _stream(out))
+    return out
+
+
 def gemm_fp8_output(A, B, out: torch.Tensor, out_scale_inv: torch.Tensor, fp8_dtype, scale: torch.Tensor,
                     amax: Optional[torch.Tensor], slot: Optional[int], transa: bool, transb: bool,
                     bias: Optional[torch.Tensor] = None) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from . import _ops, custom_ops
 from . import attn_packing as _pk
+from . import batched_matmul as _bm
 from . import context_parallel as _cp
 from . import dpa_fused as _df
 from . import fused_attention as _fa
@@ -311,7 +312,7 @@ class DotProductAttention(torch.nn.Module):
             rep = h // g
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2))  # [b, h, sq, sk], unscaled
+        scores = _bm.matmul(q, k, y_transposed=True)  # [b, h, sq, sk], unscaled (the library's GEMM)
 
         kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device)
         if self.softmax_type == "vanilla":
@@ -321,7 +322,7 @@ class DotProductAttention(torch.nn.Module):
                                       self.sink_offset(scores.device))
         if self.training and self.attention_dropout > 0.0:
             probs = torch.nn.functional.dropout(probs, p=self.attention_dropout, training=True)
-        ctx = torch.matmul(probs, v)  # [b, h, sq, dv]
+        ctx = _bm.matmul(probs, v)  # [b, h, sq, dv]
         if fmt == "sbhd":
             ctx = ctx.permute(2, 0, 1, 3)
         else:

@@ -184,6 +184,19 @@ def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_f
     return A.new_empty((n, m), dtype=out_dtype), A.new_empty(aux, dtype=out_dtype)
 
 
+@custom_op("transformer_engine::batched_gemm", mutates_args=())
+def batched_gemm(A: Tensor, B: Tensor, transa: bool, transb: bool) -> Tensor:
+    """D[i] = op(B[i]) @ op(A[i]) over [batch, rows, cols] stacks (_ops.batched_gemm)."""
+    return _ops.batched_gemm(A, B, transa, transb)
+
+
+@batched_gemm.register_fake
+def _(A, B, transa, transb):
+    m = A.shape[1] if transa else A.shape[2]
+    n = B.shape[2] if transb else B.shape[1]
+    return A.new_empty((A.shape[0], n, m))
+
+
 @custom_op("transformer_engine::gemm_fp8_output", mutates_args=("scale", "amax_history"))
 def gemm_fp8_output(A: Tensor, A_transpose: Optional[Tensor], A_scale_inv: Tensor, A_fp8_dtype: int, B: Tensor,
                     B_transpose: Optional[Tensor], B_scale_inv: Tensor, B_fp8_dtype: int, out_fp8_dtype: int,
@@ -448,7 +461,7 @@ def eager_or_op(op):
     return call
 
 
-for _name in ("quantize", "quantize_many", "dequantize", "delayed_scaling_update", "gemm", "gemm_fp8_output", "transpose",
+for _name in ("quantize", "quantize_many", "dequantize", "delayed_scaling_update", "gemm", "batched_gemm", "gemm_fp8_output", "transpose",
               "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "norm_fwd_fp8", "rmsnorm_fwd", "rmsnorm_bwd", "activation", "dactivation", "softmax_forward",
               "softmax_backward"):
     globals()[_name] = eager_or_op(globals()[_name])

@@ -9,7 +9,7 @@ aligned the same way.
 It is the library's fused path on both backends (cuDNN's paged / decode attention on the GPU,
 the float64 reference on the CPU). Where the fused path is off (NVTE_FUSED_ATTN=0) or the backend
 rejects the call (on the GPU: a window without a causal mask over a paged cache or under THD
-queries), the unfused path runs it: K/V gathered from the cache, torch matmuls and the library's
+queries), the unfused path runs it: K/V gathered from the cache, the library's batched GEMM and
 masked softmax (NVTE_UNFUSED_ATTN=0 turns that off too: then it raises). Attention bias, ALiBi and arbitrary
 masks raise; an FP8 recipe's fp8_dpa / fp8_mha leave this attention in the inputs' precision, and
 dropout is not applied. The call keeps no softmax statistics, so it has no backward: inputs that
@@ -24,6 +24,7 @@ from torch.library import custom_op
 
 from transformer_engine import _nvte
 
+from . import batched_matmul as _bm
 from . import fused_attention as _fa
 from .dpa_fused import _zero_rng_state
 from .custom_ops import eager_or_op
@@ -133,12 +134,12 @@ def _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, max_sq: int, max_kv: int, 
         hidden |= j > i + diag + window[1]
     rep = qb.shape[2] // k.shape[2]
     kh, vh = (x.repeat_interleave(rep, dim=2).transpose(1, 2) for x in (k, v))  # [b, h, skv, d]
-    scores = torch.matmul(qb.transpose(1, 2), kh.transpose(-1, -2))  # [b, h, sq, skv], unscaled
+    scores = _bm.matmul(qb.transpose(1, 2), kh, y_transposed=True)  # [b, h, sq, skv], unscaled
     if sink is None:
         probs = fused_scale_mask_softmax(scores, "masked", scale, hidden.view(b, 1, max_sq, max_kv))
     else:
         probs = softmax_with_sink(scores, scale, hidden.view(b, 1, max_sq, max_kv), sink)
-    o = torch.matmul(probs, vh).transpose(1, 2)  # [b, sq, h, dv]
+    o = _bm.matmul(probs, vh).transpose(1, 2)  # [b, sq, h, dv]
     o = o * (i.view(1, max_sq, 1, 1) < lq.view(b, 1, 1, 1))  # padding rows: zero
     if fmt == "thd":
         out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
