@@ -8,6 +8,7 @@
 #include "../common/backend.h"
 #include "../common/config.h"
 #include "../cpu/gemm.h"
+#include "../cpu/parallel.h"
 #ifdef NVTE_WITH_CUDA
 #include "../cuda/gemm.h"
 #endif
@@ -26,7 +27,9 @@ struct Request {
   bool use_split_accumulator = true;  // CUDA FP8 only; the CPU always accumulates in full precision
   int sm_count = 0;                   // CUDA only
   cudaStream_t stream = nullptr;
-  size_t batch = 1;  // CUDA: A, B, D are slice 0 of dense stacks of `batch` (nvte_batched_gemm)
+  // nvte_batched_gemm: A, B, D are matrix 0 of dense stacks of `batch`, the next ones
+  // stride_* bytes further on.
+  size_t batch = 1, stride_a = 0, stride_b = 0, stride_d = 0;
 };
 
 // An optional argument: NULL handles and tensors with no memory and no elements count as
@@ -174,6 +177,25 @@ void check_vector(const NVTETensor t, const char *name, size_t len, const char *
              "; expected float32, float16 or bfloat16");
 }
 
+// The CPU's batched GEMM: one GEMM per matrix, checked once (run). With at least as many matrices
+// as threads the pool takes matrices (each GEMM then runs serially in its thread: small per-head
+// products gain most); with fewer, each GEMM is threaded itself.
+void cpu_batched(const cpu::GemmProblem &p, const Tensor &d, const Request &r) {
+  const size_t grain = r.batch >= (size_t)cpu::num_threads() ? 1 : r.batch;
+  cpu::parallel_for(r.batch, grain, [&](size_t i0, size_t i1) {
+    cpu::GemmProblem q = p;
+    Tensor di = d;
+    q.d = &di;
+    if (q.c) q.c = &di;  // (accumulate: C is D)
+    for (size_t i = i0; i < i1; ++i) {
+      q.y.data = static_cast<const char *>(p.y.data) + i * r.stride_a;
+      q.x.data = static_cast<const char *>(p.x.data) + i * r.stride_b;
+      di.params[kNVTERowwiseData].data_ptr = static_cast<char *>(d.params[kNVTERowwiseData].data_ptr) + i * r.stride_d;
+      cpu::gemm(q);
+    }
+  });
+}
+
 void run(const char *op, Request r) {
   const Tensor &A = require(r.A, "A");
   const Tensor &B = require(r.B, "B");
@@ -237,10 +259,10 @@ void run(const char *op, Request r) {
                             {"bias gradient", r.dbias}, {"pre_gelu_out", r.aux}, {"workspace", r.workspace}};
   switch (backend_of(ts, sizeof(ts) / sizeof(ts[0]))) {
     case Backend::CPU:  // the CPU needs no workspace
-      NVTE_CHECK(r.batch == 1, "internal: a batched CPU GEMM runs slice by slice");
       if (a_scale_inv) p.y.scale_inv = *a_scale_inv;
       if (b_scale_inv) p.x.scale_inv = *b_scale_inv;
-      return cpu::gemm(p);
+      if (r.batch == 1) return cpu::gemm(p);
+      return cpu_batched(p, D, r);
     case Backend::CUDA:
 #ifdef NVTE_WITH_CUDA
       return run_cuda(r, m, n, k);
@@ -382,18 +404,11 @@ NVTEStatus nvte_batched_gemm(const NVTETensor A, const NVTETensor B, NVTETensor 
     r.beta = accumulate ? 1.0f : 0.0f;
     r.workspace = workspace;
     r.stream = stream;
-    const Backend where = backend_of({{"A", A}, {"B", B}, {"D", D}, {"workspace", workspace}});
-    if (where == Backend::CUDA) {
-      r.batch = batch;
-      if (batch > 0) run(op, r);
-      return;
-    }
-    for (size_t i = 0; i < batch; ++i) {  // CPU: one threaded GEMM per matrix
-      for (int j = 0; j < 3; ++j)
-        slices[j].params[kNVTERowwiseData].data_ptr =
-            static_cast<char *>(whole[j]->params[kNVTERowwiseData].data_ptr) + i * stride[j];
-      run(op, r);
-    }
+    r.batch = batch;
+    r.stride_a = stride[0];
+    r.stride_b = stride[1];
+    r.stride_d = stride[2];
+    if (batch > 0) run(op, r);
   });
 }
 
