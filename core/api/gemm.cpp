@@ -1,5 +1,5 @@
-// api/gemm.cpp - nvte_cublas_gemm* / nvte_multi_tensor_gemm / nvte_batched_gemm entry points: resolve the
-// operands (layout, transpose, FP8 scale_inv), check shapes and epilogue arguments,
+// api/gemm.cpp - nvte_cublas_gemm* / nvte_multi_tensor_gemm / nvte_batched_gemm entry points:
+// resolve the operands (layout, transpose, FP8 scale_inv), check shapes and epilogue arguments,
 // pick the backend, run.
 #include "transformer_engine/gemm.h"
 
@@ -404,6 +404,7 @@ NVTEStatus nvte_batched_gemm(const NVTETensor A, const NVTETensor B, NVTETensor 
     r.beta = accumulate ? 1.0f : 0.0f;
     r.workspace = workspace;
     r.stream = stream;
+    NVTE_CHECK(batch <= 0x7fffffff, "a batched GEMM takes at most 2^31 - 1 matrices, got ", batch);
     r.batch = batch;
     r.stride_a = stride[0];
     r.stride_b = stride[1];
