@@ -6,6 +6,7 @@
 
 #include "../common/attn_merge.h"
 #include "../common/backend.h"
+#include "attn_checks.h"
 #include "../cpu/attn_merge.h"
 #ifdef NVTE_WITH_CUDA
 #include "../cuda/attn_merge.h"
@@ -154,9 +155,7 @@ extern "C" NVTEStatus nvte_attn_merge_sink(NVTETensor out, NVTETensor lse, const
     Geometry g = running(o, l, qkv_format);
     check_rowwise(sk, "sink");
     NVTE_CHECK(!overlap(sk, o) && !overlap(sk, l), "sink must not share memory with out or lse");
-    const NVTEShape ss = logical_shape(sk);
-    NVTE_CHECK(logical_dtype(sk) == kNVTEFloat32 && ss.ndim == 1 && (int64_t)ss.data[0] == g.heads,
-               "sink must be float32 [h] = [", g.heads, "], got ", dtype_name(logical_dtype(sk)), " ", shape_str(ss));
+    api::check_exact(sk, "sink", kNVTEFloat32, api::make_shape({(size_t)g.heads}), true);
     g.part_rows = g.rows;  // every row gets the sink's term
     g.part_is_zero = true;
     g.plse_n = 0, g.plse_s = 0, g.plse_h = 1;
@@ -176,17 +175,9 @@ extern "C" NVTEStatus nvte_attn_merge_sink_grad(const NVTETensor dout, const NVT
     check_rowwise(d, "dout");
     check_rowwise(sk, "sink");
     check_rowwise(ds, "dsink");
-    const NVTEShape dsh = logical_shape(d), osh = logical_shape(o);
-    bool same = dsh.ndim == osh.ndim;
-    for (size_t i = 0; same && i < osh.ndim; ++i) same = dsh.data[i] == osh.data[i];
-    NVTE_CHECK(same && logical_dtype(d) == logical_dtype(o),
-               "dout must have out's shape and dtype ", shape_str(logical_shape(o)), " ",
-               dtype_name(logical_dtype(o)), ", got ", shape_str(logical_shape(d)), " ", dtype_name(logical_dtype(d)));
-    for (const auto &[t, name] : {std::pair<const Tensor *, const char *>{&sk, "sink"}, {&ds, "dsink"}}) {
-      const NVTEShape ts = logical_shape(*t);
-      NVTE_CHECK(logical_dtype(*t) == kNVTEFloat32 && ts.ndim == 1 && (int64_t)ts.data[0] == g.heads, name,
-                 " must be float32 [h] = [", g.heads, "], got ", dtype_name(logical_dtype(*t)), " ", shape_str(ts));
-    }
+    api::check_exact(d, "dout", logical_dtype(o), logical_shape(o), true);  // (out's shape and dtype)
+    api::check_exact(sk, "sink", kNVTEFloat32, api::make_shape({(size_t)g.heads}), true);
+    api::check_exact(ds, "dsink", kNVTEFloat32, api::make_shape({(size_t)g.heads}), true);
     for (const Tensor *t : {&d, &o, &l, &sk})
       NVTE_CHECK(!overlap(ds, *t), "dsink must not share memory with the inputs");
     g.part_rows = g.rows;

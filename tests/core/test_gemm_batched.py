@@ -6,7 +6,7 @@ stacks or whose batch or inner sizes differ. Error bounds as in test_gemm.py."""
 import numpy as np
 import pytest
 from test_gemm import LAYOUTS, U32, ab_shapes, check_f, gemm_bound, gemm_ref
-from util import BF16, DT, NP_TYPE, nvte
+from util import DT, NP_TYPE, nvte
 
 T16 = {"bfloat16": DT.kBFloat16, "float16": DT.kFloat16}
 
