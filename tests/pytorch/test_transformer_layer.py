@@ -50,9 +50,11 @@ def ref_qkv(qkv_mod, h, heads, kv):
     return list(torch.split(qkv, kv, dim=3))
 
 
-def ref_attention(q, k, v, causal):
+def ref_attention(q, k, v, causal, bias=None):
     s = q.shape[0]
     scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(q.shape[-1])
+    if bias is not None:  # post-scale: added to the scaled scores
+        scores = scores + bias
     if causal:
         scores = scores.masked_fill(torch.ones(s, k.shape[0], dtype=torch.bool, device=q.device).triu(1),
                                     float("-inf"))
@@ -60,14 +62,15 @@ def ref_attention(q, k, v, causal):
     return out.reshape(*out.shape[:2], -1)
 
 
-def ref_layer(layer, x, causal=True, normalization="LayerNorm"):
-    """float64 forward of `layer` ([s, b, h]) from its parameters (encoder, pre-norm)."""
+def ref_layer(layer, x, causal=True, normalization="LayerNorm", bias=None):
+    """float64 forward of `layer` ([s, b, h]) from its parameters (encoder, pre-norm); bias: the
+    attention bias added to the scaled scores ([1 or b, heads, s, s])."""
     sa, mlp = layer.self_attention, layer.layernorm_mlp
     qkv_mod = sa.layernorm_qkv
     eps = mlp.eps
     h = ref_norm(x, _p(qkv_mod.layer_norm_weight), _p(getattr(qkv_mod, "layer_norm_bias", None)), eps, normalization)
     q, k, v = ref_qkv(qkv_mod, h, layer.num_attention_heads, layer.kv_channels)
-    x = x + F.linear(ref_attention(q, k, v, causal), _p(sa.proj.weight), _p(sa.proj.bias))
+    x = x + F.linear(ref_attention(q, k, v, causal, bias), _p(sa.proj.weight), _p(sa.proj.bias))
     h = ref_norm(x, _p(mlp.layer_norm_weight), _p(mlp.layer_norm_bias), eps, normalization)
     h = gelu_tanh(F.linear(h, _p(mlp.fc1_weight), _p(mlp.fc1_bias)))
     return x + F.linear(h, _p(mlp.fc2_weight), _p(mlp.fc2_bias))
@@ -101,6 +104,7 @@ class StubMHA(torch.nn.Module):
         self.to(kwargs.get("device"))  # the layer's device (parameters drawn on the CPU first)
 
     def forward(self, x, attention_mask=None, encoder_output=None, attn_mask_type=None, **kw):
+        self.last_kwargs = kw  # (what the layer passed on: test_bias_reaches_both_attentions)
         m = self.layernorm_qkv
         h = F.layer_norm(x, (x.shape[-1],), m.layer_norm_weight, m.layer_norm_bias, m.eps) \
             if m.input_layernorm else x
@@ -208,6 +212,23 @@ def test_bad_arguments(stub_mha):
         layer(dev(torch.randn(4, 32)))
 
 
+def test_bias_reaches_both_attentions(stub_mha):
+    """The attention bias, ALiBi slopes, checkpointing and zero-fill arguments go to the self and the
+    cross attention (as TE passes them); window, RoPE and the K/V cache to the self attention only."""
+    layer = _stub_layer(layer_type="decoder")
+    x, enc = dev(torch.randn(6, 2, 32)), dev(torch.randn(6, 2, 32))
+    bias, slopes = dev(torch.randn(1, 4, 6, 6)), dev(torch.rand(4))
+    layer(x, encoder_output=enc, core_attention_bias_type="post_scale_bias", core_attention_bias=bias,
+          alibi_slopes=slopes, checkpoint_core_attention=True, fast_zero_fill=False, window_size=(2, 0))
+    for m in (layer.self_attention, layer.inter_attention):
+        kw = m.last_kwargs
+        assert kw["core_attention_bias_type"] == "post_scale_bias" and kw["core_attention_bias"] is bias
+        assert kw["alibi_slopes"] is slopes and kw["checkpoint_core_attention"] is True
+        assert kw["fast_zero_fill"] is False
+    assert layer.self_attention.last_kwargs["window_size"] == (2, 0)
+    assert "window_size" not in layer.inter_attention.last_kwargs
+
+
 def test_module_paths():
     assert te.TransformerLayer is te.transformer.TransformerLayer
     assert "TransformerLayer" in te.__all__
@@ -303,3 +324,42 @@ def test_real_layer_fp8():
         y.sum().backward()
     e = rel_err(y, y_hp)
     assert 1e-5 < e < 0.1
+
+
+def _alibi_ref_bias(heads, s):
+    """[1, heads, s, s]: -slope * |i - j| with TE's default slopes (2^(-8k/heads), heads a power of 2)."""
+    slopes = 2.0 ** (-8.0 / heads * torch.arange(1, heads + 1, dtype=torch.float64))
+    i = torch.arange(s, dtype=torch.float64)
+    return -slopes.view(1, heads, 1, 1) * (i.view(s, 1) - i.view(1, s)).abs()
+
+
+@needs_mha
+@pytest.mark.parametrize("kind", ["post_scale_bias", "alibi"])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+def test_real_layer_core_attention_bias(kind, mask):
+    """TransformerLayer.forward's core_attention_bias_type / core_attention_bias reach attention:
+    output, input gradient and (post_scale_bias) the bias's gradient against the float64 layer."""
+    layer = _real_layer(self_attn_mask_type=mask)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(dev(0.05 * torch.randn(p.shape)))
+    s, heads = 8, 4
+    x = torch.randn(s, 2, 64, requires_grad=True)
+    if kind == "post_scale_bias":
+        bias = torch.randn(1, heads, s, s, requires_grad=True)
+        bias_dev = dev(bias.detach()).requires_grad_(True)
+        y = layer(dev(x), core_attention_bias_type=kind, core_attention_bias=bias_dev)
+        ref_bias = bias.detach().double().requires_grad_(True)
+    else:
+        y = layer(dev(x), core_attention_bias_type=kind)
+        ref_bias = _alibi_ref_bias(heads, s)
+    xr = x.detach().double().requires_grad_(True)
+    ref = ref_layer(layer, xr, causal=mask == "causal", bias=ref_bias)
+    assert rel_err(y, ref) < 1e-4
+    assert rel_err(y, ref_layer(layer, xr.detach(), causal=mask == "causal")) > 1e-3  # the bias mattered
+    dy = torch.randn(y.shape)
+    y.backward(dev(dy))
+    ref.backward(dy.double())
+    assert rel_err(x.grad, xr.grad) < 1e-4
+    if kind == "post_scale_bias":
+        assert rel_err(bias_dev.grad, ref_bias.grad) < 1e-4

@@ -161,6 +161,8 @@ class TransformerLayer(torch.nn.Module):
             out = self.drop_path(out)
         return residual + out
 
+    _SHARED_ATTN_ARGS = ("alibi_slopes", "checkpoint_core_attention", "fast_zero_fill")
+
     @staticmethod
     def _attn_kwargs(**kw):
         """Optional attention arguments, passed on only when given."""
@@ -181,11 +183,13 @@ class TransformerLayer(torch.nn.Module):
                              f"({self.attn_input_format}), got shape {tuple(hidden_states.shape)}")
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError("TransformerLayer: layer_type='decoder' needs encoder_output")
-        if core_attention_bias_type != "no_bias" or core_attention_bias is not None:
-            raise NotImplementedError("TransformerLayer: core attention bias is not implemented")
         mask_type = self_attn_mask_type if self_attn_mask_type is not None else self.self_attn_mask_type
+        # the attention bias (and ALiBi, checkpointing, zero fill) goes to both attentions, as in TE
+        shared = self._attn_kwargs(core_attention_bias_type=core_attention_bias_type,
+                                   core_attention_bias=core_attention_bias, is_first_microbatch=is_first_microbatch,
+                                   **{k: kwargs[k] for k in self._SHARED_ATTN_ARGS if k in kwargs})
         extra = self._attn_kwargs(window_size=window_size, inference_params=inference_params,
-                                  rotary_pos_emb=rotary_pos_emb, is_first_microbatch=is_first_microbatch, **kwargs)
+                                  rotary_pos_emb=rotary_pos_emb, **{**kwargs, **shared})
 
         res = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=mask_type, **extra)
         attn_out, ln_out = _split_ln_output(res)
@@ -194,7 +198,7 @@ class TransformerLayer(torch.nn.Module):
 
         if self.layer_type == "decoder":
             cross_type = enc_dec_attn_mask_type if enc_dec_attn_mask_type is not None else self.enc_dec_attn_mask_type
-            extra_x = self._attn_kwargs(window_size=enc_dec_window_size, is_first_microbatch=is_first_microbatch)
+            extra_x = self._attn_kwargs(window_size=enc_dec_window_size, **shared)
             res = self.inter_attention(x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
                                        attn_mask_type=cross_type, **extra_x)
             cross_out, ln_out = _split_ln_output(res)
