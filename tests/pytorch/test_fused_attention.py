@@ -162,8 +162,8 @@ def test_post_scale_bias_with_dbias(spy):
     run_check(spy, "bshd", "causal", 2, 6, 6, 2, 2, 8, bias=bias, bias_type="post_scale_bias")
 
 
-@pytest.mark.skipif(ON_GPU, reason="ALiBi with caller-given slopes is CPU-backend only (cuDNN rejects it; "
-                                    "see test_alibi_custom_slopes_cuda_is_a_clear_error)")
+@pytest.mark.skipif(ON_GPU, reason="ALiBi with caller-given slopes runs fused on the CPU backend only (cuDNN "
+                                    "rejects it; see test_alibi_custom_slopes_cuda_runs_unfused)")
 def test_alibi_custom_slopes(spy):
     slopes = torch.tensor([0.5, 0.25])
     i = torch.arange(7).view(7, 1)
@@ -173,12 +173,20 @@ def test_alibi_custom_slopes(spy):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA backend limitation (NVTE_TEST_DEVICE=cuda only)")
-def test_alibi_custom_slopes_cuda_is_a_clear_error(spy):
+def test_alibi_custom_slopes_cuda_runs_unfused(spy):
+    """cuDNN takes only its default slopes: caller-given ones run the unfused path (attn_bias.py),
+    held to the 2x-naive rule against float64."""
+    slopes = torch.tensor([0.5, 0.25])
     dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal")
-    q, k, v = (dev(t) for t in make_qkv("bshd", 2, 7, 7, 2, 2, 8, dtype=DT))
-    with pytest.raises(NotImplementedError, match="slopes"):
-        dpa(q, k, v, core_attention_bias_type="alibi", alibi_slopes=dev(torch.tensor([0.5, 0.25])))
+    q, k, v = make_qkv("bshd", 2, 7, 7, 2, 2, 8, dtype=DT)
+    out = dpa(dev(q), dev(k), dev(v), core_attention_bias_type="alibi", alibi_slopes=dev(slopes))
     assert spy.fwd == 0
+    i, j = torch.arange(7).view(7, 1), torch.arange(7).view(1, 7)
+    rb = -slopes.view(1, 2, 1, 1).double() * (i - j).abs().view(1, 1, 7, 7)
+    m = torch.ones(7, 7, dtype=torch.bool).triu(1).view(1, 1, 7, 7)
+    ref = ref_fused(q.double(), k.double(), v.double(), "bshd", 1.0 / math.sqrt(8), m, rb)
+    naive = ref_fused(dev(q), dev(k), dev(v), "bshd", 1.0 / math.sqrt(8), dev(m), dev(rb), dtype=DT)
+    assert_close_fused(out, ref, naive, TOL, "out")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the GPU backend's head-size rule (NVTE_TEST_DEVICE=cuda only; the CPU "
@@ -270,11 +278,14 @@ def test_padding_mask_made_in_inference_mode(spy):
     assert spy.fwd == 1 and rel_err(out.cpu()[valid], ref[valid]) < (2e-2 if ON_GPU else TOL)
 
 
-def test_disabled_fused_with_bias_is_a_clear_error(monkeypatch):
+def test_both_paths_disabled_with_bias_is_a_clear_error(monkeypatch):
+    """NVTE_FUSED_ATTN=0 alone runs a biased call unfused (test_attn_bias.py); with the unfused path
+    off too, nothing can run it."""
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
     dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="no_mask")
     q, k, v = make_qkv("bshd", 2, 4, 4, 2, 2, 8, dtype=DT)
-    with pytest.raises(NotImplementedError, match="NVTE_FUSED_ATTN=0"):
+    with pytest.raises(NotImplementedError, match="NVTE_FUSED_ATTN=0.*NVTE_UNFUSED_ATTN=0"):
         dpa(dev(q), dev(k), dev(v), core_attention_bias_type="post_scale_bias",
             core_attention_bias=dev(torch.zeros(1, 2, 4, 4)))
 

@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _ops, custom_ops
+from . import attn_bias as _ab
 from . import attn_packing as _pk
 from . import batched_matmul as _bm
 from . import context_parallel as _cp
@@ -269,6 +270,9 @@ class DotProductAttention(torch.nn.Module):
         if core_attention_bias_type not in _fa.BIASES:
             raise ValueError(f"core_attention_bias_type must be one of {list(_fa.BIASES)}, "
                              f"got {core_attention_bias_type!r}")
+        if alibi_slopes is not None and core_attention_bias_type != "alibi":
+            raise ValueError(f"DotProductAttention: alibi_slopes given with core_attention_bias_type "
+                             f"{core_attention_bias_type!r} (they need 'alibi')")
         h, g = self.num_attention_heads, self.num_gqa_groups
         self._sink_heads = None  # the heads of this call's sink offsets (None: all)
         if _cp_local and self.cp is not None and self.cp.comm_type == "a2a":  # this rank's share of the heads
@@ -313,12 +317,14 @@ class DotProductAttention(torch.nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         scores = _bm.matmul(q, k, y_transposed=True)  # [b, h, sq, sk], unscaled (the library's GEMM)
+        scores, scale = _ab.biased_scores(scores, self.softmax_scale, core_attention_bias_type, core_attention_bias,
+                                          alibi_slopes, mask_type, attention_mask)
 
         kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device)
         if self.softmax_type == "vanilla":
-            probs = fused_scale_mask_softmax(scores, kind, self.softmax_scale, mask)
+            probs = fused_scale_mask_softmax(scores, kind, scale, mask)
         else:
-            probs = softmax_with_sink(scores, self.softmax_scale, _explicit_mask(kind, mask, sq, sk, scores.device),
+            probs = softmax_with_sink(scores, scale, _explicit_mask(kind, mask, sq, sk, scores.device),
                                       self.sink_offset(scores.device))
         if self.training and self.attention_dropout > 0.0:
             probs = torch.nn.functional.dropout(probs, p=self.attention_dropout, training=True)
@@ -389,9 +395,7 @@ class DotProductAttention(torch.nn.Module):
                 mask = mask.view(1, 1, *mask.shape)
         if mask_type == "padding_causal_bottom_right":
             # Bottom-right at each sequence's own lengths (as TE and the fused path align it).
-            qm, km = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,) * 2
-            lq = (~qm.bool().reshape(b, sq)).sum(1).to(device)
-            lk = (~km.bool().reshape(b, sk)).sum(1).to(device)
+            lq, lk = _ab.mask_lengths(attention_mask, b, sq, sk, device)
             i = torch.arange(sq, device=device).view(1, sq, 1)
             j = torch.arange(sk, device=device).view(1, 1, sk)
             c = (j > i + (lk - lq).view(b, 1, 1)).view(b, 1, sq, sk)

@@ -266,12 +266,12 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
     fused_attention_fp8.FusedAttnFP8MHAFunc, q, k, v being uint8 views of the FP8 bytes (for the
     shapes); the output is then O's FP8 hand-off. force_fused: as if only the fused path could run
     the call (the padded form of a THD call)."""
-    needs_fused = force_fused or bias_type != "no_bias" or fmt == "thd" or fp8 is not None
-    if needs_fused and bias_type in ("pre_scale_bias", "post_scale_bias") and bias is None:
+    needs_fused = force_fused or fmt == "thd" or fp8 is not None  # (the unfused path takes biases: attn_bias.py)
+    if bias_type in ("pre_scale_bias", "post_scale_bias") and bias is None:
         raise ValueError(f"core_attention_bias_type {bias_type!r} needs core_attention_bias")
     why = ""
     softmax = _fa.SOFTMAX_INT[dpa.softmax_type]
-    if not _fa.want_fused(q.device, needs_fused):
+    if not _fa.want_fused(q.device, needs_fused or bias_type != "no_bias"):  # (biases: fused first on the CPU too)
         why = "NVTE_FUSED_ATTN=0"
     elif mask_type == "arbitrary":
         why = "arbitrary masks run unfused (as in TE)"
@@ -334,7 +334,7 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
         if needs_fused or not _fa.unfused_allowed():
             raise NotImplementedError(f"DotProductAttention: the fused attention path cannot run this call "
                                       f"({why}) and the unfused path "
-                                      f"{'is disabled (NVTE_UNFUSED_ATTN=0)' if not needs_fused else 'runs no THD' if force_fused else 'has no attention bias / ALiBi'}")
+                                      f"{'is disabled (NVTE_UNFUSED_ATTN=0)' if not needs_fused else 'runs no THD'}")
         return None
     rng = _fa.new_rng_state(q.device) if dropout > 0.0 else _zero_rng_state(q.device)
     br = "causal" not in mask_type
