@@ -238,6 +238,27 @@ def test_dpa_errors():
         DotProductAttention(4, 4)(q, k, v)
 
 
+def test_unimplemented_arguments_raise_instead_of_being_ignored():
+    """TE arguments this adapter does not implement raise when set (ignoring them would change the
+    result silently); left at None / False they are accepted, as are those that change no result."""
+    q, k, v = (dev(t) for t in make_qkv("sbhd", 1, 4, 4, 2, 2, 4))
+    dpa = DotProductAttention(2, 4, name="core")
+    assert dpa.name == "core"
+    ref = dpa(q, k, v)
+    for kw in (dict(fp8_output=True), dict(score_mod=lambda s: s), dict(bottom_right_diagonal=True),
+               dict(cu_seqlen_q=dev(torch.tensor([0, 4], dtype=torch.int32)))):  # (a misspelt name)
+        with pytest.raises(NotImplementedError, match=f"not implemented in this adapter: \\['{next(iter(kw))}'\\]"):
+            dpa(q, k, v, **kw)
+    out = dpa(q, k, v, fp8_output=False, score_mod=None, num_splits=2)
+    assert torch.equal(out, ref)
+    x = dev(torch.randn(4, 1, 8))
+    mha = MultiheadAttention(8, 2, seq_length=4, micro_batch_size=1, qk_norm_eps=1e-6, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="fp8_output"):
+        mha(x, fp8_output=True)
+    with pytest.raises(NotImplementedError, match="qk_norm_type"):
+        MultiheadAttention(8, 2, qk_norm_type="RMSNorm", device=DEVICE)
+
+
 # ------------------------------------------------------------------ MultiheadAttention
 def ref_mha(x, wq, bq, wk, bk, wv, bv, wo, bo, h, g, d, fmt, mask, ln=None, enc=None):
     x = _c64(x)

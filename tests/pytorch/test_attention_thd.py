@@ -347,6 +347,28 @@ def test_mha_thd_matches_per_sequence_bshd():
     assert te.DotProductAttention is DotProductAttention and dpa_fused.thd_mask_type("causal") == "padding_causal"
 
 
+@pytest.mark.parametrize("rope", [False, True])
+def test_mha_thd_padded_offsets_match_per_sequence_bshd(rope):
+    """MultiheadAttention passes cu_seqlens_q/kv_padded (and pad_between_seqs) on to attention and
+    rotates each sequence from its padded offset: with gaps between the packed sequences, every
+    sequence's rows equal running it alone (they were dropped before: the gaps broke the result)."""
+    torch.manual_seed(0)
+    kw = dict(attention_dropout=0.0, attn_mask_type="causal", device=DEVICE, params_dtype=DT)
+    m = MultiheadAttention(32, 4, qkv_format="thd", **kw)
+    m_b = MultiheadAttention(32, 4, qkv_format="bshd", **kw)
+    m_b.load_state_dict(m.state_dict())
+    lens, gaps = [3, 6, 2], [0, 2, 1]
+    pad, t = padded_cu(lens, gaps)
+    x = torch.randn(t, 32, generator=torch.Generator().manual_seed(2)).to(DT)
+    emb = dev(te.RotaryPositionEmbedding(8)(16)) if rope else None  # (rows for the gap tokens too)
+    out = m(dev(x), cu_seqlens_q=dev(cu_of(lens)), cu_seqlens_kv=dev(cu_of(lens)), cu_seqlens_q_padded=dev(pad),
+            cu_seqlens_kv_padded=dev(pad), pad_between_seqs=True, rotary_pos_emb=emb)
+    for i, n in enumerate(lens):
+        rows = slice(int(pad[i]), int(pad[i]) + n)
+        alone = m_b(dev(x[rows]).unsqueeze(0), rotary_pos_emb=emb)[0]
+        assert rel_err(out[rows], alone) < (2e-2 if ON_CUDA else 1e-5), i
+
+
 def test_thd_as_padded_bshd_checks_max_seqlen(monkeypatch):
     """A sequence longer than the max_seqlen given is an error on the padded route too (its slots
     would drop the extra tokens)."""

@@ -357,3 +357,49 @@ def test_decode_step_replays_as_a_cuda_graph(paged):
             e, e_naive = float((got.double().cpu() - ref).abs().max()), float((naive - ref).abs().max())
             assert e <= 2.0 * e_naive, (step, sid, e, e_naive)
             pos[sid] = total
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["nonpaged", "paged"])
+def test_convert_paged_to_nonpaged(paged):
+    """TE's InferenceParams.convert_paged_to_nonpaged: each sequence's cached keys / values in order
+    (bshd, sbhd, thd packed by cu_seqlens_kv), after the scripted run left sequences out of slot order."""
+    params = run_script("bshd", paged, "padding_causal", params=make_params(paged, "bshd", page_size=3))
+    hist = history(0)
+    lens = dict(params.sequences)
+    k, v = params.convert_paged_to_nonpaged(3)
+    ks, vs = params.convert_paged_to_nonpaged(3, "sbhd")
+    kt, vt = params.convert_paged_to_nonpaged(3, "thd")
+    assert k.shape[0] == len(lens) and ks.shape[1] == len(lens) and kt.shape[0] == sum(lens.values())
+    t = 0
+    for i, (sid, n) in enumerate(lens.items()):
+        for got, got_s, got_t, want in ((k, ks, kt, hist[sid][1]), (v, vs, vt, hist[sid][2])):
+            w = want[:n].to(DT)
+            assert torch.equal(got[i, :n].cpu(), w) and torch.equal(got_s[:n, i].cpu(), w)
+            assert torch.equal(got_t[t:t + n].cpu(), w)
+        t += n
+    with pytest.raises(ValueError, match="no cache"):
+        params.convert_paged_to_nonpaged(99)
+
+
+def test_custom_cache_manager_keyword_and_two_value_step():
+    """TE's keyword custom_cache_manager; a manager whose step() returns (k_cache, v_cache) serves
+    them as non-paged caches."""
+    class TwoValues(NonPagedKVCacheManager):
+        def step(self, *args):
+            k, v, table = super().step(*args)
+            assert table is None  # (in slot order throughout this run)
+            return k, v
+
+    params = InferenceParams(4, MAX_SEQLEN, G, D, DT, qkv_format="bshd", custom_cache_manager=TwoValues)
+    assert isinstance(params.cache_manager, TwoValues)
+    dpa = te.DotProductAttention(H, D, num_gqa_groups=G, qkv_format="bshd", attn_mask_type="padding_causal",
+                                 layer_number=1)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 5, n, D, generator=g).to(DT).to(DEVICE) for n in (H, G, G))
+    params.pre_step(OrderedDict([(0, 5), (1, 5)]))
+    with torch.no_grad():
+        out = dpa(q, k, v, inference_params=params)
+    ref = te.DotProductAttention(H, D, num_gqa_groups=G, qkv_format="bshd", attn_mask_type="causal")(q, k, v)
+    assert rel_err(out, ref) < (2e-2 if ON_CUDA else TOL)
+    with pytest.raises(ValueError, match="not both"):
+        InferenceParams(4, MAX_SEQLEN, G, D, DT, cache_manager=TwoValues, custom_cache_manager=TwoValues)

@@ -134,9 +134,22 @@ def test_rotary_position_embedding_table():
     torch.testing.assert_close(emb.reshape(5, 8).double().cpu(), torch.cat([want, want], 1), rtol=1e-6, atol=1e-6)
     inter = RotaryPositionEmbedding(8, rotary_base=100.0, interleaved=True)(5, offset=2).reshape(5, 8).cpu()
     torch.testing.assert_close(inter.double(), want.repeat_interleave(2, 1), rtol=1e-6, atol=1e-6)
-    half = RotaryPositionEmbedding(16, rotary_percent=0.5, seq_len_interpolation_factor=2)(4)
+    half = RotaryPositionEmbedding(16, rotary_percent=0.5, seq_len_interpolation_factor=2,
+                                   pretrained_max_position_embeddings=8)(4)
     assert half.shape == (4, 1, 1, 8)
     torch.testing.assert_close(half.reshape(4, 8)[:, 0].double().cpu(), torch.arange(4, dtype=torch.float64) / 2)
+
+
+@pytest.mark.parametrize("factor,pretrained,n,divisor", [
+    (2, 8, 4, 2.0),        # fixed linear interpolation: within pretrained * factor
+    (2, 8, 20, 20 / 8),    # dynamic: a longer table divides by max_seq_len / pretrained
+    (2, None, 4, 1.0),     # TE interpolates only with both set: positions unscaled
+    (None, 8, 20, 1.0),
+])
+def test_rotary_position_interpolation_follows_te(factor, pretrained, n, divisor):
+    emb = RotaryPositionEmbedding(8, seq_len_interpolation_factor=factor, pretrained_max_position_embeddings=pretrained)(n)
+    torch.testing.assert_close(emb.reshape(n, 8)[:, 0].double().cpu(), torch.arange(n, dtype=torch.float64) / divisor,
+                               rtol=1e-6, atol=1e-6)
 
 
 def mha(fmt="bshd", **kw):

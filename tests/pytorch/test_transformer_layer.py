@@ -363,3 +363,53 @@ def test_real_layer_core_attention_bias(kind, mask):
     assert rel_err(x.grad, xr.grad) < 1e-4
     if kind == "post_scale_bias":
         assert rel_err(bias_dev.grad, ref_bias.grad) < 1e-4
+
+
+@needs_mha
+def test_parallel_attention_mlp():
+    """parallel_attention_mlp (TE, Falcon-style): attention and MLP read the same input, each with
+    its own norm, and their sum joins the residual: x + attn(ln1(x)) + mlp(ln2(x))."""
+    layer = _real_layer(parallel_attention_mlp=True)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(dev(0.05 * torch.randn(p.shape)))
+    x = torch.randn(8, 2, 64, requires_grad=True)
+    y = layer(dev(x))
+    sa, mlp = layer.self_attention, layer.layernorm_mlp
+    xr = x.detach().double().requires_grad_(True)
+    h = ref_norm(xr, _p(sa.layernorm_qkv.layer_norm_weight), _p(sa.layernorm_qkv.layer_norm_bias), mlp.eps)
+    q, k, v = ref_qkv(sa.layernorm_qkv, h, layer.num_attention_heads, layer.kv_channels)
+    attn = F.linear(ref_attention(q, k, v, True), _p(sa.proj.weight), _p(sa.proj.bias))
+    h2 = ref_norm(xr, _p(mlp.layer_norm_weight), _p(mlp.layer_norm_bias), mlp.eps)
+    m = F.linear(gelu_tanh(F.linear(h2, _p(mlp.fc1_weight), _p(mlp.fc1_bias))), _p(mlp.fc2_weight), _p(mlp.fc2_bias))
+    ref = xr + attn + m
+    assert rel_err(y, ref) < 1e-4
+    dy = torch.randn(y.shape)
+    y.backward(dev(dy))
+    ref.backward(dy.double())
+    assert rel_err(x.grad, xr.grad) < 1e-4
+    with pytest.raises(NotImplementedError, match="parallel_attention_mlp"):
+        _real_layer(parallel_attention_mlp=True, layer_type="decoder")
+
+
+@needs_mha
+def test_constructor_options_reach_attention_or_raise():
+    """TE constructor options: the RoPE / QK-norm ones go to MultiheadAttention (which raises for the
+    QK norm it does not implement), bias_dropout_fusion changes nothing, anything else set raises."""
+    layer = _real_layer(rotary_pos_interleaved=True, bias_dropout_fusion=True, qk_norm_eps=1e-6)
+    assert layer.self_attention.rotary_pos_interleaved
+    with pytest.raises(NotImplementedError, match="qk_norm_type"):
+        _real_layer(qk_norm_type="RMSNorm")
+    for kw in (dict(activation_params={"limit": 7.0}), dict(ub_overlap_ag=True), dict(parallel_atention_mlp=True)):
+        with pytest.raises(NotImplementedError, match=next(iter(kw))):
+            _real_layer(**kw)
+
+
+@needs_mha
+def test_decoder_cross_attention_keeps_its_norm_with_output_layernorm():
+    """output_layernorm=True drops the self attention's input norm (post-norm); the cross attention
+    keeps its own (layernorm_query), as in TE."""
+    layer = _real_layer(layer_type="decoder", output_layernorm=True)
+    assert not hasattr(layer.self_attention, "layernorm_qkv") and hasattr(layer.self_attention, "qkv")
+    assert hasattr(layer.inter_attention, "layernorm_query")
+    assert "inter_attention.layernorm_query.layer_norm_weight" in layer.state_dict()

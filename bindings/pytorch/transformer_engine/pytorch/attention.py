@@ -165,6 +165,19 @@ def _normalize_window(window_size, mask_type: str) -> Optional[Tuple[int, int]]:
     return w
 
 
+# forward arguments of TE's that cannot change a result here: flash-attention's split count (speed only)
+_FORWARD_NOOPS = ("num_splits",)
+
+
+def _check_forward_kwargs(who: str, kwargs) -> None:
+    """Raises for forward arguments this adapter does not implement (TE's fp8_output, score_mod,
+    bottom_right_diagonal, ... or a misspelt name) unless they are left at None / False: ignoring
+    them would change results silently."""
+    on = sorted(k for k, v in kwargs.items() if k not in _FORWARD_NOOPS and v is not None and v is not False)
+    if on:
+        raise NotImplementedError(f"{who}.forward: arguments not implemented in this adapter: {on}")
+
+
 # ------------------------------------------------------------- DotProductAttention
 class DotProductAttention(torch.nn.Module):
     """Scaled dot-product attention over [s, b, h, d] ("sbhd"), [b, s, h, d] ("bshd") or [t, h, d]
@@ -190,6 +203,7 @@ class DotProductAttention(torch.nn.Module):
         super().__init__()
         if tp_size != 1:
             raise NotImplementedError(f"DotProductAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
+        self.name = kwargs.pop("name", None)  # (TE's debugging name)
         on = [k for k, v in kwargs.items() if v]
         if on:
             raise NotImplementedError(f"DotProductAttention: options not implemented in this adapter: {on}")
@@ -265,6 +279,7 @@ class DotProductAttention(torch.nn.Module):
         of fused_attention_fp8.FusedAttnFP8MHAFunc; query/key/value_layer are then uint8 views of the
         FP8 bytes (they give the shapes) and the result is O's FP8 hand-off. _cp_local: one rank's
         own attention inside context parallelism (context_parallel.attend)."""
+        _check_forward_kwargs("DotProductAttention", kwargs)
         fmt = self._check_format(qkv_format or self.qkv_format)
         mask_type = self._check_mask_type(attn_mask_type or self.attn_mask_type)
         if core_attention_bias_type not in _fa.BIASES:
@@ -468,6 +483,10 @@ class _SplitLayerNormLinear(_SplitParams, LayerNormLinear):
         self._split(splits)
 
 
+# constructor arguments of TE's that cannot change a result: Megatron's JIT warm-up sizes
+_MHA_INIT_NOOPS = ("seq_length", "micro_batch_size")
+
+
 # ------------------------------------------------------------- MultiheadAttention
 class MultiheadAttention(torch.nn.Module):
     """Multi-head attention: QKV projection (optionally with the input norm fused in), the core
@@ -505,6 +524,11 @@ class MultiheadAttention(torch.nn.Module):
             raise NotImplementedError(f"MultiheadAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
         if fuse_wgrad_accumulation:
             raise NotImplementedError("MultiheadAttention: fuse_wgrad_accumulation is not implemented")
+        for k in _MHA_INIT_NOOPS:
+            kwargs.pop(k, None)
+        if not kwargs.get("qk_norm_type"):  # (their settings mean nothing without a QK norm)
+            kwargs.pop("qk_norm_eps", None)
+            kwargs.pop("qk_norm_before_rope", None)
         on = [k for k, v in kwargs.items() if v and not k.startswith("ub_")]
         if on:
             raise NotImplementedError(f"MultiheadAttention: options not implemented in this adapter: {on}")
@@ -628,11 +652,15 @@ class MultiheadAttention(torch.nn.Module):
                 is_first_microbatch: Optional[bool] = None, checkpoint_core_attention: bool = False,
                 inference_params=None, rotary_pos_emb=None, core_attention_bias_type: str = "no_bias",
                 core_attention_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None,
-                max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill: bool = True, **kwargs):
+                max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill: bool = True, cu_seqlens_q_padded=None,
+                cu_seqlens_kv_padded=None, pad_between_seqs=None, **kwargs):
+        _check_forward_kwargs("MultiheadAttention", kwargs)
         attn_args = dict(attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
                          core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
                          alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+                         cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, pad_between_seqs=pad_between_seqs,
+                         **kwargs)
         if inference_params is not None and self.attention_type == "self":
             attn_args["inference_params"] = inference_params  # (cross attention reads encoder_output each call)
         elif _df.fp8_mha_recipe() is not None and rotary_pos_emb is None and self.core_attention.cp is None:
@@ -652,8 +680,10 @@ class MultiheadAttention(torch.nn.Module):
             qo, ln_out = self._project_in(mod, hidden_states, is_first_microbatch)
             q = qo.view(*qo.shape[:-1], self.num_attention_heads, self.hidden_size_per_attention_head)
             k, v = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch))
-        if rotary_pos_emb is not None:
-            q, k = self._rotate(q, k, rotary_pos_emb, inference_params, cu_seqlens_q, cu_seqlens_kv)
+        if rotary_pos_emb is not None:  # (THD with gaps: the padded offsets place each sequence's tokens)
+            q, k = self._rotate(q, k, rotary_pos_emb, inference_params,
+                                cu_seqlens_q_padded if cu_seqlens_q_padded is not None else cu_seqlens_q,
+                                cu_seqlens_kv_padded if cu_seqlens_kv_padded is not None else cu_seqlens_kv)
         ctx = self.core_attention(q, k, v, **attn_args)
         res = self.proj(ctx, is_first_microbatch=is_first_microbatch)
         return self._outputs(res, ln_out)

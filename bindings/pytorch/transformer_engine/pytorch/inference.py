@@ -292,7 +292,12 @@ class InferenceParams:
                  head_dim_v: Optional[int] = None, is_paged: bool = False, total_num_pages: Optional[int] = None,
                  page_size: Optional[int] = None, num_heads_q: Optional[int] = None, head_dim_q: Optional[int] = None,
                  max_ctx_len: Optional[int] = None, qkv_format: str = "bshd", cache_manager=None,
-                 allow_query_conversion: bool = True, max_sequence_length: Optional[int] = None):
+                 allow_query_conversion: bool = True, max_sequence_length: Optional[int] = None,
+                 custom_cache_manager=None):
+        if custom_cache_manager is not None:  # (TE's name of the argument)
+            if cache_manager is not None:
+                raise ValueError("InferenceParams: pass cache_manager or custom_cache_manager, not both")
+            cache_manager = custom_cache_manager
         if max_seqlen_kv is None:
             max_seqlen_kv = max_sequence_length
         if max_seqlen_kv is None:
@@ -472,7 +477,8 @@ class InferenceParams:
             raise ValueError(f"InferenceParams.step: new keys {tuple(new_k.shape)} / values {tuple(new_v.shape)} do "
                              f"not match the cache's heads and head sizes {tuple(k_cache.shape[-2:])}, "
                              f"{m.cache[layer_number][1].shape[-1]}")
-        k_cache, v_cache, table = m.step(layer_number, new_k, new_v, self.cu_seqlens_q, self.cu_seqlens_kv, qkv_format)
+        res = m.step(layer_number, new_k, new_v, self.cu_seqlens_q, self.cu_seqlens_kv, qkv_format)
+        k_cache, v_cache, table = res if len(res) == 3 else (*res, None)  # (a manager returning (k, v): non-paged)
         if table is not None:
             table = table[:self.batch_size]
         capacity = self.max_seqlen_kv if table is None else table.shape[1] * k_cache.shape[1]
@@ -481,6 +487,30 @@ class InferenceParams:
                                                                else self.max_seqlen_q)
         return (new_q, k_cache, v_cache, table, self.cu_seqlens_q, self.cu_seqlens_kv, max_sq, capacity,
                 out_format)
+
+    def convert_paged_to_nonpaged(self, layer_number, qkv_format: str = "bshd"):
+        """(k, v) of layer_number's cache after this iteration's step, each sequence's keys in order
+        and contiguous (a copy): "bshd" [b, pages * page_size, h, d] (positions past a sequence's
+        length hold stale or zero values), "sbhd" the same transposed, "thd" the sequences' cached
+        tokens packed by cu_seqlens_kv [total, h, d]."""
+        m = self.cache_manager
+        if m is None or layer_number not in m.cache:
+            raise ValueError(f"InferenceParams.convert_paged_to_nonpaged: layer {layer_number!r} has no cache yet")
+        if qkv_format not in FORMATS:
+            raise ValueError(f"InferenceParams.convert_paged_to_nonpaged: qkv_format must be one of {FORMATS}")
+        table = getattr(m, "page_table", None)
+        if table is None:
+            raise RuntimeError("InferenceParams.convert_paged_to_nonpaged: no page table (call pre_step first)")
+        table = table[:self.batch_size].long()
+        out = []
+        for c in m.cache[layer_number]:
+            x = c[table.flatten()].reshape(self.batch_size, -1, *c.shape[2:])  # [b, pages * page_size, h, d]
+            if qkv_format == "sbhd":
+                x = x.transpose(0, 1).contiguous()
+            elif qkv_format == "thd":
+                x = torch.cat([x[i, :n] for i, n in enumerate(self.sequences.values())])
+            out.append(x)
+        return tuple(out)
 
     def post_step(self, layer_number, output: torch.Tensor) -> torch.Tensor:
         """The attention output in the incoming format (queries are never converted here)."""

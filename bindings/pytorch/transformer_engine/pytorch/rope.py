@@ -34,9 +34,11 @@ _FORMAT_NAMES = tuple(_FORMATS)
 
 class RotaryPositionEmbedding(torch.nn.Module):
     """The angle table of RoPE (see the module docstring). rotary_percent < 1 rotates that share of
-    the head size (dim is then int(dim * rotary_percent)); seq_len_interpolation_factor divides
-    positions (linear interpolation), and with pretrained_max_position_embeddings, a table longer
-    than pretrained * factor divides them by max_seq_len / pretrained instead."""
+    the head size (dim is then int(dim * rotary_percent)). Position interpolation, as TE does it,
+    needs both seq_len_interpolation_factor and pretrained_max_position_embeddings: positions are
+    divided by the factor, or by max_seq_len / pretrained for a table longer than pretrained *
+    factor; with only one of the two set, positions are not scaled (TE's rule, kept so that a
+    model's angles are TE's)."""
 
     def __init__(self, dim: int, rotary_percent: float = 1.0, seq_len_interpolation_factor: Optional[float] = None,
                  pretrained_max_position_embeddings: Optional[int] = None, rotary_base: float = 10000.0,
@@ -57,10 +59,9 @@ class RotaryPositionEmbedding(torch.nn.Module):
 
     def forward(self, max_seq_len: int, offset: int = 0) -> Tensor:
         pos = torch.arange(max_seq_len, dtype=torch.float32, device=self.inv_freq.device) + offset
-        factor = self.seq_len_interpolation_factor
-        if factor is not None:
-            pre = self.pretrained_max_position_embeddings
-            pos = pos * (pre / max_seq_len if pre is not None and max_seq_len > pre * factor else 1.0 / factor)
+        factor, pre = self.seq_len_interpolation_factor, self.pretrained_max_position_embeddings
+        if factor is not None and pre is not None:
+            pos = pos * (pre / max_seq_len if max_seq_len > pre * factor else 1.0 / factor)
         angles = torch.outer(pos, self.inv_freq.float())  # [s, dim / 2]
         if self.interleaved:
             emb = angles.repeat_interleave(2, dim=-1)

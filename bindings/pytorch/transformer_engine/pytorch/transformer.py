@@ -59,6 +59,13 @@ def _split_ln_output(res):
     return res, None
 
 
+# TE constructor arguments handed to both MultiheadAttentions as they are (MultiheadAttention raises
+# for the QK norm, which it does not implement)
+_MHA_ARGS = ("rotary_pos_interleaved", "qk_norm_type", "qk_norm_eps", "qk_norm_before_rope")
+# TE constructor arguments that cannot change a result here: a kernel-fusion choice
+_NOOP_ARGS = ("bias_dropout_fusion",)
+
+
 class TransformerLayer(torch.nn.Module):
     """A transformer encoder (or decoder) layer with TE's constructor and submodule names:
     `self_attention` (MultiheadAttention with its input norm, submodules layernorm_qkv / proj),
@@ -84,11 +91,19 @@ class TransformerLayer(torch.nn.Module):
                  fuse_qkv_params: bool = False, zero_centered_gamma: bool = False,
                  qkv_weight_interleaved: bool = True, bias: bool = True, activation: str = "gelu",
                  normalization: str = "LayerNorm", device=None, attn_input_format: str = "sbhd",
-                 name: Optional[str] = None, softmax_type: str = "vanilla", **kwargs):
+                 name: Optional[str] = None, softmax_type: str = "vanilla", parallel_attention_mlp: bool = False,
+                 **kwargs):
         super().__init__()
+        mha_extra = {k: kwargs.pop(k) for k in _MHA_ARGS if k in kwargs}
+        for k in _NOOP_ARGS:
+            kwargs.pop(k, None)
+        # every other option (TE's userbuffer overlaps, activation_params, a misspelt name) raises
+        # when set: ignoring it would change the layer silently
         check_unsupported("TransformerLayer", tp_size, fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
-                          set_parallel_mode=set_parallel_mode,
-                          **{k: v for k, v in kwargs.items() if k.startswith("ub_")})
+                          set_parallel_mode=set_parallel_mode, **kwargs)
+        if parallel_attention_mlp and (layer_type == "decoder" or apply_residual_connection_post_layernorm):
+            raise NotImplementedError("TransformerLayer: parallel_attention_mlp is implemented for encoder layers "
+                                      "without apply_residual_connection_post_layernorm")
         if MultiheadAttention is None:
             raise NotImplementedError("TransformerLayer needs transformer_engine.pytorch.attention.MultiheadAttention, "
                                       "which this build does not provide")
@@ -111,6 +126,7 @@ class TransformerLayer(torch.nn.Module):
         self.enc_dec_attn_mask_type, self.enc_dec_window_size = enc_dec_attn_mask_type, enc_dec_window_size
         self.hidden_dropout = float(hidden_dropout)
         self.apply_residual_connection_post_layernorm = bool(apply_residual_connection_post_layernorm)
+        self.parallel_attention_mlp = bool(parallel_attention_mlp)
         self.output_layernorm = bool(output_layernorm)
         self.attn_input_format, self.name = attn_input_format, name
         init_method = init_method if init_method is not None else default_init_method()
@@ -125,10 +141,11 @@ class TransformerLayer(torch.nn.Module):
                          input_layernorm=not self.output_layernorm, zero_centered_gamma=zero_centered_gamma,
                          qkv_weight_interleaved=qkv_weight_interleaved, bias=bias, normalization=normalization,
                          device=device, qkv_format=attn_input_format, params_dtype=params_dtype,
-                         fuse_qkv_params=fuse_qkv_params, softmax_type=softmax_type)
+                         fuse_qkv_params=fuse_qkv_params, softmax_type=softmax_type, **mha_extra)
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type,
                                                  window_size=window_size, attention_type="self", **attn_args)
-        if layer_type == "decoder":
+        if layer_type == "decoder":  # (its input norm stays with output_layernorm too, as in TE)
+            attn_args["input_layernorm"] = True
             self.inter_attention = MultiheadAttention(hidden_size, num_attention_heads,
                                                       attn_mask_type=enc_dec_attn_mask_type,
                                                       window_size=enc_dec_window_size, attention_type="cross",
@@ -193,6 +210,10 @@ class TransformerLayer(torch.nn.Module):
 
         res = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=mask_type, **extra)
         attn_out, ln_out = _split_ln_output(res)
+        if self.parallel_attention_mlp:  # attention and MLP on the same input, one dropout over their sum (TE)
+            mlp_out, _ = _split_ln_output(self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch))
+            out = self._residual(attn_out + mlp_out, hidden_states)
+            return self.layernorm(out) if self.output_layernorm else out
         residual = ln_out if self.apply_residual_connection_post_layernorm and ln_out is not None else hidden_states
         x = self._residual(attn_out, residual)
 
