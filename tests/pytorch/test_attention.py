@@ -498,3 +498,14 @@ def test_mha_meta_device():
 
 def test_exports():
     assert te.DotProductAttention is DotProductAttention and te.MultiheadAttention is MultiheadAttention
+
+
+def test_te2_submodule_import_paths():
+    """TE 2.x's module paths under transformer_engine.pytorch.attention name the same objects."""
+    from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention as D
+    from transformer_engine.pytorch.attention.multi_head_attention import MultiheadAttention as M
+    from transformer_engine.pytorch.attention.inference import InferenceParams, PagedKVCacheManager
+    from transformer_engine.pytorch.attention.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+    assert D is te.DotProductAttention and M is te.MultiheadAttention and InferenceParams is te.InferenceParams
+    assert RotaryPositionEmbedding is te.RotaryPositionEmbedding and apply_rotary_pos_emb is te.apply_rotary_pos_emb
+    assert PagedKVCacheManager is te.inference.PagedKVCacheManager

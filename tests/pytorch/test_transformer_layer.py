@@ -1,7 +1,7 @@
 """te.TransformerLayer against a float64 PyTorch layer built from the same parameters.
 
 Two groups: the layer's own wiring (residuals, dropout, drop-path, decoder, post-norm options) with a
-plain-torch stand-in for MultiheadAttention, so it is tested independently of attention.py; and the
+plain-torch stand-in for MultiheadAttention, so it is tested independently of attention/; and the
 real layer (with transformer_engine.pytorch.attention), skipped while that module is absent.
 The layers run on NVTE_TEST_DEVICE (default the CPU backend); inputs are drawn on the CPU and moved
 with dev(), the float64 references stay on the CPU."""

@@ -1,5 +1,5 @@
 """Batched matrix products through the library's GEMM (nvte_batched_gemm), differentiable: the
-score and context products of the unfused attention paths (attention.py, kv_cache_attention.py),
+score and context products of the unfused attention paths (attention/, kv_cache_attention.py),
 which used torch.matmul before."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """DotProductAttention's fused path: the sequence description (cu_seqlens, THD), the FP8 attention
 plan (fp8_dpa) and the choice between the fused path (fused_attention.py, fused_attention_fp8.py)
-and the unfused one (attention.py).
+and the unfused one (attention/__init__.py).
 
 Sequences follow TE's DotProductAttention.forward:
   * qkv_format "thd": Q [t_q, h, d], K/V [t_kv, h_kv, d]; cu_seqlens_q / cu_seqlens_kv (int32

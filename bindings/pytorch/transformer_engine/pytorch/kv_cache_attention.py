@@ -108,7 +108,7 @@ def _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, max_sq: int, max_kv: int, 
     ([b, max_kv]), queries as [b, max_sq] rows, torch matmuls and the library's masked softmax
     (with `sink` [h], the softmax with that extra term per row: softmax_type); rows of no query
     (padding) come out zero, as the fused path writes them."""
-    from .attention import fused_scale_mask_softmax, softmax_with_sink  # (attention.py imports this module)
+    from .attention import fused_scale_mask_softmax, softmax_with_sink  # (the attention package imports this module)
     b = cu_kv.numel() - 1
     dev = q.device
     if table is not None:  # pages of each sequence in order: [b, pages * page_size, h_kv, d]

@@ -21,7 +21,7 @@ from .module.linear import check_unsupported
 
 try:  # written alongside this module; TransformerLayer needs it only when it is built
     from .attention import MultiheadAttention
-except ModuleNotFoundError as _err:  # pragma: no cover - only while attention.py does not exist
+except ModuleNotFoundError as _err:  # pragma: no cover - only while attention/ does not exist
     if _err.name != __name__.rsplit(".", 1)[0] + ".attention":
         raise
     MultiheadAttention = None

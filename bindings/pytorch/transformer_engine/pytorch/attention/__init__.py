@@ -1,11 +1,13 @@
-"""te.DotProductAttention and te.MultiheadAttention.
+"""te.DotProductAttention and te.MultiheadAttention (transformer_engine.pytorch.attention; its
+submodules rope, inference, dot_product_attention and multi_head_attention give TE 2.x's import
+paths for the same objects).
 
 DotProductAttention computes softmax(scale * q k^T, masked) v on one of two paths. The fused path
 (dpa_fused.py: nvte_fused_attn_fwd/bwd, high precision or FP8 under fp8_dpa) is the only one for
-qkv_format "thd", attention bias / ALiBi and FP8 attention. On the unfused path (this file) the
-softmax (with its scale and mask) is one call into the library's fused softmax kernels
-(softmax.h), forward and backward, through `_FusedSoftmaxFn`; the two batched products q k^T and
-p v are torch batched matmuls (the library's GEMM is a single 2D GEMM).
+qkv_format "thd" and FP8 attention. On the unfused path (this file) q k^T and p v are the
+library's batched GEMM (batched_matmul.py), an attention bias or ALiBi is folded into the scores
+(attn_bias.py), and the softmax (with its scale and mask) is one call into the library's fused
+softmax kernels (softmax.h), forward and backward, through `_FusedSoftmaxFn`.
 
 Masks follow TE: `attention_mask` is boolean with True = masked out. For "padding" types it is a
 [b, 1, 1, s] tensor (self attention) or a pair ([b, 1, 1, sq], [b, 1, 1, skv]); for "arbitrary" it
@@ -18,22 +20,22 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _ops, custom_ops
-from . import attn_bias as _ab
-from . import attn_packing as _pk
-from . import batched_matmul as _bm
-from . import context_parallel as _cp
-from . import dpa_fused as _df
-from . import fused_attention as _fa
-from . import fused_attention_fp8 as _fa8
-from . import kv_cache_attention as _kv
-from .fp8 import FP8Meta
-from .fp8_handoff import handoff_parts
-from .inference import InferenceParams  # noqa: F401  (TE's te.attention.InferenceParams)
-from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb  # noqa: F401  (also te.attention.*)
-from .module.base import default_device
-from .module.layernorm_linear import LayerNormLinear
-from .module.linear import Linear
+from .. import _ops, custom_ops
+from .. import attn_bias as _ab
+from .. import attn_packing as _pk
+from .. import batched_matmul as _bm
+from .. import context_parallel as _cp
+from .. import dpa_fused as _df
+from .. import fused_attention as _fa
+from .. import fused_attention_fp8 as _fa8
+from .. import kv_cache_attention as _kv
+from ..fp8 import FP8Meta
+from ..fp8_handoff import handoff_parts
+from ..inference import InferenceParams  # noqa: F401  (TE's te.attention.InferenceParams)
+from ..rope import RotaryPositionEmbedding, apply_rotary_pos_emb  # noqa: F401  (also te.attention.*)
+from ..module.base import default_device
+from ..module.layernorm_linear import LayerNormLinear
+from ..module.linear import Linear
 
 __all__ = ["DotProductAttention", "MultiheadAttention"]
 
