@@ -509,3 +509,17 @@ def test_te2_submodule_import_paths():
     assert D is te.DotProductAttention and M is te.MultiheadAttention and InferenceParams is te.InferenceParams
     assert RotaryPositionEmbedding is te.RotaryPositionEmbedding and apply_rotary_pos_emb is te.apply_rotary_pos_emb
     assert PagedKVCacheManager is te.inference.PagedKVCacheManager
+
+
+@pytest.mark.parametrize("alias", ["padding,causal", "causal,padding"])
+def test_mask_type_aliases(alias):
+    """TE's older spellings of padding_causal, in the constructor and per call."""
+    qm, _ = padding_masks(3, 8, 8)
+    q, k, v = (dev(t.detach()) for t in make_qkv("bshd", 3, 8, 8, 4, 2, 8))
+    want = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="padding_causal")(
+        q, k, v, attention_mask=dev(qm))
+    dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type=alias)
+    assert dpa.attn_mask_type == "padding_causal"
+    assert torch.equal(dpa(q, k, v, attention_mask=dev(qm)), want)
+    other = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="no_mask")
+    assert torch.equal(other(q, k, v, attention_mask=dev(qm), attn_mask_type=alias), want)

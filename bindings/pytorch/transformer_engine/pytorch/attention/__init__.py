@@ -41,6 +41,7 @@ __all__ = ["DotProductAttention", "MultiheadAttention"]
 
 MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
               "padding_causal_bottom_right", "arbitrary")
+MASK_ALIASES = {"padding,causal": "padding_causal", "causal,padding": "padding_causal"}  # (TE's older spellings)
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 
 
@@ -265,6 +266,7 @@ class DotProductAttention(torch.nn.Module):
 
     @staticmethod
     def _check_mask_type(mt: str) -> str:
+        mt = MASK_ALIASES.get(mt, mt)
         if mt not in MASK_TYPES:
             raise ValueError(f"attn_mask_type must be one of {MASK_TYPES}, got {mt!r}")
         return mt
