@@ -523,3 +523,52 @@ def test_mask_type_aliases(alias):
     assert torch.equal(dpa(q, k, v, attention_mask=dev(qm)), want)
     other = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="no_mask")
     assert torch.equal(other(q, k, v, attention_mask=dev(qm), attn_mask_type=alias), want)
+
+
+def _saved_bytes(fn):
+    """(result of fn(), bytes of the tensors autograd saved for backward while it ran)."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total[0]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_checkpoint_core_attention(monkeypatch, fused, dropout):
+    """checkpoint_core_attention=True (TE's recompute in backward): the same output and gradients,
+    dropout included (torch's RNG state is replayed), while autograd keeps fewer bytes (the unfused
+    path's probabilities are not kept)."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
+    b, s, h, d = 2, 32, 4, 8
+    bias = dev(torch.randn(1, h, s, s)).requires_grad_(True)
+    res = {}
+    for ckpt in (False, True):
+        dpa = DotProductAttention(h, d, attention_dropout=dropout, qkv_format="bshd", attn_mask_type="causal")
+        q, k, v = (dev(t.detach()).requires_grad_(True) for t in make_qkv("bshd", b, s, s, h, h, d, seed=5))
+        bias.grad = None
+        torch.manual_seed(123)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed(123)
+        out, saved = _saved_bytes(lambda: dpa(q, k, v, checkpoint_core_attention=ckpt,
+                                              core_attention_bias_type="post_scale_bias", core_attention_bias=bias))
+        out.backward(dev(torch.randn(out.shape, generator=torch.Generator().manual_seed(1))))
+        res[ckpt] = (out.detach(), q.grad, k.grad, v.grad, bias.grad.clone(), saved)
+    for a, b_, name in zip(res[False][:5], res[True][:5], ("out", "dq", "dk", "dv", "dbias")):
+        assert torch.equal(a, b_), name
+    assert res[True][5] < res[False][5], (res[True][5], res[False][5])
+    if fused == "0":  # the probabilities ([b, h, s, s] floats) were the bulk of what the plain call kept
+        assert res[False][5] - res[True][5] >= b * h * s * s * 4
+
+
+def test_mha_passes_checkpoint_core_attention(monkeypatch):
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    torch.manual_seed(0)
+    m = MultiheadAttention(32, 4, attention_dropout=0.0, attn_mask_type="causal", device=DEVICE)
+    x = dev(torch.randn(24, 2, 32)).requires_grad_(True)
+    (y0, s0), (y1, s1) = (_saved_bytes(lambda: m(x, checkpoint_core_attention=c)) for c in (False, True))
+    assert torch.equal(y0, y1) and s1 < s0 - 2 * 4 * 24 * 24 * 4 // 2

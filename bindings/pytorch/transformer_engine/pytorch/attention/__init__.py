@@ -19,6 +19,7 @@ import math
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.utils.checkpoint
 
 from .. import _ops, custom_ops
 from .. import attn_bias as _ab
@@ -284,6 +285,21 @@ class DotProductAttention(torch.nn.Module):
         FP8 bytes (they give the shapes) and the result is O's FP8 hand-off. _cp_local: one rank's
         own attention inside context parallelism (context_parallel.attend)."""
         _check_forward_kwargs("DotProductAttention", kwargs)
+        if checkpoint_core_attention and self._checkpointable(query_layer, key_layer, value_layer, core_attention_bias,
+                                                              inference_params, _fp8_handoff, _cp_local):
+            # TE's recompute of the core attention in backward: only the inputs are kept (the unfused
+            # path's [b, h, sq, skv] probabilities are not); torch's RNG state is replayed, so dropout
+            # (torch's on the unfused path, the library's seed drawn from torch on the fused one) repeats
+            def run(q, k, v, bias):
+                return self.forward(q, k, v, attention_mask=attention_mask, qkv_format=qkv_format,
+                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                                    cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                                    max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                                    attn_mask_type=attn_mask_type, window_size=window_size,
+                                    core_attention_bias_type=core_attention_bias_type, core_attention_bias=bias,
+                                    alibi_slopes=alibi_slopes, pad_between_seqs=pad_between_seqs)
+            return torch.utils.checkpoint.checkpoint(run, query_layer, key_layer, value_layer, core_attention_bias,
+                                                     use_reentrant=False)
         fmt = self._check_format(qkv_format or self.qkv_format)
         mask_type = self._check_mask_type(attn_mask_type or self.attn_mask_type)
         if core_attention_bias_type not in _fa.BIASES:
@@ -353,6 +369,16 @@ class DotProductAttention(torch.nn.Module):
         else:
             ctx = ctx.permute(0, 2, 1, 3)
         return ctx.reshape(ctx.shape[0], ctx.shape[1], -1)
+
+    def _checkpointable(self, q, k, v, bias, inference_params, handoff, cp_local) -> bool:
+        """Whether checkpoint_core_attention recomputes this call: a call that builds a graph, outside
+        FP8 attention (whose recipe state a second forward would advance), context parallelism and
+        K/V-cache inference; elsewhere the flag changes memory only, so it is then left unused."""
+        grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+        if self.softmax_type == "learnable":
+            grads = grads or (torch.is_grad_enabled() and self.softmax_offset.requires_grad)
+        return (grads and inference_params is None and handoff is None and not cp_local and self.cp is None
+                and not _df.fp8_attention_on())
 
     def _context_parallel(self, q, k, v, fmt, mask_type, window_size, attention_mask, bias_type, inference_params,
                           handoff, cu, bias=None):
@@ -688,7 +714,7 @@ class MultiheadAttention(torch.nn.Module):
             q, k = self._rotate(q, k, rotary_pos_emb, inference_params,
                                 cu_seqlens_q_padded if cu_seqlens_q_padded is not None else cu_seqlens_q,
                                 cu_seqlens_kv_padded if cu_seqlens_kv_padded is not None else cu_seqlens_kv)
-        ctx = self.core_attention(q, k, v, **attn_args)
+        ctx = self.core_attention(q, k, v, checkpoint_core_attention=checkpoint_core_attention, **attn_args)
         res = self.proj(ctx, is_first_microbatch=is_first_microbatch)
         return self._outputs(res, ln_out)
 
