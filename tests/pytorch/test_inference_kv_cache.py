@@ -52,7 +52,7 @@ def visible(pos, n, total, causal, window):
     return ok
 
 
-def attention(q, k, v, ok, dtype=None):
+def attention(q, k, v, ok, dtype=None, bias=None):
     """Rows of softmax(q k^T / sqrt(D)) v over visible keys (GQA: K/V heads repeated); in float64,
     or naively in dtype on the device (the yardstick of flash-attention's rule)."""
     if dtype is not None:
@@ -60,6 +60,8 @@ def attention(q, k, v, ok, dtype=None):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     k, v = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)
     s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
+    if bias is not None:  # [H, n, total], float64 (ALiBi)
+        s = s + (bias.to(s.device) if dtype is None else bias.to(s.device).float()).to(s.dtype)
     p = torch.softmax(s.masked_fill(~ok, -math.inf).float() if dtype is not None else
                       s.masked_fill(~ok, -math.inf), -1)
     p = torch.nan_to_num(p, 0.0).to(q.dtype)
@@ -98,10 +100,21 @@ def make_params(paged, fmt, page_size=None):
     return InferenceParams(4, MAX_SEQLEN, G, D, DT, qkv_format=fmt)
 
 
-def run_script(fmt, paged, mask, window=None, seed=0, params=None):
+def alibi_rows(slopes, p0, n, total):
+    """float64 [H, n, total]: ALiBi of rows at absolute positions p0.. over keys 0..total-1."""
+    i = torch.arange(p0, p0 + n, dtype=torch.float64).view(n, 1)
+    j = torch.arange(total, dtype=torch.float64).view(1, total)
+    return -slopes.double().view(H, 1, 1) * (i - j).abs()
+
+
+def run_script(fmt, paged, mask, window=None, seed=0, params=None, alibi=None):
+    """alibi: None, or float64 slopes [H] to check against (passed to the call unless alibi_default)."""
     hist = history(seed)
     dpa = te.DotProductAttention(H, D, num_gqa_groups=G, qkv_format=fmt, attn_mask_type=mask,
                                  window_size=window, layer_number=3)
+    akw = {}
+    if alibi is not None:
+        akw = dict(core_attention_bias_type="alibi", alibi_slopes=None if alibi[1] else alibi[0].float().to(DEVICE))
     params = params if params is not None else make_params(paged, fmt)
     pos = {}
     for it, step in enumerate(SCRIPT):
@@ -114,17 +127,18 @@ def run_script(fmt, paged, mask, window=None, seed=0, params=None):
         new = {sid: [x[pos.get(sid, 0):pos.get(sid, 0) + n] for x in hist[sid]] for sid, n in step.items()}
         q, k, v = (pack([new[sid][c] for sid in step], fmt, s) for c in range(3))
         with torch.no_grad():
-            out = dpa(q, k, v, inference_params=params)
+            out = dpa(q, k, v, inference_params=params, **akw)
         assert out.shape == q.shape[:-2] + (H * D,) and out.dtype == DT
         for (sid, n), (got, pad) in zip(step.items(), rows_of(out, fmt, step)):
             p0 = pos.get(sid, 0)
             total = p0 + n
             ok = visible(p0, n, total, "causal" in mask, window)
             qh, kh, vh = hist[sid]
-            ref = attention(qh[p0:total], kh[:total], vh[:total], ok)
+            ab = alibi_rows(alibi[0], p0, n, total) if alibi is not None else None
+            ref = attention(qh[p0:total], kh[:total], vh[:total], ok, bias=ab)
             what = f"iteration {it} sequence {sid}"
             if ON_CUDA:
-                naive = attention(qh[p0:total], kh[:total], vh[:total], ok, DT)
+                naive = attention(qh[p0:total], kh[:total], vh[:total], ok, DT, bias=ab)
                 e, e_naive = float((got.double().cpu() - ref).abs().max()), float((naive - ref).abs().max())
                 assert e <= 2.0 * e_naive, (what, e, e_naive)
             else:
@@ -160,7 +174,7 @@ def test_dpa_kv_cache_unfused_path(monkeypatch, fmt, paged, mask, window):
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     calls = []
     real = kv_cache_attention._unfused
-    monkeypatch.setattr(kv_cache_attention, "_unfused", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kv_cache_attention, "_unfused", lambda *a, **k: calls.append(1) or real(*a, **k))
     run_script(fmt, paged, mask, window=window, seed=2)
     assert len(calls) == len(SCRIPT)
 
@@ -287,8 +301,9 @@ def test_errors(monkeypatch):
         params.pre_step(OrderedDict({0: 1, 1: 1}))
         with pytest.raises(ValueError, match="need batch 2"):
             dpa(q[:1], k[:1], k[:1], inference_params=params)
-        with pytest.raises(NotImplementedError, match="bias"):
-            dpa(q, k, k, inference_params=params, core_attention_bias_type="alibi")
+        with pytest.raises(NotImplementedError, match="bias tensor"):
+            dpa(q, k, k, inference_params=params, core_attention_bias_type="post_scale_bias",
+                core_attention_bias=torch.zeros(1, H, 1, 1, dtype=DT, device=DEVICE))
         with pytest.raises(ValueError, match="arbitrary"):
             dpa(q, k, k, inference_params=params, attn_mask_type="arbitrary")
         monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
@@ -403,3 +418,16 @@ def test_custom_cache_manager_keyword_and_two_value_step():
     assert rel_err(out, ref) < (2e-2 if ON_CUDA else TOL)
     with pytest.raises(ValueError, match="not both"):
         InferenceParams(4, MAX_SEQLEN, G, D, DT, cache_manager=TwoValues, custom_cache_manager=TwoValues)
+
+
+@pytest.mark.parametrize("slopes", ["default", "given"])
+@pytest.mark.parametrize("paged", [False, True], ids=["nonpaged", "paged"])
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+@pytest.mark.parametrize("mask", ["padding_causal", "no_mask"])
+def test_dpa_kv_cache_alibi(fmt, paged, mask, slopes):
+    """ALiBi over a K/V cache (the unfused path): each new row's term is -slope * |its position in
+    the sequence - the key's|, with TE's default slopes or given ones."""
+    if slopes == "default":  # TE's default for 4 heads: 2^-2, 2^-4, 2^-6, 2^-8
+        run_script(fmt, paged, mask, alibi=(2.0 ** (-8.0 / H * torch.arange(1, H + 1, dtype=torch.float64)), True))
+    else:
+        run_script(fmt, paged, mask, alibi=(torch.tensor([0.5, 0.3, 0.2, 0.05], dtype=torch.float64), False))

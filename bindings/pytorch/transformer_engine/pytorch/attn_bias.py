@@ -42,9 +42,20 @@ def mask_lengths(attention_mask, b: int, sq: int, sk: int, device) -> Tuple[torc
     return lq, lk
 
 
-def alibi_bias(slopes: Optional[torch.Tensor], heads: int, b: int, sq: int, sk: int, mask_type: str,
-               attention_mask, device) -> torch.Tensor:
-    """float32 [1 or b, heads, sq, sk]: the ALiBi term of each score (module docstring)."""
+def alibi_diagonal(mask_type: str, attention_mask, b: int, sq: int, sk: int, device) -> torch.Tensor:
+    """int64 [1 or b]: the diagonal offset of ALiBi's distances (module docstring)."""
+    if "causal" in mask_type and not mask_type.endswith("bottom_right"):
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    if "padding" in mask_type and attention_mask is not None:
+        lq, lk = mask_lengths(attention_mask, b, sq, sk, device)
+        return lk - lq
+    return torch.full((1,), sk - sq, dtype=torch.int64, device=device)
+
+
+def alibi_bias(slopes: Optional[torch.Tensor], heads: int, b: int, sq: int, sk: int, diag: torch.Tensor,
+               device) -> torch.Tensor:
+    """float32 [1 or b, heads, sq, sk]: -slope * |i + diag - j|, diag [1 or b] (alibi_diagonal; a K/V
+    cache's: each sequence's cached minus new tokens)."""
     if slopes is None:
         slopes = default_alibi_slopes(heads, device)
     slopes = slopes.to(device=device, dtype=torch.float32)
@@ -52,13 +63,6 @@ def alibi_bias(slopes: Optional[torch.Tensor], heads: int, b: int, sq: int, sk: 
         raise ValueError(f"alibi_slopes must be [heads] or [batch, heads] = [{heads}] or [{b}, {heads}], got "
                          f"{tuple(slopes.shape)}")
     slopes = slopes.reshape(-1, heads)
-    diag = torch.zeros(1, dtype=torch.int64, device=device)
-    if "causal" not in mask_type or mask_type.endswith("bottom_right"):
-        if "padding" in mask_type and attention_mask is not None:
-            lq, lk = mask_lengths(attention_mask, b, sq, sk, device)
-            diag = lk - lq
-        else:
-            diag = diag + (sk - sq)
     i = torch.arange(sq, device=device).view(1, sq, 1)
     j = torch.arange(sk, device=device).view(1, 1, sk)
     dist = (i + diag.view(-1, 1, 1) - j).abs().float()  # [1 or b, sq, sk]
@@ -87,6 +91,12 @@ def biased_scores(scores: torch.Tensor, scale: float, bias_type: str, bias: Opti
         z = scores.float() + t if bias_type == "pre_scale_bias" else scores.float() * scale + t
         return z.to(scores.dtype), (scale if bias_type == "pre_scale_bias" else 1.0)
     if bias_type == "alibi":
-        a = alibi_bias(alibi_slopes, h, b, sq, sk, mask_type, attention_mask, scores.device)
-        return (scores.float() * scale + a).to(scores.dtype), 1.0
+        diag = alibi_diagonal(mask_type, attention_mask, b, sq, sk, scores.device)
+        return add_alibi(scores, scale, alibi_slopes, diag), 1.0
     raise ValueError(f"unknown core_attention_bias_type {bias_type!r}")
+
+
+def add_alibi(scores: torch.Tensor, scale: float, slopes: Optional[torch.Tensor], diag: torch.Tensor) -> torch.Tensor:
+    """scale * scores + the ALiBi term (float32 sum, the scores' dtype out); scores [b, h, sq, sk]."""
+    b, h, sq, sk = scores.shape
+    return (scores.float() * scale + alibi_bias(slopes, h, b, sq, sk, diag, scores.device)).to(scores.dtype)

@@ -10,7 +10,8 @@ It is the library's fused path on both backends (cuDNN's paged / decode attentio
 the float64 reference on the CPU). Where the fused path is off (NVTE_FUSED_ATTN=0) or the backend
 rejects the call (on the GPU: a window without a causal mask over a paged cache or under THD
 queries), the unfused path runs it: K/V gathered from the cache, the library's batched GEMM and
-masked softmax (NVTE_UNFUSED_ATTN=0 turns that off too: then it raises). Attention bias, ALiBi and arbitrary
+masked softmax (NVTE_UNFUSED_ATTN=0 turns that off too: then it raises). ALiBi runs on the unfused
+path (its term aligned bottom-right, at each sequence's cached length); a bias tensor and arbitrary
 masks raise; an FP8 recipe's fp8_dpa / fp8_mha leave this attention in the inputs' precision, and
 dropout is not applied. The call keeps no softmax statistics, so it has no backward: inputs that
 need gradients raise."""
@@ -24,6 +25,7 @@ from torch.library import custom_op
 
 from transformer_engine import _nvte
 
+from . import attn_bias as _ab
 from . import batched_matmul as _bm
 from . import fused_attention as _fa
 from .dpa_fused import _zero_rng_state
@@ -66,8 +68,8 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
     who = "DotProductAttention (inference_params)"
     if not isinstance(params, InferenceParams):
         raise TypeError(f"{who}: inference_params must be an InferenceParams, got {type(params).__name__}")
-    if bias_type != "no_bias" or bias is not None or alibi_slopes is not None:
-        raise NotImplementedError(f"{who}: attention bias / ALiBi are not implemented with a K/V cache")
+    if bias_type not in ("no_bias", "alibi") or bias is not None:
+        raise NotImplementedError(f"{who}: an attention bias tensor is not implemented with a K/V cache (ALiBi is)")
     if mask_type == "arbitrary":
         raise ValueError(f"{who}: attn_mask_type 'arbitrary' cannot be used with a K/V cache (its masks are the "
                          "cached lengths, and causal ones are bottom-right aligned)")
@@ -83,6 +85,8 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
     layout = LAYOUTS[fmt, table is not None]
     q = q.contiguous()
     why = "NVTE_FUSED_ATTN=0" if _fa._env("NVTE_FUSED_ATTN") == "0" else ""
+    if bias_type == "alibi":  # (the unfused path adds it, aligned bottom-right as the new tokens are)
+        why = why or "ALiBi with a K/V cache runs unfused"
     softmax_type = dpa.softmax_type
     if not why:
         ok, why = _fa.fused_backend_supports(q, k_cache, v_cache, layout, _fa.BIAS_INT["no_bias"], mask, 0.0, False,
@@ -94,7 +98,8 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
                                     _fa.SOFTMAX_INT[softmax_type], dpa.fused_softmax_offset())
     elif _fa.unfused_allowed():
         o = _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, int(max_sq), max(params.sequences.values()), fmt,
-                     "causal" in mask_type, (int(wl), int(wr)), float(dpa.softmax_scale), dpa.sink_offset(q.device))
+                     "causal" in mask_type, (int(wl), int(wr)), float(dpa.softmax_scale), dpa.sink_offset(q.device),
+                     alibi=(alibi_slopes,) if bias_type == "alibi" else None)
     else:
         raise NotImplementedError(f"{who}: the fused attention path cannot run this call ({why}) and the unfused "
                                   "path is disabled (NVTE_UNFUSED_ATTN=0)")
@@ -103,10 +108,11 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
 
 
 def _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, max_sq: int, max_kv: int, fmt: str, causal: bool, window,
-             scale: float, sink: Optional[Tensor] = None) -> Tensor:
+             scale: float, sink: Optional[Tensor] = None, alibi=None) -> Tensor:
     """The same attention unfused: each sequence's keys and values gathered from the cache
-    ([b, max_kv]), queries as [b, max_sq] rows, torch matmuls and the library's masked softmax
-    (with `sink` [h], the softmax with that extra term per row: softmax_type); rows of no query
+    ([b, max_kv]), queries as [b, max_sq] rows, the library's batched GEMM and masked softmax
+    (with `sink` [h], the softmax with that extra term per row: softmax_type; with alibi = (slopes
+    or None,), the ALiBi term at each sequence's bottom-right diagonal); rows of no query
     (padding) come out zero, as the fused path writes them."""
     from .attention import fused_scale_mask_softmax, softmax_with_sink  # (the attention package imports this module)
     b = cu_kv.numel() - 1
@@ -135,6 +141,8 @@ def _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, max_sq: int, max_kv: int, 
     rep = qb.shape[2] // k.shape[2]
     kh, vh = (x.repeat_interleave(rep, dim=2).transpose(1, 2) for x in (k, v))  # [b, h, skv, d]
     scores = _bm.matmul(qb.transpose(1, 2), kh, y_transposed=True)  # [b, h, sq, skv], unscaled
+    if alibi is not None:
+        scores, scale = _ab.add_alibi(scores, scale, alibi[0], (lk - lq)), 1.0
     if sink is None:
         probs = fused_scale_mask_softmax(scores, "masked", scale, hidden.view(b, 1, max_sq, max_kv))
     else:
