@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
+from transformer_engine.pytorch import fused_attention as fa, kv_cache_attention
 from transformer_engine.pytorch.inference import InferenceParams, NonPagedKVCacheManager
 
 from _util import DEVICE, ON_CUDA, rel_err
@@ -170,7 +171,6 @@ def test_dpa_kv_cache_sliding_window():
                                                    ("thd", True, "causal", None), ("thd", False, "no_mask", (4, 1))])
 def test_dpa_kv_cache_unfused_path(monkeypatch, fmt, paged, mask, window):
     """NVTE_FUSED_ATTN=0: the cache read back into dense K/V, matmuls and the library's masked softmax."""
-    from transformer_engine.pytorch import kv_cache_attention
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     calls = []
     real = kv_cache_attention._unfused
@@ -431,3 +431,21 @@ def test_dpa_kv_cache_alibi(fmt, paged, mask, slopes):
         run_script(fmt, paged, mask, alibi=(2.0 ** (-8.0 / H * torch.arange(1, H + 1, dtype=torch.float64)), True))
     else:
         run_script(fmt, paged, mask, alibi=(torch.tensor([0.5, 0.3, 0.2, 0.05], dtype=torch.float64), False))
+
+
+def test_paged_cache_page_size_not_a_power_of_two(monkeypatch):
+    """cuDNN's paged attention takes power-of-two page sizes only: on the GPU a cache of 3-token pages
+    runs the unfused path (the library's workspace query says why), on the CPU the fused reference;
+    both give the scripted run's results."""
+    calls = []
+    real = kv_cache_attention._unfused
+    monkeypatch.setattr(kv_cache_attention, "_unfused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    run_script("bshd", True, "padding_causal", params=make_params(True, "bshd", page_size=3))
+    assert (len(calls) > 0) == ON_CUDA, len(calls)
+    if ON_CUDA:
+        q = torch.zeros(2, 1, H, D, dtype=DT, device=DEVICE)
+        k_cache = torch.zeros(8, 3, G, D, dtype=DT, device=DEVICE)
+        ok, why = fa.fused_backend_supports(q, k_cache, k_cache, kv_cache_attention.LAYOUTS["bshd", True],
+                                            fa.BIAS_INT["no_bias"], fa.MASK_INT["padding_causal_bottom_right"],
+                                            0.0, False, 1, 12, -1, -1, br=True)
+        assert not ok and "powers of two" in why, why

@@ -117,6 +117,10 @@ std::string unsupported_reason(const AttnParams &p) {
     return concat("cuDNN attention takes bfloat16/float16 Q, K, V; got ", dtype_name(p.dtype));
   if (kv_thd(p) && !thd(p))
     return concat("layout ", p.layout.name, " (THD K/V with BSHD/SBHD queries) is not supported by the CUDA backend");
+  // (page_size is 0 in the tensor-less backend query; the workspace queries and the call see it)
+  if (p.layout.paged && p.page_size > 0 && (p.page_size & (p.page_size - 1)) != 0)
+    return concat("a paged K/V cache takes page sizes that are powers of two on the GPU (cuDNN's paged load); got ",
+                  p.page_size);
   // THD queries over BSHD/SBHD K/V (TE's inference layouts): forward only on the GPU.
   if (thd(p) && !kv_thd(p) && !p.layout.paged && p.is_training)
     return concat("layout ", p.layout.name, " (THD queries, BSHD/SBHD K/V) runs on the GPU for inference only "

@@ -279,9 +279,10 @@ def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_ty
     """(supported, reason) from nvte_get_fused_attn_backend for this configuration (fp8: Q, K, V
     will be passed as float8_e4m3). The query has no tensors and answers for the GPU when the
     library has one; host tensors run the CPU reference, which takes every configuration the
-    adapter passes (the call itself reports anything else). TE's query has no alignment argument:
-    a left window on a non-causal mask aligned to the bottom-right diagonal (br) is asked of the
-    forward workspace query, which takes it (and reports NOT_SUPPORTED as the call would)."""
+    adapter passes (the call itself reports anything else). TE's query has no alignment argument
+    and no tensors: a left window on a non-causal mask aligned to the bottom-right diagonal (br)
+    and a paged K/V cache (cuDNN takes power-of-two page sizes only) are asked of the forward
+    workspace query, which sees them (and reports NOT_SUPPORTED as the call would)."""
     if q.dtype not in _DT or k.dtype not in _DT or v.dtype not in _DT:
         return False, f"dtype {q.dtype} is not supported by fused attention"
     if q.device.type == "cpu":
@@ -289,33 +290,35 @@ def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_ty
     qdt, kdt = (_nvte.DType.kFloat8E4M3,) * 2 if fp8 else (_DT[q.dtype], _DT[k.dtype])
     ok, why = _backend_answer(q.device.index, is_training, qdt, kdt, layout, bias_type, mask, dropout, q.shape[-2],
                               k.shape[-2], max_sq, max_skv, q.shape[-1], v.shape[-1], wl, wr, softmax)
-    if ok and br and wl >= 0 and not fp8 and mask in _NON_CAUSAL:
+    # asked of the forward workspace query, which sees the tensors: a bottom-right window (TE's query
+    # has no alignment argument) and a paged cache (its page size)
+    if ok and not fp8 and ((br and wl >= 0 and mask in _NON_CAUSAL) or layout in _PAGED):
         b4 = None if bias is None else (bias.shape if bias.dim() == 4 else (1, *bias.shape[-3:]))
         key = (q.device.index, q.dtype, *((tuple(x.shape), x.stride()) for x in (q, k, v)), b4, layout,
-               bias_type, mask, dropout, is_training, max_sq, max_skv, wl, wr, softmax)
-        answer = _ALIGNED_ANSWERS.get(key)
+               bias_type, mask, dropout, is_training, max_sq, max_skv, wl, wr, br, softmax)
+        answer = _WORKSPACE_ANSWERS.get(key)
         if answer is None:  # asked once per configuration (a forward asks every time)
-            answer = _ALIGNED_ANSWERS[key] = _bottom_right_window_answer(q, k, v, bias, b4, layout, bias_type,
-                                                                         mask, dropout, is_training, max_sq,
-                                                                         max_skv, wl, wr, softmax)
+            answer = _WORKSPACE_ANSWERS[key] = _workspace_answer(q, k, v, bias, b4, layout, bias_type, mask, dropout,
+                                                               is_training, max_sq, max_skv, wl, wr, br, softmax)
         return answer
     return ok, why
 
 
 _NON_CAUSAL = (int(M.NVTE_NO_MASK), int(M.NVTE_PADDING_MASK))
-_ALIGNED_ANSWERS = {}
+_PAGED = frozenset(int(v) for n, v in L.__members__.items() if n.startswith("NVTE_Paged_KV_"))
+_WORKSPACE_ANSWERS = {}
 
 
-def _bottom_right_window_answer(q, k, v, bias, b4, layout, bias_type, mask, dropout, is_training, max_sq, max_skv,
-                                wl, wr, softmax=0) -> Tuple[bool, str]:
-    """The forward workspace query's answer for a bottom-right aligned call (the bias in the call's
-    form: [b or 1, h, sq, skv] in q's dtype)."""
+def _workspace_answer(q, k, v, bias, b4, layout, bias_type, mask, dropout, is_training, max_sq, max_skv,
+                      wl, wr, br, softmax=0) -> Tuple[bool, str]:
+    """The forward workspace query's answer for a call (the bias in the call's form: [b or 1, h, sq,
+    skv] in q's dtype)."""
     if bias is not None:
         bias = bias.reshape(b4).to(q.dtype)
     try:
         _nvte.fused_attn_fwd_workspace_size(*[_handle(x) for x in (q, k, v)], _handle(bias), max_sq, max_skv,
                                             is_training, False, dropout, *_enums(layout, bias_type, mask, softmax), wl,
-                                            wr, True)
+                                            wr, br)
     except _nvte.Error as e:  # (any other error: the call reports it)
         if len(e.args) > 1 and e.args[1] == int(_nvte.Status.NOT_SUPPORTED):
             return False, e.args[0]
