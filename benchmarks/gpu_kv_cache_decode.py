@@ -30,7 +30,12 @@ from gpu_harness import Report, host_us, time_alternating_ms  # noqa: E402
 import transformer_engine.pytorch as te  # noqa: E402
 
 B, HQ, HKV, D, CTX, ROOM, PAGE = 16, 32, 8, 128, 4096, 640, 64
-TIMING = dict(rounds=3, iters=15, warmup=3, inner=4)
+# the sleep before each batch of 4 steps: ~10 ms, longer than a host-bound step batch takes to queue
+# (at ~0.45 ms of host time per step the default ~1 ms let the GPU idle: 0.29 ms "GPU" time per step)
+TIMING = dict(rounds=3, iters=15, warmup=3, inner=4, sleep_cycles=20_000_000)
+# host_us calls per row: the graph rows replay one graph; more pending launches of it than the
+# driver keeps (fewer than 32 on the H100) block the host until the queued sleep ends
+HOST_CALLS = 12
 
 
 class Ours:
@@ -168,7 +173,7 @@ def diagnose(rows, q1, k1, v1):
                      "input copies + replay": lambda: (cp(), rep()), "pre_step + input copies": lambda: (pre(), cp()),
                      "whole step": lambda: (pre(), cp(), rep())}
             print(f"[diagnose] {name}: host us, each behind ~20 ms of queued GPU work: " +
-                  ", ".join(f"{k} {host_us(f, calls=32):.1f}" for k, f in parts.items()))
+                  ", ".join(f"{k} {host_us(f, calls=HOST_CALLS):.1f}" for k, f in parts.items()))
     # control: a captured graph of one small kernel, replayed the same way
     x = torch.zeros(1024, device="cuda")
     g = torch.cuda.CUDAGraph()
@@ -182,8 +187,8 @@ def diagnose(rows, q1, k1, v1):
     dst = torch.empty(64, dtype=torch.int32, device="cuda")
     for kind in ("pageable", "pinned"):  # a small H2D copy followed by a graph replay / an eager kernel
         src = torch.arange(64, dtype=torch.int32, pin_memory=kind == "pinned")
-        with_graph = host_us(lambda: (dst.copy_(src, non_blocking=True), g.replay()), calls=32)
-        with_kernel = host_us(lambda: (dst.copy_(src, non_blocking=True), x.add_(1.0)), calls=32)
+        with_graph = host_us(lambda: (dst.copy_(src, non_blocking=True), g.replay()), calls=HOST_CALLS)
+        with_kernel = host_us(lambda: (dst.copy_(src, non_blocking=True), x.add_(1.0)), calls=HOST_CALLS)
         print(f"[diagnose] control: {kind} H2D copy + graph replay, host us {with_graph:.1f}; "
               f"{kind} H2D copy + eager kernel {with_kernel:.1f}")
 
@@ -220,9 +225,13 @@ def main():
         assert err < 5e-2, (name, err)
     if "--diagnose" in sys.argv:
         diagnose(rows, q1, k1, v1)
+    if "--graph-pending" in sys.argv:  # host us per replay of one captured step against the replays queued
+        r = next(r for _, r in rows if isinstance(r, OursGraph))
+        print("[graph pending] " + ", ".join(f"{n} replays: {host_us(lambda: r.graph.replay(), calls=n):.1f} us"
+                                             for n in (4, 8, 12, 16, 20, 24, 32, 48)))
     fns = [(lambda r: lambda: r.step(q1, k1, v1))(r) for _, r in rows]
     ms = time_alternating_ms(fns, **TIMING)
-    hus = [host_us(f, calls=32) for f in fns]
+    hus = [host_us(f, calls=HOST_CALLS) for f in fns]
     base = {name: t for (name, _), t in zip(rows, ms)}
     for (name, _), t, h in zip(rows, ms, hus):
         rep.add(group, name, gpu_ms=t, host_us=h, gpu_speed_vs_torch_cudnn=base.get("torch cuDNN", float("nan")) / t,
