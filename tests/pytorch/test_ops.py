@@ -131,3 +131,15 @@ def test_fp8_group_all_reduce_single_process(rng):
             torch.testing.assert_close(m.fp8_meta.scale["fwd"][0], 448.0 / x.abs().max())
         finally:
             dist.destroy_process_group()
+
+
+def test_persistent_handles_are_kept_by_address_shape_dtype():
+    """_ops._persistent (the K/V-cache path's handles of long-lived buffers): one handle per
+    (address, shape, dtype); another view of the same memory gets its own."""
+    from transformer_engine.pytorch import _ops
+    x = torch.zeros(4, 6)
+    h = _ops._persistent(x)
+    assert _ops._persistent(x) is h and _ops._persistent(x.view(6, 4)) is not h
+    assert _ops._persistent(x.view(torch.int32)) is not h and _ops._persistent(None) is None
+    y = torch.ones(4, 6)
+    assert _ops._persistent(y) is not h

@@ -73,6 +73,26 @@ def _tensor(data: torch.Tensor, shape=None):
     return _make(data.data_ptr(), data.shape if shape is None else shape, _TORCH_TO_NVTE[data.dtype])
 
 
+_PERSISTENT = {}
+_MAX_PERSISTENT = 512
+
+
+def _persistent(data: Optional[torch.Tensor]):
+    """_tensor(data) for tensors that outlive many calls (K/V caches, the per-iteration index
+    buffers, a constant rng_state): the handle is kept, keyed by what it holds (address, shape,
+    dtype), so a decode step does not make it again per layer and step. For read / write-data use
+    only: callers must not set parameters (scales, amax) on it. None stays None."""
+    if data is None:
+        return None
+    key = (data.data_ptr(), data.shape, data.dtype)
+    h = _PERSISTENT.get(key)
+    if h is None:
+        if len(_PERSISTENT) >= _MAX_PERSISTENT:
+            _PERSISTENT.clear()
+        h = _PERSISTENT[key] = _tensor(data)
+    return h
+
+
 def _workspace(nbytes: int, device: torch.device):
     """A handle of a fresh nbytes buffer (None for 0 bytes); the handle keeps the buffer alive."""
     if nbytes <= 0:

@@ -52,9 +52,9 @@ def thd_mask_type(mask_type: str) -> str:
 
 def check_qkv(q, k, v, fmt: str, h: int, g: int) -> None:
     rank = 3 if fmt == "thd" else 4
-    dims = "[t, h, d]" if fmt == "thd" else f"{fmt} ([{', '.join(fmt)}])"
     for name, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            dims = "[t, h, d]" if fmt == "thd" else f"{fmt} ([{', '.join(fmt)}])"
             raise ValueError(f"DotProductAttention: {name} must be a {rank}D tensor in {dims} format, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     if q.shape[-2] != h or k.shape[-2] != g or v.shape[-2] != g:

@@ -124,16 +124,18 @@ def attn_workspace(bwd: bool, c: AttnCfg, qkv, H, bias: Optional[Tensor], is_tra
 
 
 def call_fwd(c: AttnCfg, qkv, H, bias, s_h, o_h, aux, cu, rng_state: Tensor, is_training: bool,
-             pages=(None, None), offset: Optional[Tensor] = None) -> None:
+             pages=(None, None), offset: Optional[Tensor] = None, handle=_handle) -> None:
     """nvte_fused_attn_fwd (positional arguments: cheaper to pass than keywords). H: handles of q, k, v;
     s_h: FP8 S metadata or None; cu: (cu_seqlens_q, _kv, _q_padded, _kv_padded) tensors or Nones;
-    pages: the page tables (k, v) of a paged layout; offset: the learnable softmax's [1, h, 1, 1]."""
+    pages: the page tables (k, v) of a paged layout; offset: the learnable softmax's [1, h, 1, 1];
+    handle: what makes the handles of cu, pages and rng_state (_ops._persistent for the K/V-cache
+    path's long-lived buffers)."""
     ws = attn_workspace(False, c, qkv, H, bias, is_training)
     # the binding's order: Q, K, V, Bias, SoftmaxOffset, S, O, aux, cu_seqlens (q, kv, q_padded, kv_padded),
     # page tables (k, v), rng_state, max_seqlen (q, kv), is_training, return_max_logit, cuda_graph, the
     # _tail scalars, workspace, stream
-    _nvte.fused_attn_fwd(*H, _handle(bias), _handle(offset), s_h, o_h, aux, *[_handle(t) for t in cu], *map(_handle, pages),
-                         _handle(rng_state), c.max_sq, c.max_skv, is_training, False, False, *_tail(c), ws,
+    _nvte.fused_attn_fwd(*H, _handle(bias), _handle(offset), s_h, o_h, aux, *[handle(t) for t in cu], *map(handle, pages),
+                         handle(rng_state), c.max_sq, c.max_skv, is_training, False, False, *_tail(c), ws,
                          _stream(qkv[0]))
 
 

@@ -118,8 +118,9 @@ def copy_to_kv_cache(new_k: Tensor, new_v: Tensor, k_cache: Tensor, v_cache: Ten
     """nvte_copy_to_kv_cache: the step's new keys / values (contiguous, in qkv_format) into paged
     caches [pages, page_size, h, d] through page_table [b, pages per sequence] (one launch)."""
     b = page_table.shape[0]
-    _nvte.copy_to_kv_cache(_ops._tensor(new_k), _ops._tensor(new_v), _ops._tensor(k_cache), _ops._tensor(v_cache),
-                           _ops._tensor(page_table), _ops._tensor(cu_new), _ops._tensor(cu_cached),
+    keep = _ops._persistent  # (the caches and the iteration's index buffers: handles kept across calls)
+    _nvte.copy_to_kv_cache(_ops._tensor(new_k), _ops._tensor(new_v), keep(k_cache), keep(v_cache),
+                           keep(page_table), keep(cu_new), keep(cu_cached),
                            _FORMAT[qkv_format], b, max_ctx_len, page_table.shape[1] * k_cache.shape[1],
                            page_table.shape[1], 0, _ops._stream(new_k))
 

@@ -25,6 +25,7 @@ from torch.library import custom_op
 
 from transformer_engine import _nvte
 
+from . import _ops
 from . import attn_bias as _ab
 from . import batched_matmul as _bm
 from . import fused_attention as _fa
@@ -48,8 +49,10 @@ def fused_attn_fwd_kv_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ta
     c = _fa.AttnCfg(max_sq, max_skv, scale, 0.0, layout, _fa.BIAS_INT["no_bias"], mask, wl, wr, True, softmax)
     o = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=q.dtype, device=q.device)
     qkv = (q, k_cache, v_cache)
-    _fa.call_fwd(c, qkv, [_fa._handle(x) for x in qkv], None, None, _fa._handle(o), None, (cu_q, cu_kv, None, None),
-                 _zero_rng_state(q.device), False, pages=(page_table, page_table), offset=offset)
+    keep = _ops._persistent  # (caches, index buffers, rng_state: handles kept across layers and steps)
+    _fa.call_fwd(c, qkv, [_fa._handle(q), keep(k_cache), keep(v_cache)], None, None, _fa._handle(o), None,
+                 (cu_q, cu_kv, None, None), _zero_rng_state(q.device), False, pages=(page_table, page_table),
+                 offset=offset, handle=keep)
     return o
 
 

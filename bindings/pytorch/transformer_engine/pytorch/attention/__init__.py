@@ -309,7 +309,9 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"DotProductAttention: alibi_slopes given with core_attention_bias_type "
                              f"{core_attention_bias_type!r} (they need 'alibi')")
         h, g = self.num_attention_heads, self.num_gqa_groups
-        self._sink_heads = None  # the heads of this call's sink offsets (None: all)
+        # the heads of this call's sink offsets (None: all); (set through __dict__: nn.Module's
+        # __setattr__ costs microseconds per call, and this runs in every decode step)
+        self.__dict__["_sink_heads"] = None
         if _cp_local and self.cp is not None and self.cp.comm_type == "a2a":  # this rank's share of the heads
             h, g = h // self.cp.size, g // self.cp.size
             self._sink_heads = slice(self.cp.rank * h, (self.cp.rank + 1) * h)
