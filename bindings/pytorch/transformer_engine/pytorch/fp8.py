@@ -10,7 +10,9 @@ scale recomputed by nvte_delayed_scaling_recipe_amax_and_scale_update) when the 
 fp8_autocast exits with grad enabled, for every module that ran an FP8 forward inside it.
 Backward scales are updated in each module's backward, right before its gradients are cast
 (a simplification of TE, which does it once per backward pass). With an fp8_group the
-current amaxes (row 0) are all-reduced (MAX) through torch.distributed before an update.
+current forward amaxes (row 0) are all-reduced (MAX) through torch.distributed before the
+forward update; the backward updates use each rank's own amaxes (TE reduces those over the
+group too), so ranks' backward scales may differ (each rank's gradient casts stay within range).
 """
 from __future__ import annotations
 
