@@ -6,10 +6,15 @@
 // writes the new statistic after a __syncwarp: no other warp touches that (token, head), so the
 // in-place update needs no second pass. It replaces the ~10 elementwise torch kernels per ring
 // step (logaddexp, exps, broadcast multiplies) that the adapter used to launch. The sink's
-// gradient: one block per head, its rows summed in a fixed order (no scratch, deterministic; see
-// sink_grad_kernel).
+// gradient: a cluster of blocks per head on sm_90 (one block elsewhere), its rows summed in a
+// fixed order (no scratch, deterministic; see sink_grad_block_sum).
+#include <cooperative_groups.h>
+
+#include <algorithm>
+
 #include "attn_merge.h"
 #include "common.cuh"
+#include "pdl.cuh"
 
 namespace nvte::cuda {
 namespace {
@@ -63,27 +68,30 @@ void launch(const attn_merge::Geometry &g, float *o, float *l, const P *p, const
   NVTE_CHECK_LAUNCH();
 }
 
-// dsink of one head (blockIdx.x). Each row is read by `lpr` consecutive threads (a power of two
-// covering the head dim in V-element vectors: 16 of them at d 128 in bf16), so a 1024-thread block
-// reads 1024 / lpr rows per pass and keeps several passes' loads in flight. The row's sink share
+// dsink of one head. Each row is read by `lpr` consecutive threads (a power of two covering the
+// head dim in V-element vectors: 16 of them at d 128 in bf16), so a 1024-thread block reads
+// 1024 / lpr rows per pass and keeps several passes' loads in flight. The row's sink share
 // exp(sink - lse) is the same for its threads, so each thread folds it into its own partial dot
 // and the block reduces once at the end, in a fixed order: the same rows always meet the same
 // threads and the same sums (deterministic, no scratch). A per-row shuffle reduction made the
 // first version latency-bound (233 GB/s on an H100, slower than the torch ops it replaced).
+// With one block per head only `heads` SMs work (873 GB/s at 32 heads on an H100), so on sm_90 a
+// cluster of kClusterBlocks blocks shares each head's rows and block 0 adds the blocks' sums
+// from their shared memory (distributed shared memory) in rank order: still deterministic and
+// without scratch, with every SM busy.
 constexpr int kGradThreads = 1024;
+constexpr int kClusterBlocks = 8;
 
+// The block's sum over rows [r0, r1) of exp(sink - lse) * dot(out, dout), in thread 0 (fixed order).
 template <class O, int V>
-__global__ void __launch_bounds__(kGradThreads)
-    sink_grad_kernel(attn_merge::Geometry g, const O *__restrict__ dout, const O *__restrict__ out,
-                     const float *__restrict__ lse, const float *__restrict__ sink, float *__restrict__ dsink,
-                     int lpr) {
-  const int64_t h = blockIdx.x, rows = g.batch * g.rows, hd = g.heads * g.dim;
-  const int64_t per_pass = kGradThreads / lpr;
+__device__ float sink_grad_block_sum(const attn_merge::Geometry &g, const O *__restrict__ dout,
+                                     const O *__restrict__ out, const float *__restrict__ lse, float alpha,
+                                     int64_t h, int64_t r0, int64_t r1, int lpr) {
+  const int64_t hd = g.heads * g.dim, per_pass = kGradThreads / lpr;
   const int sl = threadIdx.x % lpr;
-  const float alpha = sink[h];
   float acc = 0.0f;
 #pragma unroll 4
-  for (int64_t r = threadIdx.x / lpr; r < rows; r += per_pass) {
+  for (int64_t r = r0 + threadIdx.x / lpr; r < r1; r += per_pass) {
     const int64_t n = r / g.rows, s = r % g.rows;
     const float a = lse[n * g.lse_n + s * g.lse_s + h * g.lse_h];
     const float share = a == -INFINITY ? 0.0f : expf(alpha - a);  // (rows without keys: none)
@@ -100,11 +108,77 @@ __global__ void __launch_bounds__(kGradThreads)
   __shared__ float warp_sum[kGradThreads / 32];
   if (threadIdx.x % 32 == 0) warp_sum[threadIdx.x / 32] = acc;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float total = 0.0f;
+  float total = 0.0f;
+  if (threadIdx.x == 0)
     for (int w = 0; w < kGradThreads / 32; ++w) total += warp_sum[w];
-    dsink[h] = -total;
+  return total;
+}
+
+template <class O, int V>
+__global__ void __launch_bounds__(kGradThreads)
+    sink_grad_kernel(attn_merge::Geometry g, const O *__restrict__ dout, const O *__restrict__ out,
+                     const float *__restrict__ lse, const float *__restrict__ sink, float *__restrict__ dsink,
+                     int lpr) {
+  const int64_t h = blockIdx.x;
+  const float total = sink_grad_block_sum<O, V>(g, dout, out, lse, sink[h], h, 0, g.batch * g.rows, lpr);
+  if (threadIdx.x == 0) dsink[h] = -total;
+}
+
+// Launched with clusters of kClusterBlocks along x (sm_90 code only: launch_grad checks the binary).
+template <class O, int V>
+__global__ void __launch_bounds__(kGradThreads)
+    sink_grad_cluster_kernel(attn_merge::Geometry g, const O *__restrict__ dout, const O *__restrict__ out,
+                             const float *__restrict__ lse, const float *__restrict__ sink,
+                             float *__restrict__ dsink, int lpr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int part = (int)cluster.block_rank();
+  const int64_t h = blockIdx.x / kClusterBlocks, rows = g.batch * g.rows;
+  const int64_t chunk = (rows + kClusterBlocks - 1) / kClusterBlocks;
+  const int64_t r0 = std::min<int64_t>(rows, part * chunk), r1 = std::min<int64_t>(rows, r0 + chunk);
+  __shared__ float block_total;
+  const float total = sink_grad_block_sum<O, V>(g, dout, out, lse, sink[h], h, r0, r1, lpr);
+  if (threadIdx.x == 0) block_total = total;
+  cluster.sync();  // every block's sum is in its shared memory
+  if (part == 0 && threadIdx.x == 0) {
+    float sum = 0.0f;
+    for (int b = 0; b < kClusterBlocks; ++b) sum += *cluster.map_shared_rank(&block_total, b);
+    dsink[h] = -sum;
   }
+  cluster.sync();  // (the peers' shared memory stays until block 0 has read it)
+#endif
+}
+
+// Whether `kernel` runs as code compiled for sm_90+ on this device (its PTX version: a JIT of
+// older PTX on Hopper still has the empty pre-sm_90 body).
+bool compiled_sm90(const void *kernel) {
+  cudaFuncAttributes a{};
+  NVTE_CHECK_CUDA(cudaFuncGetAttributes(&a, kernel));
+  return a.ptxVersion >= 90;
+}
+
+template <class O, int V>
+void launch_grad_kernel(const attn_merge::Geometry &g, const O *d, const O *o, const float *l, const float *sk,
+                        float *ds, int lpr, cudaStream_t stream) {
+  if (!pdl_supported() || !compiled_sm90((const void *)sink_grad_cluster_kernel<O, V>)) {  // (pdl: sm_90+)
+    sink_grad_kernel<O, V><<<(unsigned)g.heads, kGradThreads, 0, stream>>>(g, d, o, l, sk, ds, lpr);
+    NVTE_CHECK_LAUNCH();
+    return;
+  }
+  NVTE_CHECK(g.heads <= 0x7fffffff / kClusterBlocks, "attn_merge_sink_grad: too many heads (", g.heads, ")");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3((unsigned)(g.heads * kClusterBlocks));
+  cfg.blockDim = dim3(kGradThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kClusterBlocks;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  NVTE_CHECK_CUDA(cudaLaunchKernelEx(&cfg, sink_grad_cluster_kernel<O, V>, g, d, o, l, sk, ds, lpr));
 }
 
 template <class O>
@@ -117,10 +191,9 @@ void launch_grad(const attn_merge::Geometry &g, const O *d, const O *o, const fl
   int lpr = 1;
   while (lpr < 32 && lpr < units) lpr *= 2;
   if (vec)
-    sink_grad_kernel<O, kV><<<(unsigned)g.heads, kGradThreads, 0, stream>>>(g, d, o, l, sk, ds, lpr);
+    launch_grad_kernel<O, kV>(g, d, o, l, sk, ds, lpr, stream);
   else
-    sink_grad_kernel<O, 1><<<(unsigned)g.heads, kGradThreads, 0, stream>>>(g, d, o, l, sk, ds, lpr);
-  NVTE_CHECK_LAUNCH();
+    launch_grad_kernel<O, 1>(g, d, o, l, sk, ds, lpr, stream);
 }
 
 }  // namespace
