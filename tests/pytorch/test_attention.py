@@ -503,6 +503,9 @@ def test_exports():
 def test_te2_submodule_import_paths():
     """TE 2.x's module paths under transformer_engine.pytorch.attention name the same objects."""
     from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention as D
+    from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
+        DotProductAttention as D2)
+    assert D2 is D
     from transformer_engine.pytorch.attention.multi_head_attention import MultiheadAttention as M
     from transformer_engine.pytorch.attention.inference import InferenceParams, PagedKVCacheManager
     from transformer_engine.pytorch.attention.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
@@ -563,6 +566,41 @@ def test_checkpoint_core_attention(monkeypatch, fused, dropout):
     assert res[True][5] < res[False][5], (res[True][5], res[False][5])
     if fused == "0":  # the probabilities ([b, h, s, s] floats) were the bulk of what the plain call kept
         assert res[False][5] - res[True][5] >= b * h * s * s * 4
+
+
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_checkpoint_core_attention_learnable_sink(monkeypatch, fused):
+    """The learnable softmax offset's gradient is the same with the recompute."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        dpa = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="causal", softmax_type="learnable")
+        with torch.no_grad():
+            dpa.softmax_offset.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
+        q, k, v = (dev(t.detach()).requires_grad_(True) for t in make_qkv("bshd", 2, 12, 12, 4, 4, 8, seed=3))
+        dpa(q, k, v, checkpoint_core_attention=ckpt).square().sum().backward()
+        grads.append((dpa.softmax_offset.grad.clone(), q.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_checkpoint_core_attention_recomputes_outside_fp8(monkeypatch):
+    """A checkpointed call made outside FP8 attention recomputes outside it, even when its backward
+    runs inside an fp8_autocast with fp8_dpa (the forward's path, not the backward's)."""
+    from transformer_engine.common.recipe import DelayedScaling
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+    dpa = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="causal")
+    res = []
+    for inside in (False, True):
+        q, k, v = (dev(t.detach()).requires_grad_(True) for t in make_qkv("bshd", 2, 12, 12, 4, 4, 8, seed=3))
+        out = dpa(q, k, v, checkpoint_core_attention=True)
+        if inside:
+            with te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(fp8_dpa=True)):
+                out.square().sum().backward()
+        else:
+            out.square().sum().backward()
+        res.append(q.grad)
+    assert torch.equal(res[0], res[1])
 
 
 def test_mha_passes_checkpoint_core_attention(monkeypatch):

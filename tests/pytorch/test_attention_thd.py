@@ -367,6 +367,11 @@ def test_mha_thd_padded_offsets_match_per_sequence_bshd(rope):
         rows = slice(int(pad[i]), int(pad[i]) + n)
         alone = m_b(dev(x[rows]).unsqueeze(0), rotary_pos_emb=emb)[0]
         assert rel_err(out[rows], alone) < (2e-2 if ON_CUDA else 1e-5), i
+    # self attention: the query side's offsets alone serve the keys too (one packed buffer)
+    same = m(dev(x), cu_seqlens_q=dev(cu_of(lens)), cu_seqlens_q_padded=dev(pad), rotary_pos_emb=emb)
+    assert torch.equal(same, out)
+    with pytest.raises(ValueError, match="together"):
+        m(dev(x), cu_seqlens_q=dev(cu_of(lens)), cu_seqlens_kv=dev(cu_of(lens)), cu_seqlens_q_padded=dev(pad))
 
 
 def test_thd_as_padded_bshd_checks_max_seqlen(monkeypatch):

@@ -152,9 +152,10 @@ def test_unfused_bias_against_float64(monkeypatch, fmt, mask_type, b, sq, sk, pa
                                                   "float32); test_unfused_bias_against_float64 runs on CUDA")
 @pytest.mark.parametrize("kind", BIASES)
 @pytest.mark.parametrize("mask_type,b,sq,sk,padded", CASES)
-def test_unfused_matches_fused_path(monkeypatch, mask_type, b, sq, sk, padded, kind):
+@pytest.mark.parametrize("h", [4, 6])  # (6: TE's default slopes past the largest power of two)
+def test_unfused_matches_fused_path(monkeypatch, mask_type, b, sq, sk, padded, kind, h):
     """The same call on both paths gives one answer (outputs, input and bias gradients)."""
-    h, g, d = 4, 4, 16
+    g, d = h, 16
     bias_type, bias, slopes = make_bias(kind, b, h, sq, sk)
     masks = padding_masks(b, sq, sk, seed=5) if padded else None
     args = ("bshd", mask_type, b, sq, sk, h, g, d, bias_type, bias, slopes, masks)
@@ -199,6 +200,7 @@ def test_arbitrary_mask_with_bias_runs_unfused(monkeypatch):
 
 
 def test_bias_errors(monkeypatch):
+    """Bad biases raise on every path (checked before the path is chosen)."""
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     dpa = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="causal")
     q, k, v = (dev(t.detach()) for t in make_qkv("bshd", 2, 6, 6, 4, 4, 8))
@@ -210,3 +212,14 @@ def test_bias_errors(monkeypatch):
         dpa(q, k, v, core_attention_bias_type="alibi", alibi_slopes=dev(torch.ones(3)))
     with pytest.raises(ValueError, match="need 'alibi'"):
         dpa(q, k, v, alibi_slopes=dev(torch.ones(4)))
+    with pytest.raises(ValueError, match="alibi_slopes must be"):  # ([1, h] is [b, h] only at b = 1)
+        dpa(q, k, v, core_attention_bias_type="alibi", alibi_slopes=dev(torch.ones(1, 4)))
+    for bias_type in ("alibi", "no_bias"):  # a bias tensor its type would ignore
+        with pytest.raises(ValueError, match="needs 'pre_scale_bias' or 'post_scale_bias'"):
+            dpa(q, k, v, core_attention_bias_type=bias_type, core_attention_bias=dev(torch.zeros(1, 4, 6, 6)))
+    with pytest.raises(TypeError, match="floating-point"):
+        dpa(q, k, v, core_attention_bias_type="post_scale_bias",
+            core_attention_bias=dev(torch.zeros(1, 4, 6, 6, dtype=torch.bool)))
+    pad = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="padding")
+    with pytest.raises(ValueError, match=r"padding masks must be \[b, 1, 1, s\]"):
+        pad(q, k, v, attention_mask=dev(torch.zeros(2, 1, 1, 7, dtype=torch.bool)), core_attention_bias_type="alibi")

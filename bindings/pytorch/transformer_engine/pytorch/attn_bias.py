@@ -33,13 +33,28 @@ def default_alibi_slopes(heads: int, device) -> torch.Tensor:
     return slopes.to(device=device, dtype=torch.float32)
 
 
+def split_padding_mask(attention_mask, b: int, sq: int, sk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(query mask, key/value mask), bool, of a padding attention_mask: one [b, 1, 1, s] tensor
+    (self attention) or a (q_mask, kv_mask) pair (True = padded); their sizes checked."""
+    if attention_mask is None:
+        raise ValueError("padding mask types need attention_mask ([b, 1, 1, s] bool, True = padded)")
+    if isinstance(attention_mask, (tuple, list)):
+        if len(attention_mask) != 2:
+            raise ValueError("a padding attention_mask pair must be (q_mask, kv_mask)")
+        qm, km = attention_mask
+    else:
+        qm = km = attention_mask
+    qm, km = qm.bool(), km.bool()
+    if qm.numel() != b * sq or km.numel() != b * sk:
+        raise ValueError(f"padding masks must be [b, 1, 1, s]: got {tuple(qm.shape)} / {tuple(km.shape)} for "
+                         f"b={b}, sq={sq}, skv={sk}")
+    return qm, km
+
+
 def mask_lengths(attention_mask, b: int, sq: int, sk: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """int64 [b] query and key/value lengths of a padding mask ([b, 1, 1, s] or a (q, kv) pair,
-    True = padded)."""
-    qm, km = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,) * 2
-    lq = (~qm.bool().reshape(b, sq)).sum(1).to(device)
-    lk = (~km.bool().reshape(b, sk)).sum(1).to(device)
-    return lq, lk
+    """int64 [b] query and key/value lengths of a padding mask (split_padding_mask's forms)."""
+    qm, km = split_padding_mask(attention_mask, b, sq, sk)
+    return (~qm.reshape(b, sq)).sum(1).to(device), (~km.reshape(b, sk)).sum(1).to(device)
 
 
 def alibi_diagonal(mask_type: str, attention_mask, b: int, sq: int, sk: int, device) -> torch.Tensor:
@@ -59,7 +74,7 @@ def alibi_bias(slopes: Optional[torch.Tensor], heads: int, b: int, sq: int, sk: 
     if slopes is None:
         slopes = default_alibi_slopes(heads, device)
     slopes = slopes.to(device=device, dtype=torch.float32)
-    if slopes.shape not in ((heads,), (1, heads), (b, heads)):
+    if slopes.shape not in ((heads,), (b, heads)):
         raise ValueError(f"alibi_slopes must be [heads] or [batch, heads] = [{heads}] or [{b}, {heads}], got "
                          f"{tuple(slopes.shape)}")
     slopes = slopes.reshape(-1, heads)
@@ -70,6 +85,8 @@ def alibi_bias(slopes: Optional[torch.Tensor], heads: int, b: int, sq: int, sk: 
 
 
 def _check_bias(bias: torch.Tensor, b: int, h: int, sq: int, sk: int) -> torch.Tensor:
+    if not bias.is_floating_point():
+        raise TypeError(f"core_attention_bias must be a floating-point tensor, got {bias.dtype}")
     t = bias if bias.dim() == 4 else (bias.view(1, *bias.shape) if bias.dim() == 3 else None)
     if t is None or t.shape[0] not in (1, b) or t.shape[1] not in (1, h) or tuple(t.shape[2:]) != (sq, sk):
         raise ValueError(f"core_attention_bias must be [1 or b, 1 or h, sq, skv] = [1 or {b}, 1 or {h}, {sq}, {sk}], "

@@ -259,6 +259,16 @@ def _zero_rng_state(device: torch.device) -> torch.Tensor:
     return t
 
 
+def needs_grad(dpa, q, k, v, bias, learnable: bool = True) -> bool:
+    """Whether this call builds a graph: grad mode on and a gradient wanted of q, k, v, the bias (or
+    whatever tensors are given in their places) or, with learnable, the learnable softmax offset."""
+    if not torch.is_grad_enabled():
+        return False
+    if any(t is not None and t.requires_grad for t in (q, k, v, bias)):
+        return True
+    return learnable and dpa.softmax_type == "learnable" and dpa.softmax_offset.requires_grad
+
+
 def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes,
               seq: Optional[Seq], fp8: Optional[DelayedScaling], handoff=None, force_fused: bool = False):
     """The fused attention output, or None when the unfused path should run; raises when neither
@@ -307,11 +317,8 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
                           _fa.padding_to_cu_seqlens_cached(km, q.device, b, sk, "key/value"), None, None)
                     if cu[0] is None or cu[1] is None:
                         why = "the padding mask is not right-padded (valid tokens first)"
-        grads = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in
-            ((q, k, v, bias if bias_type != "alibi" else None,
-              dpa.softmax_offset if softmax == _fa.SOFTMAX_INT["learnable"] else None)
-             if handoff is None else handoff[0]))
+        grads = needs_grad(dpa, *((q, k, v, bias if bias_type != "alibi" else None) if handoff is None
+                                  else (*handoff[0], None, None)), learnable=handoff is None)
         is_training = grads or dropout > 0.0
         if not why:
             ok, reason = _fa.fused_backend_supports(q, k, v, layout, _fa.BIAS_INT[bias_type],

@@ -300,6 +300,8 @@ def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_ty
                bias_type, mask, dropout, is_training, max_sq, max_skv, wl, wr, br, softmax)
         answer = _WORKSPACE_ANSWERS.get(key)
         if answer is None:  # asked once per configuration (a forward asks every time)
+            if len(_WORKSPACE_ANSWERS) >= _MAX_WORKSPACE_ANSWERS:  # (shapes that never repeat, e.g. THD steps)
+                _WORKSPACE_ANSWERS.clear()
             answer = _WORKSPACE_ANSWERS[key] = _workspace_answer(q, k, v, bias, b4, layout, bias_type, mask, dropout,
                                                                is_training, max_sq, max_skv, wl, wr, br, softmax)
         return answer
@@ -309,6 +311,7 @@ def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_ty
 _NON_CAUSAL = (int(M.NVTE_NO_MASK), int(M.NVTE_PADDING_MASK))
 _PAGED = frozenset(int(v) for n, v in L.__members__.items() if n.startswith("NVTE_Paged_KV_"))
 _WORKSPACE_ANSWERS = {}
+_MAX_WORKSPACE_ANSWERS = 1024
 
 
 def _workspace_answer(q, k, v, bias, b4, layout, bias_type, mask, dropout, is_training, max_sq, max_skv,

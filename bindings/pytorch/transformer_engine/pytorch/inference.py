@@ -133,6 +133,12 @@ def _(new_k, new_v, k_cache, v_cache, page_table, cu_new, cu_cached, qkv_format,
 copy_to_kv_cache = eager_or_op(copy_to_kv_cache)
 
 
+def gather_pages(cache: torch.Tensor, table: torch.Tensor, b: int) -> torch.Tensor:
+    """[b, pages per sequence * page_size, h, d]: each of the first b sequences' pages of a paged
+    cache [pages, page_size, h, d], in table order (a copy)."""
+    return cache[table[:b].long()].flatten(1, 2)
+
+
 class KVCacheManager:
     """The interface InferenceParams drives (a custom manager subclasses it and is passed, as a
     class, as cache_manager): `cache[layer] = (k_cache, v_cache)`, `sequences` {seq_id: length
@@ -502,10 +508,9 @@ class InferenceParams:
         table = getattr(m, "page_table", None)
         if table is None:
             raise RuntimeError("InferenceParams.convert_paged_to_nonpaged: no page table (call pre_step first)")
-        table = table[:self.batch_size].long()
         out = []
         for c in m.cache[layer_number]:
-            x = c[table.flatten()].reshape(self.batch_size, -1, *c.shape[2:])  # [b, pages * page_size, h, d]
+            x = gather_pages(c, table, self.batch_size)
             if qkv_format == "sbhd":
                 x = x.transpose(0, 1).contiguous()
             elif qkv_format == "thd":

@@ -31,7 +31,7 @@ from . import batched_matmul as _bm
 from . import fused_attention as _fa
 from .dpa_fused import _zero_rng_state
 from .custom_ops import eager_or_op
-from .inference import InferenceParams
+from .inference import InferenceParams, gather_pages
 
 L = _nvte.NVTE_QKV_Layout
 
@@ -121,7 +121,7 @@ def _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, max_sq: int, max_kv: int, 
     b = cu_kv.numel() - 1
     dev = q.device
     if table is not None:  # pages of each sequence in order: [b, pages * page_size, h_kv, d]
-        k, v = (c[table[:b].long()].flatten(1, 2) for c in (k_cache, v_cache))
+        k, v = (gather_pages(c, table, b) for c in (k_cache, v_cache))
     else:
         k, v = k_cache[:b], v_cache[:b]
     k, v = k[:, :max_kv], v[:, :max_kv]
@@ -145,7 +145,7 @@ def _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, max_sq: int, max_kv: int, 
     kh, vh = (x.repeat_interleave(rep, dim=2).transpose(1, 2) for x in (k, v))  # [b, h, skv, d]
     scores = _bm.matmul(qb.transpose(1, 2), kh, y_transposed=True)  # [b, h, sq, skv], unscaled
     if alibi is not None:
-        scores, scale = _ab.add_alibi(scores, scale, alibi[0], (lk - lq)), 1.0
+        scores, scale = _ab.add_alibi(scores, scale, alibi[0], diag.view(b)), 1.0
     if sink is None:
         probs = fused_scale_mask_softmax(scores, "masked", scale, hidden.view(b, 1, max_sq, max_kv))
     else:

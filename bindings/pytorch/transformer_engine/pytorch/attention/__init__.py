@@ -30,7 +30,7 @@ from .. import dpa_fused as _df
 from .. import fused_attention as _fa
 from .. import fused_attention_fp8 as _fa8
 from .. import kv_cache_attention as _kv
-from ..fp8 import FP8Meta
+from ..fp8 import FP8Meta, fp8_autocast
 from ..fp8_handoff import handoff_parts
 from ..inference import InferenceParams  # noqa: F401  (TE's te.attention.InferenceParams)
 from ..rope import RotaryPositionEmbedding, apply_rotary_pos_emb  # noqa: F401  (also te.attention.*)
@@ -144,18 +144,7 @@ def _window_mask(sq: int, sk: int, window: Tuple[int, int], device) -> torch.Ten
 
 def _padding_mask(attention_mask, b: int, sq: int, sk: int) -> torch.Tensor:
     """[b, 1, sq, sk] bool from a [b, 1, 1, s] mask or a (q_mask, kv_mask) pair."""
-    if attention_mask is None:
-        raise ValueError("padding mask types need attention_mask ([b, 1, 1, s] bool, True = padded)")
-    if isinstance(attention_mask, (tuple, list)):
-        if len(attention_mask) != 2:
-            raise ValueError("a padding attention_mask pair must be (q_mask, kv_mask)")
-        qm, km = attention_mask
-    else:
-        qm = km = attention_mask
-    qm, km = qm.bool(), km.bool()
-    if qm.numel() != b * sq or km.numel() != b * sk:
-        raise ValueError(f"padding masks must be [b, 1, 1, s]: got {tuple(qm.shape)} / {tuple(km.shape)} for "
-                         f"b={b}, sq={sq}, skv={sk}")
+    qm, km = _ab.split_padding_mask(attention_mask, b, sq, sk)
     return qm.reshape(b, 1, sq, 1) | km.reshape(b, 1, 1, sk)
 
 
@@ -291,13 +280,14 @@ class DotProductAttention(torch.nn.Module):
             # path's [b, h, sq, skv] probabilities are not); torch's RNG state is replayed, so dropout
             # (torch's on the unfused path, the library's seed drawn from torch on the fused one) repeats
             def run(q, k, v, bias):
-                return self.forward(q, k, v, attention_mask=attention_mask, qkv_format=qkv_format,
-                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                                    cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-                                    max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-                                    attn_mask_type=attn_mask_type, window_size=window_size,
-                                    core_attention_bias_type=core_attention_bias_type, core_attention_bias=bias,
-                                    alibi_slopes=alibi_slopes, pad_between_seqs=pad_between_seqs)
+                with fp8_autocast(enabled=False):  # (as the forward ran: outside FP8 attention)
+                    return self.forward(q, k, v, attention_mask=attention_mask, qkv_format=qkv_format,
+                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                                        cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                                        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                                        attn_mask_type=attn_mask_type, window_size=window_size,
+                                        core_attention_bias_type=core_attention_bias_type, core_attention_bias=bias,
+                                        alibi_slopes=alibi_slopes, pad_between_seqs=pad_between_seqs)
             return torch.utils.checkpoint.checkpoint(run, query_layer, key_layer, value_layer, core_attention_bias,
                                                      use_reentrant=False)
         fmt = self._check_format(qkv_format or self.qkv_format)
@@ -308,6 +298,12 @@ class DotProductAttention(torch.nn.Module):
         if alibi_slopes is not None and core_attention_bias_type != "alibi":
             raise ValueError(f"DotProductAttention: alibi_slopes given with core_attention_bias_type "
                              f"{core_attention_bias_type!r} (they need 'alibi')")
+        if core_attention_bias is not None and core_attention_bias_type not in _ab.BIASES:
+            raise ValueError(f"DotProductAttention: core_attention_bias given with core_attention_bias_type "
+                             f"{core_attention_bias_type!r} (it needs 'pre_scale_bias' or 'post_scale_bias')")
+        if core_attention_bias is not None and not core_attention_bias.is_floating_point():
+            raise TypeError(f"DotProductAttention: core_attention_bias must be a floating-point tensor, got "
+                            f"{core_attention_bias.dtype}")
         h, g = self.num_attention_heads, self.num_gqa_groups
         # the heads of this call's sink offsets (None: all); (set through __dict__: nn.Module's
         # __setattr__ costs microseconds per call, and this runs in every decode step)
@@ -376,9 +372,7 @@ class DotProductAttention(torch.nn.Module):
         """Whether checkpoint_core_attention recomputes this call: a call that builds a graph, outside
         FP8 attention (whose recipe state a second forward would advance), context parallelism and
         K/V-cache inference; elsewhere the flag changes memory only, so it is then left unused."""
-        grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
-        if self.softmax_type == "learnable":
-            grads = grads or (torch.is_grad_enabled() and self.softmax_offset.requires_grad)
+        grads = _df.needs_grad(self, q, k, v, bias)
         return (grads and inference_params is None and handoff is None and not cp_local and self.cp is None
                 and not _df.fp8_attention_on())
 
@@ -687,6 +681,10 @@ class MultiheadAttention(torch.nn.Module):
                 max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill: bool = True, cu_seqlens_q_padded=None,
                 cu_seqlens_kv_padded=None, pad_between_seqs=None, **kwargs):
         _check_forward_kwargs("MultiheadAttention", kwargs)
+        if self.attention_type == "self" and cu_seqlens_kv is None and cu_seqlens_kv_padded is None:
+            cu_seqlens_kv_padded = cu_seqlens_q_padded  # (one packed buffer: the keys' offsets are the queries')
+        if (cu_seqlens_q_padded is None) != (cu_seqlens_kv_padded is None):
+            raise ValueError("MultiheadAttention: give cu_seqlens_q_padded and cu_seqlens_kv_padded together")
         attn_args = dict(attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
                          core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
                          alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
