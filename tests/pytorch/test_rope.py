@@ -235,10 +235,11 @@ def test_mha_rope_under_fp8_mha_runs_as_fp8_dpa():
 
 def test_transformer_layer_takes_rotary_pos_emb(monkeypatch):
     """TransformerLayer hands rotary_pos_emb to its self attention, which rotates q and k."""
-    from transformer_engine.pytorch import attention
+    from transformer_engine.pytorch.attention import multi_head_attention as mha_module
     calls = []
-    real = attention.apply_rotary_pos_emb
-    monkeypatch.setattr(attention, "apply_rotary_pos_emb", lambda t, f, *a, **k: calls.append(f) or real(t, f, *a, **k))
+    real = mha_module.apply_rotary_pos_emb
+    monkeypatch.setattr(mha_module, "apply_rotary_pos_emb",
+                        lambda t, f, *a, **k: calls.append(f) or real(t, f, *a, **k))
     torch.manual_seed(2)
     hid = 256 if ON_CUDA else 32
     layer = te.TransformerLayer(hid, 2 * hid, 4, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
