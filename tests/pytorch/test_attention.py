@@ -610,3 +610,69 @@ def test_mha_passes_checkpoint_core_attention(monkeypatch):
     x = dev(torch.randn(24, 2, 32)).requires_grad_(True)
     (y0, s0), (y1, s1) = (_saved_bytes(lambda: m(x, checkpoint_core_attention=c)) for c in (False, True))
     assert torch.equal(y0, y1) and s1 < s0 - 2 * 4 * 24 * 24 * 4 // 2
+
+
+class _Tracker:
+    """A stand-in for Megatron's RNG tracker (TE's get_rng_state_tracker): fork() runs its body on
+    this tracker's own generator states and restores the default ones after."""
+
+    def __init__(self, seed):
+        saved = self._get()
+        torch.manual_seed(seed)
+        self.state = self._get()
+        self._set(saved)
+
+    @staticmethod
+    def _get():
+        return (torch.random.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+
+    @staticmethod
+    def _set(s):
+        torch.random.set_rng_state(s[0])
+        if s[1] is not None:
+            torch.cuda.set_rng_state(s[1])
+
+    def fork(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            saved = self._get()
+            self._set(self.state)
+            try:
+                yield
+            finally:
+                self.state = self._get()
+                self._set(saved)
+        return ctx()
+
+
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_dropout_draws_from_the_rng_state_tracker(monkeypatch, fused):
+    """With get_rng_state_tracker (TE's / Megatron's), attention dropout draws from the tracker's
+    stream on both paths: the mask follows the tracker's seed, and the default generator is left
+    as it was."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
+    q, k, v = (dev(t.detach()) for t in make_qkv("bshd", 2, 16, 16, 4, 4, 8, seed=3))
+
+    def run(tracker_seed, global_seed):
+        tracker = _Tracker(tracker_seed)
+        dpa = DotProductAttention(4, 8, attention_dropout=0.3, qkv_format="bshd", attn_mask_type="causal",
+                                  get_rng_state_tracker=lambda: tracker)
+        torch.manual_seed(global_seed)
+        before = _Tracker._get()
+        out = dpa(q, k, v)
+        after = _Tracker._get()
+        same = torch.equal(before[0], after[0]) and (before[1] is None or torch.equal(before[1], after[1]))
+        return out, same
+    a, untouched = run(7, 0)
+    b, _ = run(7, 1)
+    c, _ = run(8, 0)
+    assert untouched, "attention dropout drew from the default generator"
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    plain = DotProductAttention(4, 8, attention_dropout=0.3, qkv_format="bshd", attn_mask_type="causal")
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    plain(q, k, v)
+    if DEVICE.type == "cpu":  # (without a tracker the default generator is drawn from)
+        assert not torch.equal(before, torch.random.get_rng_state())

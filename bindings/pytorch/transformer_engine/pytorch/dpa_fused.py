@@ -343,7 +343,11 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
                                       f"({why}) and the unfused path "
                                       f"{'is disabled (NVTE_UNFUSED_ATTN=0)' if not needs_fused else 'runs no THD'}")
         return None
-    rng = _fa.new_rng_state(q.device) if dropout > 0.0 else _zero_rng_state(q.device)
+    if dropout > 0.0:
+        with dpa.dropout_rng():
+            rng = _fa.new_rng_state(q.device)
+    else:
+        rng = _zero_rng_state(q.device)
     br = "causal" not in mask_type
     mask = _fa.MASK_INT[mask_type]
     if handoff is not None or fp8 is not None:

@@ -141,7 +141,8 @@ class TransformerLayer(torch.nn.Module):
                          input_layernorm=not self.output_layernorm, zero_centered_gamma=zero_centered_gamma,
                          qkv_weight_interleaved=qkv_weight_interleaved, bias=bias, normalization=normalization,
                          device=device, qkv_format=attn_input_format, params_dtype=params_dtype,
-                         fuse_qkv_params=fuse_qkv_params, softmax_type=softmax_type, **mha_extra)
+                         fuse_qkv_params=fuse_qkv_params, softmax_type=softmax_type,
+                         get_rng_state_tracker=get_rng_state_tracker, **mha_extra)
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type,
                                                  window_size=window_size, attention_type="self", **attn_args)
         if layer_type == "decoder":  # (its input norm stays with output_layernorm too, as in TE)

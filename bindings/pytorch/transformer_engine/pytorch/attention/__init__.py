@@ -15,6 +15,7 @@ broadcasts to [b, h, sq, skv].
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Optional, Tuple, Union
 
@@ -356,7 +357,8 @@ class DotProductAttention(torch.nn.Module):
             probs = softmax_with_sink(scores, scale, _explicit_mask(kind, mask, sq, sk, scores.device),
                                       self.sink_offset(scores.device))
         if self.training and self.attention_dropout > 0.0:
-            probs = torch.nn.functional.dropout(probs, p=self.attention_dropout, training=True)
+            with self.dropout_rng():
+                probs = torch.nn.functional.dropout(probs, p=self.attention_dropout, training=True)
         ctx = _bm.matmul(probs, v)  # [b, h, sq, dv]
         if fmt == "sbhd":
             ctx = ctx.permute(2, 0, 1, 3)
@@ -369,6 +371,8 @@ class DotProductAttention(torch.nn.Module):
         FP8 attention (whose recipe state a second forward would advance), context parallelism and
         K/V-cache inference; elsewhere the flag changes memory only, so it is then left unused."""
         grads = _df.needs_grad(self, q, k, v, bias)
+        if self.get_rng_state_tracker is not None and self.training and self.attention_dropout > 0.0:
+            return False  # (torch's checkpoint replays torch's RNG, not the tracker's: the mask would change)
         return (grads and inference_params is None and handoff is None and not cp_local and self.cp is None
                 and not _df.fp8_attention_on())
 
@@ -377,6 +381,15 @@ class DotProductAttention(torch.nn.Module):
         window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
         return _cp.module_forward(self, q, k, v, fmt, mask_type, window, attention_mask, bias_type, inference_params,
                                   handoff is not None or _df.fp8_attention_on(), cu, bias)
+
+    def dropout_rng(self):
+        """The RNG context of attention dropout: get_rng_state_tracker().fork() when the module was
+        given a tracker (TE's, for Megatron's model-parallel RNG stream), else none (torch's
+        default generator). Both paths draw in it: the unfused path's dropout, the fused path's
+        seed."""
+        if self.get_rng_state_tracker is None:
+            return contextlib.nullcontext()
+        return self.get_rng_state_tracker().fork()
 
     def sink_offset(self, device) -> Optional[torch.Tensor]:
         """The per-head sink logits [heads] of softmax_type (zeros for "off-by-one"), None for "vanilla";
