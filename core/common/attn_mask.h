@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cmath>
+#include <math.h>
 #include <cstdint>
 
 #include "numeric.h"  // NVTE_HD
@@ -73,11 +74,12 @@ NVTE_HD double alibi_term(double slope, int64_t i, int64_t j, int64_t diag) {
 // TE's default ALiBi slope of head h out of n_heads: with n the largest power of two
 // <= n_heads, heads below n get 2^(-8 (h + 1) / n); the rest continue with the odd powers
 // of 2^(-4 / n): 2^(-4 (2 (h - n) + 1) / n).
-inline double default_alibi_slope(size_t h, size_t n_heads) {
+// (::exp2, not std::exp2: this runs in device code too.)
+NVTE_HD double default_alibi_slope(size_t h, size_t n_heads) {
   size_t n = 1;
   while (n * 2 <= n_heads) n *= 2;
-  if (h < n) return std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(n));
-  return std::exp2(-4.0 * static_cast<double>(2 * (h - n) + 1) / static_cast<double>(n));
+  if (h < n) return ::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(n));
+  return ::exp2(-4.0 * static_cast<double>(2 * (h - n) + 1) / static_cast<double>(n));
 }
 
 // Dropout threshold: an element is kept when its 32-bit draw is >= this (keep prob 1 - p).

@@ -100,7 +100,7 @@ fi
 if [[ " $steps " == *" memcheck_all "* ]]; then
   declare -A shards=(
     [cast]="tests/gpu/test_cast_gpu.py"
-    [act_softmax]="tests/gpu/test_activation_gpu.py tests/gpu/test_softmax_gpu.py tests/gpu/test_dispatch_gpu.py tests/gpu/test_fp8_codec_gpu.py"
+    [act_softmax]="tests/gpu/test_activation_gpu.py tests/gpu/test_softmax_gpu.py tests/gpu/test_attn_softmax_gpu.py tests/gpu/test_dispatch_gpu.py tests/gpu/test_fp8_codec_gpu.py"
     [norm]="tests/gpu/test_normalization_gpu.py"
     [transpose]="tests/gpu/test_transpose_gpu.py"
     [gemm_recipe]="tests/gpu/test_gemm_gpu.py tests/gpu/test_gemm_fp8_gpu.py tests/gpu/test_gemm_epilogue_gpu.py tests/gpu/test_gemm_autotune_gpu.py tests/gpu/test_recipe_gpu.py"

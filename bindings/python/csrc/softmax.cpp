@@ -49,6 +49,27 @@ void bind_softmax(py::module_ &m) {
                                                    to_stream(stream)));
         },
         py::arg("input"), py::arg("mask").none(true), py::arg("output"), py::arg("scale"), py::arg("stream") = 0);
+  m.def("attn_softmax_forward",
+        [](const Tensor &in, const Tensor *bias, const Tensor *slopes, const Tensor *diag, const Tensor *mask,
+           const Tensor *offset, Tensor &out, Tensor *sink_probs, float scale, NVTE_Bias_Type bias_type,
+           NVTE_Mask_Type mask_type, uintptr_t stream) {
+          check(nvte_attn_softmax_forward(in.handle(), handle(bias), handle(slopes), handle(diag), handle(mask),
+                                          handle(offset), out.handle(), handle(sink_probs), scale, bias_type,
+                                          mask_type, to_stream(stream)));
+        },
+        py::arg("input"), py::arg("bias").none(true), py::arg("alibi_slopes").none(true),
+        py::arg("alibi_diagonal").none(true), py::arg("mask").none(true), py::arg("softmax_offset").none(true),
+        py::arg("softmax_results"), py::arg("sink_probs").none(true), py::arg("scale"), py::arg("bias_type"),
+        py::arg("mask_type"), py::arg("stream") = 0);
+  m.def("attn_softmax_backward",
+        [](const Tensor &dy, const Tensor &y, const Tensor *mask, const Tensor *sink_probs, Tensor &dx,
+           Tensor *logit_grads, Tensor *offset_grads, float scale, uintptr_t stream) {
+          check(nvte_attn_softmax_backward(dy.handle(), y.handle(), handle(mask), handle(sink_probs), dx.handle(),
+                                           handle(logit_grads), handle(offset_grads), scale, to_stream(stream)));
+        },
+        py::arg("incoming_grads"), py::arg("softmax_results"), py::arg("mask").none(true),
+        py::arg("sink_probs").none(true), py::arg("output_grads"), py::arg("logit_grads").none(true),
+        py::arg("offset_grads").none(true), py::arg("scale"), py::arg("stream") = 0);
 }
 
 }  // namespace nvte_py
