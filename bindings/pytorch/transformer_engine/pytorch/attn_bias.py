@@ -1,9 +1,10 @@
 """The attention bias of DotProductAttention's unfused path: core_attention_bias ("pre_scale_bias",
-"post_scale_bias") and ALiBi folded into the score matrix before the library's softmax, with the
-fused path's conventions (fused_attn.h), so that a call gives the same result on either path:
+"post_scale_bias") and ALiBi, checked here and handed with the softmax's mask to the library's
+attention softmax (attn_softmax.py, nvte_attn_softmax_forward), which applies them with the fused
+path's conventions (fused_attn.h), so that a call gives the same result on either path:
 
 - pre_scale_bias: softmax(scale * (Q K^T + bias)); post_scale_bias: softmax(scale * Q K^T + bias);
-  bias [1 or b, 1 or h, sq, skv] (or [h, sq, skv]), its gradient from autograd.
+  bias [1 or b, 1 or h, sq, skv] (or [h, sq, skv]), its gradient through autograd.
 - alibi: post-scale, -slope[h] * |i + diag - j| with slopes [h] or [b, h] (TE's default slopes when
   none are given); diag = len_kv - len_q of each sequence (its padding-mask lengths) when aligned
   bottom-right, as every mask type but "causal" / "padding_causal" is, and 0 otherwise.
@@ -17,20 +18,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from .attn_softmax import attn_softmax
+
 BIASES = ("pre_scale_bias", "post_scale_bias")
-
-
-def default_alibi_slopes(heads: int, device) -> torch.Tensor:
-    """float32 [heads]: TE's default ALiBi slopes (the library's default_alibi_slope): with n the
-    largest power of two <= heads, 2^(-8 k / n) for k = 1..n, then 2^(-4 m / n) for the odd m
-    1, 3, ... over the remaining heads."""
-    n = 1 << (heads.bit_length() - 1)
-    k = torch.arange(1, n + 1, dtype=torch.float64)
-    slopes = torch.exp2(-8.0 * k / n)
-    if n < heads:
-        m = torch.arange(1, 2 * (heads - n), 2, dtype=torch.float64)
-        slopes = torch.cat([slopes, torch.exp2(-4.0 * m / n)])
-    return slopes.to(device=device, dtype=torch.float32)
 
 
 def split_padding_mask(attention_mask, b: int, sq: int, sk: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -67,24 +57,15 @@ def alibi_diagonal(mask_type: str, attention_mask, b: int, sq: int, sk: int, dev
     return torch.full((1,), sk - sq, dtype=torch.int64, device=device)
 
 
-def alibi_bias(slopes: Optional[torch.Tensor], heads: int, b: int, sq: int, sk: int, diag: torch.Tensor,
-               device) -> torch.Tensor:
-    """float32 [1 or b, heads, sq, sk]: -slope * |i + diag - j|, diag [1 or b] (alibi_diagonal; a K/V
-    cache's: each sequence's cached minus new tokens)."""
-    if slopes is None:
-        slopes = default_alibi_slopes(heads, device)
-    slopes = slopes.to(device=device, dtype=torch.float32)
-    if slopes.shape not in ((heads,), (b, heads)):
+def check_alibi_slopes(slopes: Optional[torch.Tensor], b: int, heads: int) -> None:
+    """Raises unless slopes (when given) are [heads] or [b, heads] ([1, heads] is [b, heads] only at b = 1)."""
+    if slopes is not None and tuple(slopes.shape) not in ((heads,), (b, heads)):
         raise ValueError(f"alibi_slopes must be [heads] or [batch, heads] = [{heads}] or [{b}, {heads}], got "
                          f"{tuple(slopes.shape)}")
-    slopes = slopes.reshape(-1, heads)
-    i = torch.arange(sq, device=device).view(1, sq, 1)
-    j = torch.arange(sk, device=device).view(1, 1, sk)
-    dist = (i + diag.view(-1, 1, 1) - j).abs().float()  # [1 or b, sq, sk]
-    return -slopes.view(-1, heads, 1, 1) * dist.unsqueeze(1)
 
 
-def _check_bias(bias: torch.Tensor, b: int, h: int, sq: int, sk: int) -> torch.Tensor:
+def check_bias(bias: torch.Tensor, b: int, h: int, sq: int, sk: int) -> torch.Tensor:
+    """The bias as [1 or b, 1 or h, sq, sk] (a [h, sq, sk] one viewed so); raises for other shapes and non-float dtypes."""
     if not bias.is_floating_point():
         raise TypeError(f"core_attention_bias must be a floating-point tensor, got {bias.dtype}")
     t = bias if bias.dim() == 4 else (bias.view(1, *bias.shape) if bias.dim() == 3 else None)
@@ -94,26 +75,20 @@ def _check_bias(bias: torch.Tensor, b: int, h: int, sq: int, sk: int) -> torch.T
     return t
 
 
-def biased_scores(scores: torch.Tensor, scale: float, bias_type: str, bias: Optional[torch.Tensor],
-                  alibi_slopes: Optional[torch.Tensor], mask_type: str, attention_mask) -> Tuple[torch.Tensor, float]:
-    """(scores with the bias folded in, the scale the softmax still applies) for unscaled scores
-    Q K^T [b, h, sq, sk]; the sum is taken in float32 and returned in the scores' dtype."""
-    if bias_type == "no_bias":
-        return scores, scale
+def biased_softmax(scores: torch.Tensor, scale: float, bias_type: str, bias: Optional[torch.Tensor],
+                   alibi_slopes: Optional[torch.Tensor], mask_type: str, attention_mask, softmax_mask,
+                   causal: str, offset: Optional[torch.Tensor]) -> torch.Tensor:
+    """The probabilities of the unscaled scores Q K^T [b, h, sq, sk] with the bias (checked here)
+    or ALiBi (its diagonal from mask_type and the padding lengths), the softmax's mask (bool or
+    None, True = hidden) and causal rule, and the sink logits `offset`: one library call
+    (attn_softmax.py)."""
     b, h, sq, sk = scores.shape
+    diag = None
     if bias_type in BIASES:
         if bias is None:
             raise ValueError(f"core_attention_bias_type {bias_type!r} needs core_attention_bias")
-        t = _check_bias(bias, b, h, sq, sk).float()
-        z = scores.float() + t if bias_type == "pre_scale_bias" else scores.float() * scale + t
-        return z.to(scores.dtype), (scale if bias_type == "pre_scale_bias" else 1.0)
-    if bias_type == "alibi":
+        bias = check_bias(bias, b, h, sq, sk)
+    elif bias_type == "alibi":
+        check_alibi_slopes(alibi_slopes, b, h)
         diag = alibi_diagonal(mask_type, attention_mask, b, sq, sk, scores.device)
-        return add_alibi(scores, scale, alibi_slopes, diag), 1.0
-    raise ValueError(f"unknown core_attention_bias_type {bias_type!r}")
-
-
-def add_alibi(scores: torch.Tensor, scale: float, slopes: Optional[torch.Tensor], diag: torch.Tensor) -> torch.Tensor:
-    """scale * scores + the ALiBi term (float32 sum, the scores' dtype out); scores [b, h, sq, sk]."""
-    b, h, sq, sk = scores.shape
-    return (scores.float() * scale + alibi_bias(slopes, h, b, sq, sk, diag, scores.device)).to(scores.dtype)
+    return attn_softmax(scores, scale, bias_type, bias, alibi_slopes, diag, softmax_mask, causal, offset)

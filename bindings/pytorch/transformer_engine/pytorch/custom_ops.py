@@ -28,7 +28,8 @@ from .fp8_handoff import handoff_parts, handoff_words, new_handoff
 
 __all__ = ["quantize", "dequantize", "gemm", "gemm_fp8_output", "transpose", "grouped_gemm", "layernorm_fwd",
            "layernorm_bwd", "norm_fwd_fp8", "rmsnorm_fwd", "rmsnorm_bwd", "activation",
-           "dactivation", "softmax_forward", "softmax_backward", "delayed_scaling_update", "HIGH_PRECISION_OPERAND",
+           "dactivation", "softmax_forward", "softmax_backward", "attn_softmax_forward", "attn_softmax_backward",
+           "delayed_scaling_update", "HIGH_PRECISION_OPERAND",
            "missing", "eager_or_op"]
 
 HIGH_PRECISION_OPERAND = -1
@@ -398,6 +399,38 @@ def _(dy, y, kind, scale):
     return torch.empty_like(y)
 
 
+@custom_op("transformer_engine::attn_softmax_forward", mutates_args=())
+def attn_softmax_forward(x: Tensor, scale: float, bias_type: str, bias: Optional[Tensor],
+                         alibi_slopes: Optional[Tensor], alibi_diagonal: Optional[Tensor], mask: Optional[Tensor],
+                         causal: str, offset: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """(y, sink_probs) of _ops.attn_softmax_forward; sink_probs empty without offset."""
+    y, sink = _ops.attn_softmax_forward(x, scale, bias_type, bias, alibi_slopes, alibi_diagonal, mask, causal,
+                                        offset)
+    return y, (sink if sink is not None else x.new_empty(0, dtype=torch.float32))
+
+
+@attn_softmax_forward.register_fake
+def _(x, scale, bias_type, bias, alibi_slopes, alibi_diagonal, mask, causal, offset):
+    sink = x.new_empty(x.shape[:3] if offset is not None else (0,), dtype=torch.float32)
+    return torch.empty_like(x), sink
+
+
+@custom_op("transformer_engine::attn_softmax_backward", mutates_args=())
+def attn_softmax_backward(dy: Tensor, y: Tensor, mask: Optional[Tensor], sink_probs: Optional[Tensor],
+                          scale: float, logit_grads: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dx, logit grads, per-row sink grads) of _ops.attn_softmax_backward; the last two empty when not asked."""
+    dx, lg, dsink = _ops.attn_softmax_backward(dy, y, mask, sink_probs, scale, logit_grads)
+    empty = y.new_empty(0)
+    return dx, (lg if lg is not None else empty), (dsink if dsink is not None else empty.float())
+
+
+@attn_softmax_backward.register_fake
+def _(dy, y, mask, sink_probs, scale, logit_grads):
+    lg = torch.empty_like(y) if logit_grads else y.new_empty(0)
+    dsink = torch.empty_like(sink_probs) if sink_probs is not None else y.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(y), lg, dsink
+
+
 # ------------------------------------------------------------------ eager fast path
 # argument types that need no further look (the common case is decided by one set lookup)
 _LEAF_TYPES = frozenset((Tensor, torch.nn.Parameter, int, float, bool, str, torch.dtype, type(None)))
@@ -463,6 +496,6 @@ def eager_or_op(op):
 
 for _name in ("quantize", "quantize_many", "dequantize", "delayed_scaling_update", "gemm", "batched_gemm", "gemm_fp8_output", "transpose",
               "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "norm_fwd_fp8", "rmsnorm_fwd", "rmsnorm_bwd", "activation", "dactivation", "softmax_forward",
-              "softmax_backward"):
+              "softmax_backward", "attn_softmax_forward", "attn_softmax_backward"):
     globals()[_name] = eager_or_op(globals()[_name])
 del _name

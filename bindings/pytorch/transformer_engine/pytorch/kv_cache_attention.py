@@ -27,6 +27,7 @@ from transformer_engine import _nvte
 
 from . import _ops
 from . import attn_bias as _ab
+from .attn_softmax import attn_softmax
 from . import batched_matmul as _bm
 from . import fused_attention as _fa
 from .dpa_fused import _zero_rng_state
@@ -117,7 +118,7 @@ def _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, max_sq: int, max_kv: int, 
     (with `sink` [h], the softmax with that extra term per row: softmax_type; with alibi = (slopes
     or None,), the ALiBi term at each sequence's bottom-right diagonal); rows of no query
     (padding) come out zero, as the fused path writes them."""
-    from .attention import fused_scale_mask_softmax, softmax_with_sink  # (the attention package imports this module)
+    from .attention import fused_scale_mask_softmax  # (the attention package imports this module)
     b = cu_kv.numel() - 1
     dev = q.device
     if table is not None:  # pages of each sequence in order: [b, pages * page_size, h_kv, d]
@@ -144,12 +145,15 @@ def _unfused(q, k_cache, v_cache, table, cu_q, cu_kv, max_sq: int, max_kv: int, 
     rep = qb.shape[2] // k.shape[2]
     kh, vh = (x.repeat_interleave(rep, dim=2).transpose(1, 2) for x in (k, v))  # [b, h, skv, d]
     scores = _bm.matmul(qb.transpose(1, 2), kh, y_transposed=True)  # [b, h, sq, skv], unscaled
-    if alibi is not None:
-        scores, scale = _ab.add_alibi(scores, scale, alibi[0], diag.view(b)), 1.0
-    if sink is None:
+    if alibi is None and sink is None:
         probs = fused_scale_mask_softmax(scores, "masked", scale, hidden.view(b, 1, max_sq, max_kv))
-    else:
-        probs = softmax_with_sink(scores, scale, hidden.view(b, 1, max_sq, max_kv), sink)
+    else:  # ALiBi at each sequence's bottom-right diagonal, the sink: the library's attention softmax
+        if alibi is not None:
+            _ab.check_alibi_slopes(alibi[0], b, scores.shape[1])
+        probs = attn_softmax(scores, scale, "alibi" if alibi is not None else "no_bias",
+                             alibi_slopes=alibi[0] if alibi is not None else None,
+                             alibi_diagonal=diag.view(b) if alibi is not None else None,
+                             mask=hidden.view(b, 1, max_sq, max_kv), offset=sink)
     o = _bm.matmul(probs, vh).transpose(1, 2)  # [b, sq, h, dv]
     o = o * (i.view(1, max_sq, 1, 1) < lq.view(b, 1, 1, 1))  # padding rows: zero
     if fmt == "thd":

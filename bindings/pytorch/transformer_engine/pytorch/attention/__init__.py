@@ -5,9 +5,10 @@ paths for the same objects).
 DotProductAttention computes softmax(scale * q k^T, masked) v on one of two paths. The fused path
 (dpa_fused.py: nvte_fused_attn_fwd/bwd, high precision or FP8 under fp8_dpa) is the only one for
 qkv_format "thd" and FP8 attention. On the unfused path (this file) q k^T and p v are the
-library's batched GEMM (batched_matmul.py), an attention bias or ALiBi is folded into the scores
-(attn_bias.py), and the softmax (with its scale and mask) is one call into the library's fused
-softmax kernels (softmax.h), forward and backward, through `_FusedSoftmaxFn`.
+library's batched GEMM (batched_matmul.py), and the softmax (with its scale and mask) is one call
+into the library's fused softmax kernels (softmax.h), forward and backward, through
+`_FusedSoftmaxFn`; with an attention bias, ALiBi or an attention sink, one call into the library's
+attention softmax instead (attn_bias.py, attn_softmax.py).
 
 Masks follow TE: `attention_mask` is boolean with True = masked out. For "padding" types it is a
 [b, 1, 1, s] tensor (self attention) or a pair ([b, 1, 1, sq], [b, 1, 1, skv]); for "arbitrary" it
@@ -96,27 +97,10 @@ def fused_scale_mask_softmax(scores: torch.Tensor, kind: str, scale: float,
 
 
 # ------------------------------------------------------------ mask helpers
-def _explicit_mask(kind: str, mask, sq: int, sk: int, device):
-    """The bool mask (True = hidden, broadcastable to [b, h, sq, sk]) that softmax kernel family
-    `kind` of DotProductAttention._softmax_plan applies, or None."""
-    if kind == "upper_triang":
-        return _causal_mask(sq, sk, False, device)
-    if kind == "aligned_causal":
-        return _causal_mask(sq, sk, True, device)
-    return mask if kind == "masked" else None
-
-
-def softmax_with_sink(scores: torch.Tensor, scale: float, mask, offset: torch.Tensor) -> torch.Tensor:
-    """softmax(scale * scores) over the last dim with one more term in each row's denominator,
-    exp(offset[h]) (scores [b, h, sq, sk], offset [h]); hidden positions (mask True) get 0, and a row
-    with every key hidden gets zeros (the sink takes it all). float32 math, scores' dtype out;
-    differentiable in scores and offset."""
-    b, h, sq, _ = scores.shape
-    z = scores.float() * scale
-    if mask is not None:
-        z = z.masked_fill(mask, float("-inf"))
-    sink = offset.float().view(1, h, 1, 1).expand(b, h, sq, 1)
-    return torch.softmax(torch.cat([z, sink], dim=-1), dim=-1)[..., :-1].to(scores.dtype)
+# the causal rule of nvte_attn_softmax_forward for each kernel family of DotProductAttention._softmax_plan
+# ("masked": the causal part, if any, is in the explicit mask)
+_CAUSAL_OF_KIND = {"scaled": "no_mask", "upper_triang": "causal", "aligned_causal": "causal_bottom_right",
+                   "masked": "no_mask"}
 
 
 def _causal_mask(sq: int, sk: int, bottom_right: bool, device) -> torch.Tensor:
@@ -347,15 +331,13 @@ class DotProductAttention(torch.nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         scores = _bm.matmul(q, k, y_transposed=True)  # [b, h, sq, sk], unscaled (the library's GEMM)
-        scores, scale = _ab.biased_scores(scores, self.softmax_scale, core_attention_bias_type, core_attention_bias,
-                                          alibi_slopes, mask_type, attention_mask)
-
         kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device)
-        if self.softmax_type == "vanilla":
-            probs = fused_scale_mask_softmax(scores, kind, scale, mask)
-        else:
-            probs = softmax_with_sink(scores, scale, _explicit_mask(kind, mask, sq, sk, scores.device),
-                                      self.sink_offset(scores.device))
+        if core_attention_bias_type == "no_bias" and self.softmax_type == "vanilla":
+            probs = fused_scale_mask_softmax(scores, kind, self.softmax_scale, mask)
+        else:  # the library's attention softmax: bias / ALiBi / sink applied there
+            probs = _ab.biased_softmax(scores, self.softmax_scale, core_attention_bias_type, core_attention_bias,
+                                       alibi_slopes, mask_type, attention_mask, mask, _CAUSAL_OF_KIND[kind],
+                                       self.sink_offset(scores.device))
         if self.training and self.attention_dropout > 0.0:
             with self.dropout_rng():
                 probs = torch.nn.functional.dropout(probs, p=self.attention_dropout, training=True)
