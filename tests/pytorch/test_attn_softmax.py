@@ -1,0 +1,122 @@
+"""transformer_engine.pytorch.attn_softmax (the autograd wiring of nvte_attn_softmax_*): the
+probabilities and the gradients of the scores, of a pre/post-scale bias broadcast over batch or
+heads (the library's score / logit gradients summed over the broadcast dims) and of the sink
+logits (the per-row terms summed over batch and queries), against float64 torch autograd; ALiBi
+with a causal rule; the op traced by torch.compile without graph breaks; mask shape errors.
+The library's own rules (every mask, dtype, size) are tested in tests/core/test_attn_softmax.py."""
+import pytest
+import torch
+
+from transformer_engine.pytorch.attn_softmax import attn_softmax
+
+from _util import dev, rel_err, seeded
+
+B, H, SQ, SK = 2, 3, 5, 7
+SCALE = 0.3
+
+
+def ref(x, bias_type, bias, offset, hidden, slopes=None, causal=False):
+    """float64 autograd reference: logits, -10000 fill where hidden, the sink column."""
+    z = SCALE * x
+    if bias_type == "pre_scale_bias":
+        z = SCALE * (x + bias)
+    elif bias_type == "post_scale_bias":
+        z = z + bias
+    elif bias_type == "alibi":
+        i = torch.arange(SQ, dtype=torch.float64).view(SQ, 1)
+        j = torch.arange(SK, dtype=torch.float64).view(1, SK)
+        z = z - slopes.view(1, H, 1, 1) * (i - j).abs()
+    if hidden is not None:
+        z = z.masked_fill(hidden, -10000.0)
+    if causal:
+        z = z.masked_fill(torch.ones(SQ, SK, dtype=torch.bool).triu(1), float("-inf"))
+    if offset is None:
+        return torch.softmax(z, -1)
+    col = offset.view(1, H, 1, 1).expand(B, H, SQ, 1)
+    return torch.softmax(torch.cat([z, col], -1), -1)[..., :-1]
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+@pytest.mark.parametrize("bias_type", ["pre_scale_bias", "post_scale_bias"])
+@pytest.mark.parametrize("bias_shape", [(1, H, SQ, SK), (B, 1, SQ, SK), (H, SQ, SK), (B, H, SQ, SK)])
+@pytest.mark.parametrize("sink", [False, True])
+def test_gradients(bias_type, bias_shape, sink, rng):
+    g = seeded(rng)
+    x = torch.randn(B, H, SQ, SK, generator=g, dtype=torch.float64) * 2
+    bias = torch.randn(*bias_shape, generator=g, dtype=torch.float64)
+    offset = torch.randn(H, generator=g, dtype=torch.float64) if sink else None
+    hidden = torch.rand(B, 1, SQ, SK, generator=g) < 0.3
+    hidden[0, 0, 1] = True  # one row hidden wholly: uniform, zero gradient
+    dy = torch.randn(B, H, SQ, SK, generator=g, dtype=torch.float64)
+
+    xs, bs = leaf(x.float()), leaf(bias.float())
+    os_ = leaf(offset.float()) if sink else None
+    y = attn_softmax(dev(xs), SCALE, bias_type, dev(bs), mask=dev(hidden), offset=dev(os_) if sink else None)
+    y.backward(dev(dy.float()))
+
+    xr, br = leaf(x), leaf(bias)
+    orf = leaf(offset) if sink else None
+    br4 = br if br.dim() == 4 else br.unsqueeze(0)
+    yr = ref(xr, bias_type, br4, orf, hidden)
+    yr.backward(dy)
+    assert rel_err(y, yr) < 1e-5
+    assert rel_err(xs.grad, xr.grad) < 1e-5
+    assert bs.grad.shape == bias.shape and rel_err(bs.grad, br.grad) < 1e-5
+    if sink:
+        assert rel_err(os_.grad, orf.grad) < 1e-5
+    assert torch.all(xs.grad[0, :, 1] == 0)  # the wholly hidden row
+
+
+def test_alibi_causal_and_bf16_bias(rng):
+    """ALiBi ([h] slopes, diagonal 0) with the causal rule; a bf16 bias gets a bf16 gradient."""
+    g = seeded(rng)
+    x = torch.randn(B, H, SQ, SK, generator=g, dtype=torch.float64)
+    slopes = torch.rand(H, generator=g, dtype=torch.float64)
+    xs = leaf(x.float())
+    y = attn_softmax(dev(xs), SCALE, "alibi", alibi_slopes=dev(slopes.float()),
+                     alibi_diagonal=dev(torch.zeros(1, dtype=torch.int64)), causal="causal")
+    dy = torch.randn(B, H, SQ, SK, generator=g, dtype=torch.float64)
+    y.backward(dev(dy.float()))
+    xr = leaf(x)
+    yr = ref(xr, "alibi", None, None, None, slopes=slopes, causal=True)
+    yr.backward(dy)
+    assert rel_err(y, yr) < 1e-5 and rel_err(xs.grad, xr.grad) < 1e-5
+
+    bias = leaf(torch.randn(1, H, SQ, SK, generator=g).bfloat16())
+    attn_softmax(dev(leaf(x.float())), SCALE, "post_scale_bias", dev(bias)).sum().backward()
+    assert bias.grad.dtype == torch.bfloat16
+
+
+def test_torch_compile_fullgraph(rng):
+    """The registered ops let dynamo trace forward and backward in one graph, with the eager results."""
+    torch._dynamo.reset()
+    g = seeded(rng)
+    x = torch.randn(B, H, SQ, SK, generator=g)
+    bias = torch.randn(1, H, SQ, SK, generator=g)
+    offset = torch.randn(H, generator=g)
+
+    def f(x, bias, offset):
+        return attn_softmax(x, SCALE, "post_scale_bias", bias, offset=offset, causal="causal_bottom_right")
+
+    outs = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        xs, bs, os_ = leaf(x), leaf(bias), leaf(offset)
+        y = fn(dev(xs), dev(bs), dev(os_))
+        (y * torch.arange(SK, device=y.device)).sum().backward()
+        outs.append((y.cpu(), xs.grad, bs.grad, os_.grad))
+    torch._dynamo.reset()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_mask_errors():
+    x = dev(torch.randn(B, H, SQ, SK))
+    with pytest.raises(ValueError, match="must be 4D"):
+        attn_softmax(x, SCALE, mask=dev(torch.zeros(SQ, SK, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        attn_softmax(x, SCALE, mask=dev(torch.zeros(B, 2, SQ, SK, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="unknown core_attention_bias_type"):
+        attn_softmax(x, SCALE, "bias")
