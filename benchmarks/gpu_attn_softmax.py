@@ -4,6 +4,8 @@ through transformer_engine.pytorch.attn_softmax) on the GPU: forward + backward 
 logits, masked_fill, softmax, cast back; autograd) and, with --compile, that eager code under
 torch.compile. Prints ms, the ratio (torch / ours) and our achieved bandwidth over the bytes the
 op must move (scores + bias read, y written; dy + y read, dx (+ logit grads) written).
+Then each library kernel alone (forward, backward) with its bandwidth, next to the plain scaled
+softmax kernels (nvte_scaled_softmax_*) on the same scores: what the extra terms cost.
   python benchmarks/gpu_attn_softmax.py [--seq 1024 4096] [--compile]
 """
 import argparse
@@ -15,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_harness import time_alternating_ms  # noqa: E402
 
+from transformer_engine.pytorch import _ops  # noqa: E402
 from transformer_engine.pytorch.attn_softmax import attn_softmax  # noqa: E402
 
 B, H = 2, 16
@@ -102,8 +105,33 @@ def main():
             if compiled:
                 line += f" {times[2]:11.3f} {times[2] / times[0]:6.2f}"
             print(line + f" {gbs:9.0f}", flush=True)
+        kernels(x.detach(), dy, bias.detach(), slopes, offset.detach(), s)
         del x, dy, bias
         torch.cuda.empty_cache()
+
+
+def kernels(x, dy, bias, slopes, offset, s):
+    """Each library call alone: ms and GB/s (bytes it must move)."""
+    n = x.numel() * 2
+    zero = torch.zeros(1, dtype=torch.int64, device="cuda")
+    y, _ = _ops.attn_softmax_forward(x, SCALE, "no_bias", None, None, None, None, "no_mask", None)
+    ys, sink = _ops.attn_softmax_forward(x, SCALE, "no_bias", None, None, None, None, "causal", offset)
+    rows = [
+        ("plain softmax fwd", lambda: _ops.softmax_forward("scaled", x, SCALE), 2 * n),
+        ("plain softmax bwd", lambda: _ops.softmax_backward("scaled", dy, y, SCALE), 3 * n),
+        ("post bias fwd", lambda: _ops.attn_softmax_forward(x, SCALE, "post_scale_bias", bias, None, None, None,
+                                                            "no_mask", None), 2 * n + bias.numel() * 2),
+        ("alibi causal fwd", lambda: _ops.attn_softmax_forward(x, SCALE, "alibi", None, slopes, zero, None, "causal",
+                                                               None), n + n // 2),
+        ("sink causal fwd", lambda: _ops.attn_softmax_forward(x, SCALE, "no_bias", None, None, None, None, "causal",
+                                                              offset), n + n // 2),
+        ("bwd", lambda: _ops.attn_softmax_backward(dy, y, None, None, SCALE, False), 3 * n),
+        ("bwd + logit grads", lambda: _ops.attn_softmax_backward(dy, y, None, None, SCALE, True), 4 * n),
+        ("bwd sink causal", lambda: _ops.attn_softmax_backward(dy, ys, None, sink, SCALE, False, "causal"), 2 * n),
+    ]
+    times = time_alternating_ms([f for _, f, _ in rows], **TIMING)
+    for (name, _, nbytes), t in zip(rows, times):
+        print(f"  kernel {name:20s} s={s:5d} {t:8.3f} ms {nbytes / t / 1e6:6.0f} GB/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,18 @@ SoftmaxArgs base_args(const Tensor &x, const char *name, const Tensor *mask, flo
   return a;
 }
 
+attn::ScoreCausal causal_rule(NVTE_Mask_Type mask_type) {
+  switch (mask_type) {
+    case NVTE_NO_MASK: return attn::ScoreCausal::None;
+    case NVTE_CAUSAL_MASK: return attn::ScoreCausal::TopLeft;
+    case NVTE_CAUSAL_BOTTOM_RIGHT_MASK: return attn::ScoreCausal::BottomRight;
+    default:
+      NVTE_FAIL(NVTE_ERROR_INVALID_ARGUMENT, "mask_type ", (int)mask_type,
+                " is not taken: NVTE_NO_MASK, NVTE_CAUSAL_MASK or NVTE_CAUSAL_BOTTOM_RIGHT_MASK (padding and other "
+                "masks come as the explicit mask tensor)");
+  }
+}
+
 void check_alias(const Tensor &out, const char *out_name, const Tensor &in, const char *in_name) {
   const NVTEBasicTensor &o = out.params[kNVTERowwiseData], &i = in.params[kNVTERowwiseData];
   NVTE_CHECK(o.data_ptr != i.data_ptr || o.dtype == i.dtype, out_name, " shares its buffer with ", in_name,
@@ -96,17 +108,11 @@ void forward(const NVTETensor input, const NVTETensor bias, const NVTETensor ali
   SoftmaxArgs a = base_args(in, "input", optional(mask, "mask"), scale);
   Tensor &out = require_mut(softmax_results, "softmax_results");
   const NVTEBasicTensor &ob = float_like(out, "softmax_results", logical_shape(in));
-  NVTE_CHECK(ob.dtype == in.params[kNVTERowwiseData].dtype, "softmax_results must have the input's dtype (",
-             dtype_name(in.params[kNVTERowwiseData].dtype), "), got ", dtype_name(ob.dtype));
-  switch (mask_type) {
-    case NVTE_NO_MASK: a.causal = attn::ScoreCausal::None; break;
-    case NVTE_CAUSAL_MASK: a.causal = attn::ScoreCausal::TopLeft; break;
-    case NVTE_CAUSAL_BOTTOM_RIGHT_MASK: a.causal = attn::ScoreCausal::BottomRight; break;
-    default:
-      NVTE_FAIL(NVTE_ERROR_INVALID_ARGUMENT, "mask_type ", (int)mask_type,
-                " is not taken: NVTE_NO_MASK, NVTE_CAUSAL_MASK or NVTE_CAUSAL_BOTTOM_RIGHT_MASK (padding and other "
-                "masks come as the explicit mask tensor)");
-  }
+  NVTE_CHECK(ob.dtype == in.params[kNVTERowwiseData].dtype || ob.dtype == kNVTEFloat32,
+             "softmax_results must have the input's dtype (", dtype_name(in.params[kNVTERowwiseData].dtype),
+             ") or float32, got ", dtype_name(ob.dtype));
+  check_alias(out, "softmax_results", in, "input");
+  a.causal = causal_rule(mask_type);
   const bool biased = bias_type == NVTE_PRE_SCALE_BIAS || bias_type == NVTE_POST_SCALE_BIAS;
   NVTE_CHECK(bias_type == NVTE_NO_BIAS || biased || bias_type == NVTE_ALIBI, "unknown bias_type ", (int)bias_type);
   a.bias_type = static_cast<attn::ScoreBias>(bias_type);
@@ -158,9 +164,10 @@ void forward(const NVTETensor input, const NVTETensor bias, const NVTETensor ali
 
 void backward(const NVTETensor incoming_grads, const NVTETensor softmax_results, const NVTETensor mask,
               const NVTETensor sink_probs, NVTETensor output_grads, NVTETensor logit_grads, NVTETensor offset_grads,
-              float scale, cudaStream_t stream) {
+              float scale, NVTE_Mask_Type mask_type, cudaStream_t stream) {
   const Tensor &y = require(softmax_results, "softmax_results");
-  const SoftmaxArgs a = base_args(y, "softmax_results", optional(mask, "mask"), scale);
+  SoftmaxArgs a = base_args(y, "softmax_results", optional(mask, "mask"), scale);
+  a.causal = causal_rule(mask_type);
   const NVTEShape shape = logical_shape(y);
   const Tensor &dy = require(incoming_grads, "incoming_grads");
   float_like(dy, "incoming_grads", shape);
@@ -213,10 +220,10 @@ NVTEStatus nvte_attn_softmax_forward(const NVTETensor input, const NVTETensor bi
 NVTEStatus nvte_attn_softmax_backward(const NVTETensor incoming_grads, const NVTETensor softmax_results,
                                       const NVTETensor mask, const NVTETensor sink_probs, NVTETensor output_grads,
                                       NVTETensor logit_grads, NVTETensor offset_grads, float scale_factor,
-                                      cudaStream_t stream) {
+                                      NVTE_Mask_Type mask_type, cudaStream_t stream) {
   return api_call("nvte_attn_softmax_backward", [&] {
     backward(incoming_grads, softmax_results, mask, sink_probs, output_grads, logit_grads, offset_grads,
-             scale_factor, stream);
+             scale_factor, mask_type, stream);
   });
 }
 

@@ -77,10 +77,11 @@ void attn_softmax_backward(const attn::SoftmaxArgs &a, const Tensor &dy, const T
       // Both rows are read completely before the stores, so outputs may alias dy or y.
       g.load(r, gv.data());
       p.load(r, pv.data());
+      const size_t n = attn::causal_keys(a, i);  // keys [0, n) are in the row
       float dot = 0.0f;
-      for (size_t j = 0; j < sk; ++j) dot += gv[j] * pv[j];
+      for (size_t j = 0; j < n; ++j) dot += gv[j] * pv[j];
       const uint8_t *m = a.mask ? a.mask + attn::broadcast_row(a.mask_sb, a.mask_sh, bb, hh, i, sk) : nullptr;
-      for (size_t j = 0; j < sk; ++j) gv[j] = m && m[j] ? 0.0f : pv[j] * (gv[j] - dot);
+      for (size_t j = 0; j < sk; ++j) gv[j] = j >= n || (m && m[j]) ? 0.0f : pv[j] * (gv[j] - dot);
       if (dsink != nullptr) dsink[r] = -sink[r] * dot;
       if (lg) lg->store(r, gv.data());
       for (size_t j = 0; j < sk; ++j) gv[j] *= a.scale;

@@ -77,7 +77,9 @@ NVTE_API NVTEStatus nvte_scaled_aligned_causal_masked_softmax_backward(const NVT
  *                              len_kv - len_q for bottom-right).
  *  \param[in]  mask            null, or uint8 [1 or B, 1 or H, Sq, Sk], 1 = hidden.
  *  \param[in]  softmax_offset  null, or float32 [H]: the sink logit of each head.
- *  \param[out] softmax_results y, the shape and dtype of input (may alias it).
+ *  \param[out] softmax_results y, the shape of input, its dtype or float32 (exact probabilities for
+ *                              a backward that sums over many rows: the sink gradient); may alias
+ *                              input when it has input's dtype.
  *  \param[out] sink_probs      null, or (only with softmax_offset) float32 [B, H, Sq]: each row's
  *                              sink share exp(offset[h] - m) / denominator, for the backward.
  *  \param[in]  scale_factor    the softmax scale.
@@ -92,9 +94,10 @@ NVTE_API NVTEStatus nvte_attn_softmax_forward(const NVTETensor input, const NVTE
                                               float scale_factor, NVTE_Bias_Type bias_type,
                                               NVTE_Mask_Type mask_type, cudaStream_t stream);
 
-/** Backward of nvte_attn_softmax_forward. Per row, with d = sum_j dy_j * y_j:
+/** Backward of nvte_attn_softmax_forward. Per row, with d = sum_j dy_j * y_j over the keys in
+ *  the row:
  *    g_j = y_j * (dy_j - d), and g_j = 0 where the explicit `mask` hides key j (masked logits are
- *    constants: this matters for the rows it hides wholly);
+ *    constants: this matters for the rows it hides wholly) or mask_type leaves it out;
  *    output_grads = scale_factor * g (the gradient of x; also that of a pre-scale bias, before
  *    summing over the bias's broadcast dims);
  *    logit_grads = g (the gradient of a post-scale bias, before that sum);
@@ -110,12 +113,14 @@ NVTE_API NVTEStatus nvte_attn_softmax_forward(const NVTETensor input, const NVTE
  *  \param[out] logit_grads     null, or g: the shape of dy, a float dtype.
  *  \param[out] offset_grads    null, or float32 [B, H, Sq].
  *  \param[in]  scale_factor    the forward's scale.
+ *  \param[in]  mask_type       the forward's: keys it leaves out of a row get zero gradients
+ *                              without dy and y being read there.
  *  \param[in]  stream          CUDA stream of the call (ignored on the CPU). */
 NVTE_API NVTEStatus nvte_attn_softmax_backward(const NVTETensor incoming_grads, const NVTETensor softmax_results,
                                                const NVTETensor mask, const NVTETensor sink_probs,
                                                NVTETensor output_grads, NVTETensor logit_grads,
                                                NVTETensor offset_grads, float scale_factor,
-                                               cudaStream_t stream);
+                                               NVTE_Mask_Type mask_type, cudaStream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -390,6 +390,22 @@ def test_forward_structured_and_stable():
                   offset=np.array([0.0, -1.0, 2.0], np.float32), want_sink=True)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_forward_float32_output(dtype, rng):
+    """16-bit scores may give float32 probabilities (kept exact for a sink gradient): the reference
+    at float32's tolerance, with bias, sink, causal rule and mask."""
+    x = to_np(rng.standard_normal((2, 3, 5, 9)) * 3, dtype)
+    bias = to_np(rng.standard_normal((1, 3, 5, 9)), dtype)
+    offset = rng.standard_normal(3).astype(np.float32)
+    mask = (rng.random((2, 1, 5, 9)) < 0.3).astype(np.uint8)
+    kw = dict(bias_type="post", mask_type="causal", bias=bias, mask=mask)
+    y, sink = run_forward(x, 0.3, offset=offset, want_sink=True, out=poisoned(x.shape, "float32"), **kw)
+    ref, sink_ref = attn_softmax_ref(x, 0.3, offset=offset, **kw)
+    rt, rt_sink = logit_rtol(x, 0.3, ref, **kw)
+    assert y.dtype == np.float32
+    assert_close(y, ref, "float32", rtol=TOLERANCE["float32"][1] + rt)
+    assert_close(sink, sink_ref, "float32", rtol=TOLERANCE["float32"][1] + rt_sink)
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_in_place(dtype, rng):
     """softmax_results may alias input."""
@@ -496,6 +512,27 @@ def test_backward_optional_outputs(dtype, rng):
     rdx, _, _ = attn_softmax_backward_ref(dy, y, 0.5, mask, sink)
     assert_close(full, rdx, dtype, atol=bwd_atol(dtype, dy, y, 0.5))
     assert np.array_equal(full.view(np.uint8), alone.view(np.uint8))
+
+
+@pytest.mark.parametrize("mask_type", ["causal", "bottom_right"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_mask_type(mask_type, dtype, rng):
+    """With the forward's mask type the backward leaves the hidden keys unread: NaN there in y and
+    dy still gives zero gradients there and the reference elsewhere (Sq > Sk: rows without keys)."""
+    for sq, sk in [(5, 9), (6, 4), (7, 7)]:
+        x = rng.standard_normal((2, 3, sq, sk)) * 2
+        hidden = np.broadcast_to(causal_hidden(sq, sk, mask_type), x.shape)
+        y = to_np(attn_softmax_ref(x, 0.5, mask_type=mask_type)[0], dtype)
+        dy = to_np(rng.standard_normal(x.shape), dtype)
+        ref = attn_softmax_backward_ref(dy, y, 0.5)
+        y[hidden] = np.nan
+        dy[hidden] = np.nan
+        dx = poisoned(x.shape, dtype)
+        dl = poisoned(x.shape, "float32")
+        nvte.attn_softmax_backward(T(dy), T(y), None, None, T(dx), T(dl), None, 0.5, MASK[mask_type])
+        assert np.all(np.asarray(dx, np.float64)[hidden] == 0) and np.all(np.asarray(dl)[hidden] == 0)
+        assert_close(np.where(hidden, 0.0, np.asarray(dx, np.float64)), ref[0], dtype)
+        assert_close(dl, ref[1], "float32", rtol=2.0**-18)
 
 
 @pytest.mark.parametrize("alias", ["incoming_grads", "softmax_results"])

@@ -184,18 +184,20 @@ def device_out(shape, dtype, misalign=False):
 
 
 def forward_both(x, scale, bias_type="no_bias", mask_type="no_mask", bias=None, slopes=None, diag=None,
-                 mask=None, offset=None, want_sink=False, misalign=False, in_place=False):
-    """The op on CUDA (copies of every input) and on the CPU; returns ((y, sink) device, (y, sink) host)."""
+                 mask=None, offset=None, want_sink=False, misalign=False, in_place=False, out_dtype=None):
+    """The op on CUDA (copies of every input) and on the CPU; returns ((y, sink) device, (y, sink) host).
+    out_dtype: y's dtype (default x's)."""
     shape = tuple(x.shape)
+    ydt = out_dtype or x.dtype
     xd, bd, sd_, dd, md, od = (to_device(a, misalign) for a in (x, bias, slopes, diag, mask, offset))
     if in_place:
         yd, ybuf = xd, None
     else:
-        yd, ybuf = device_out(shape, x.dtype, misalign)
+        yd, ybuf = device_out(shape, ydt, misalign)
     sinkd, sbuf = device_out(shape[:3], torch.float32, misalign) if want_sink else (None, None)
     nvte.attn_softmax_forward(tt(xd), tt(bd), tt(sd_), tt(dd), tt(md), tt(od), tt(yd), tt(sinkd), scale,
                               BIAS[bias_type], MASK[mask_type])
-    yc = poisoned(shape, x.dtype, "cpu")
+    yc = poisoned(shape, ydt, "cpu")
     sinkc = poisoned(shape[:3], torch.float32, "cpu") if want_sink else None
     xc = x.clone()
     nvte.attn_softmax_forward(tt(xc), tt(bias), tt(slopes), tt(diag), tt(mask), tt(offset), tt(yc), tt(sinkc),
@@ -208,10 +210,10 @@ def forward_both(x, scale, bias_type="no_bias", mask_type="no_mask", bias=None, 
 
 
 def check_forward(x, scale, bias_type="no_bias", mask_type="no_mask", bias=None, slopes=None, diag=None,
-                  mask=None, offset=None, want_sink=False, misalign=False, in_place=False):
+                  mask=None, offset=None, want_sink=False, misalign=False, in_place=False, out_dtype=None):
     kw = dict(bias_type=bias_type, bias=bias, slopes=slopes, diag=diag, mask=mask, mask_type=mask_type)
     (yd, sd), (yc, sc) = forward_both(x, scale, offset=offset, want_sink=want_sink, misalign=misalign,
-                                      in_place=in_place, **kw)
+                                      in_place=in_place, out_dtype=out_dtype, **kw)
     rel, rel_sink = logit_rtol(x, scale, yc, **kw)
     assert_fwd_close(yd, yc, rel)
     _, _, hidden, _ = terms(x, scale, **kw)
@@ -240,6 +242,20 @@ def test_forward_bias(bias_type, dtype):
         x = randn(shape, HP[dtype], g)
         bias = bias_of(g, shape, bcasts[n % 4], bdts[n % 3])
         check_forward(x, 0.125, bias_type, bias=bias)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_forward_float32_output(dtype):
+    """16-bit scores, float32 probabilities (the learnable sink's exact y): bias, sink, causal, mask,
+    vector and scalar paths (odd Sk), misaligned buffers."""
+    g = gen(11)
+    for n, sk in enumerate(SKS + [2048]):
+        shape = rows_shape(sk)
+        x = randn(shape, HP[dtype], g)
+        bias = bias_of(g, shape, "1H", HP[dtype])
+        offset = torch.randn(shape[1], generator=g)
+        check_forward(x, 0.125, "post", "causal", bias=bias, offset=offset, want_sink=True, out_dtype=torch.float32,
+                      misalign=n % 2 == 1)
 
 
 @pytest.mark.parametrize("mask_type", list(MASK))
@@ -437,6 +453,46 @@ def test_backward(dtype, variant):
         out_dtype = HP[dtype] if n % 2 == 0 else torch.float32
         logit_dtype = [torch.float32, None, HP[dtype]][n % 3]
         backward_check(dy, y, mask, sink, 0.125, out_dtype, logit_dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_backward_float32_probabilities(dtype):
+    """float32 y with 16-bit dy, dx and logit grads (the learnable sink's backward: typed kernel),
+    vector and scalar paths, misaligned buffers."""
+    g = gen(12)
+    for n, sk in enumerate(SKS + [2048]):
+        b, h, sq, _ = shape = rows_shape(sk)
+        x = randn(shape, torch.float32, g, 2.0)
+        mask = mask_of(g, shape, "B1") if n % 2 else None
+        y, sink = forward_cpu(x, mask, torch.randn(h, generator=g), "causal", torch.float32)
+        dy = randn(shape, HP[dtype], g, 1.0)
+        backward_check(dy, y, mask, sink, 0.125, HP[dtype], HP[dtype] if n % 3 else None, misalign=n % 2 == 1)
+
+
+@pytest.mark.parametrize("mask_type", ["causal", "bottom_right"])
+@pytest.mark.parametrize("dtype", list(HP))
+def test_backward_mask_type(mask_type, dtype):
+    """The forward's mask type in the backward: hidden keys unread (NaN in y and dy there) and zero,
+    the rest as the CPU backend computes it; vector and scalar paths."""
+    g = gen(13)
+    for sk in SKS + [2048]:
+        b, h, sq, _ = shape = rows_shape(sk)
+        x = randn(shape, torch.float32, g, 2.0)
+        y, _ = forward_cpu(x, None, None, mask_type, HP[dtype])
+        dy = randn(shape, HP[dtype], g, 1.0)
+        hid = torch.ones(sq, sk, dtype=torch.bool).triu(1 + (sk - sq if mask_type == "bottom_right" else 0))
+        hid = hid.expand(shape)
+        dxc = poisoned(shape, HP[dtype], "cpu")
+        nvte.attn_softmax_backward(tt(dy), tt(y), None, None, tt(dxc), None, None, 0.25, MASK[mask_type])
+        yn, dyn = y.clone(), dy.clone()
+        yn[hid] = float("nan")
+        dyn[hid] = float("nan")
+        yd, dyd = yn.cuda(), dyn.cuda()
+        dxd = poisoned(shape, HP[dtype], "cuda")
+        nvte.attn_softmax_backward(tt(dyd), tt(yd), None, None, tt(dxd), None, None, 0.25, MASK[mask_type])
+        sync()
+        assert bool((dxd.cpu()[hid] == 0).all()), "hidden keys: zero gradient, not read"
+        assert_bwd_close(dxd, dxc, dy, y, 0.25)
 
 
 @pytest.mark.parametrize("dtype", list(HP))

@@ -197,7 +197,7 @@ PYBIND11_MODULE(_nvte, m) {
   bind_gemm(m);
   bind_normalization(m);
   bind_activation(m);
-  bind_softmax(m);
   bind_fused_attn(m);
+  bind_softmax(m);  // (after bind_fused_attn: its attention softmax takes the mask-type enum)
   bind_fused_rope(m);
 }

@@ -63,13 +63,15 @@ void bind_softmax(py::module_ &m) {
         py::arg("mask_type"), py::arg("stream") = 0);
   m.def("attn_softmax_backward",
         [](const Tensor &dy, const Tensor &y, const Tensor *mask, const Tensor *sink_probs, Tensor &dx,
-           Tensor *logit_grads, Tensor *offset_grads, float scale, uintptr_t stream) {
+           Tensor *logit_grads, Tensor *offset_grads, float scale, NVTE_Mask_Type mask_type, uintptr_t stream) {
           check(nvte_attn_softmax_backward(dy.handle(), y.handle(), handle(mask), handle(sink_probs), dx.handle(),
-                                           handle(logit_grads), handle(offset_grads), scale, to_stream(stream)));
+                                           handle(logit_grads), handle(offset_grads), scale, mask_type,
+                                           to_stream(stream)));
         },
         py::arg("incoming_grads"), py::arg("softmax_results"), py::arg("mask").none(true),
         py::arg("sink_probs").none(true), py::arg("output_grads"), py::arg("logit_grads").none(true),
-        py::arg("offset_grads").none(true), py::arg("scale"), py::arg("stream") = 0);
+        py::arg("offset_grads").none(true), py::arg("scale"), py::arg("mask_type") = NVTE_NO_MASK,
+        py::arg("stream") = 0);
 }
 
 }  // namespace nvte_py

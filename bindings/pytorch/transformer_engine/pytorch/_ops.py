@@ -690,18 +690,19 @@ def _opt(t: Optional[torch.Tensor]):
 
 def attn_softmax_forward(x: torch.Tensor, scale: float, bias_type: str, bias: Optional[torch.Tensor],
                          alibi_slopes: Optional[torch.Tensor], alibi_diagonal: Optional[torch.Tensor],
-                         mask: Optional[torch.Tensor], causal: str,
-                         offset: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         mask: Optional[torch.Tensor], causal: str, offset: Optional[torch.Tensor],
+                         out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(y, sink_probs or None) of nvte_attn_softmax_forward (softmax.h) for the unscaled scores x
     [b, h, sq, sk]: bias [1 or b, 1 or h, sq, sk] (pre/post-scale), ALiBi slopes float32 [h] or
     [b, h] (None: TE's default) and diagonal int64 [1 or b], mask uint8 [1 or b, 1 or h, sq, sk]
-    (1 = hidden), causal "no_mask" / "causal" / "causal_bottom_right", sink logits float32 [h]."""
+    (1 = hidden), causal "no_mask" / "causal" / "causal_bottom_right", sink logits float32 [h];
+    y in out_dtype (x's dtype or float32; None: x's)."""
     _check(x, "scores", HIGH_PRECISION)
     for t, name in ((bias, "bias"), (alibi_slopes, "alibi_slopes"), (alibi_diagonal, "alibi_diagonal"),
                     (mask, "mask"), (offset, "softmax_offset")):
         if t is not None:
             _check(t, name, None, x.device)
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=out_dtype or x.dtype)
     sink = None if offset is None else torch.empty(x.shape[:3], dtype=torch.float32, device=x.device)
     _nvte.attn_softmax_forward(_tensor(x), _opt(bias), _opt(alibi_slopes), _opt(alibi_diagonal), _opt(mask),
                                _opt(offset), _tensor(y), _opt(sink), scale, ATTN_SOFTMAX_BIAS[bias_type],
@@ -710,20 +711,21 @@ def attn_softmax_forward(x: torch.Tensor, scale: float, bias_type: str, bias: Op
 
 
 def attn_softmax_backward(dy: torch.Tensor, y: torch.Tensor, mask: Optional[torch.Tensor],
-                          sink_probs: Optional[torch.Tensor], scale: float, logit_grads: bool
+                          sink_probs: Optional[torch.Tensor], scale: float, logit_grads: bool, causal: str = "no_mask"
                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(gradient of the scores, of the logits when logit_grads (a post-scale bias's), per-row
-    gradient of the sink logits [b, h, sq] when sink_probs is given) of attn_softmax_forward."""
+    gradient of the sink logits [b, h, sq] when sink_probs is given) of attn_softmax_forward (causal:
+    its causal rule); the gradients in dy's dtype."""
     _check(y, "softmax output", HIGH_PRECISION)
     _check(dy, "grad", HIGH_PRECISION, y.device)
     for t, name in ((mask, "mask"), (sink_probs, "sink_probs")):
         if t is not None:
             _check(t, name, None, y.device)
-    dx = torch.empty_like(y)
-    lg = torch.empty_like(y) if logit_grads else None
+    dx = torch.empty_like(dy)
+    lg = torch.empty_like(dy) if logit_grads else None
     dsink = None if sink_probs is None else torch.empty_like(sink_probs)
     _nvte.attn_softmax_backward(_tensor(dy), _tensor(y), _opt(mask), _opt(sink_probs), _tensor(dx), _opt(lg),
-                                _opt(dsink), scale, _stream(y))
+                                _opt(dsink), scale, ATTN_SOFTMAX_CAUSAL[causal], _stream(y))
     return dx, lg, dsink
 
 

@@ -20,14 +20,19 @@ BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
 class _AttnSoftmaxFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, offset, scale: float, bias_type: str, slopes, diag, mask, causal: str):
-        y, sink = custom_ops.attn_softmax_forward(x, scale, bias_type, bias, slopes, diag, mask, causal, offset)
-        ctx.scale, ctx.bias_type = scale, bias_type
+        # The sink's gradient sums -p_sink * (dy . y) over every row of the batch: with y rounded to
+        # 16 bits that sum drifts (a few times autograd's error through float32 probabilities), so
+        # a learnable sink keeps float32 probabilities for the backward.
+        exact = offset is not None and ctx.needs_input_grad[2] and x.dtype != torch.float32
+        y, sink = custom_ops.attn_softmax_forward(x, scale, bias_type, bias, slopes, diag, mask, causal, offset,
+                                                  torch.float32 if exact else x.dtype)
+        ctx.scale, ctx.bias_type, ctx.causal = scale, bias_type, causal
         ctx.has_offset = offset is not None
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.offset_dtype = None if offset is None else offset.dtype
         ctx.save_for_backward(y, mask, sink if offset is not None else None)
-        return y
+        return y.to(x.dtype) if exact else y
 
     @staticmethod
     def backward(ctx, dy):
@@ -35,7 +40,8 @@ class _AttnSoftmaxFn(torch.autograd.Function):
         want_bias = ctx.bias_shape is not None and ctx.needs_input_grad[1]
         post = want_bias and ctx.bias_type == "post_scale_bias"
         dx, lg, dsink = custom_ops.attn_softmax_backward(dy.contiguous(), y, mask,
-                                                         sink if ctx.needs_input_grad[2] else None, ctx.scale, post)
+                                                         sink if ctx.needs_input_grad[2] else None, ctx.scale, post,
+                                                         ctx.causal)
         dbias = None
         if want_bias:  # pre-scale: d(scale * (x + bias)) = dx; post-scale: the logit gradient
             dbias = (lg if post else dx).sum_to_size(ctx.bias_shape).to(ctx.bias_dtype)

@@ -402,33 +402,33 @@ def _(dy, y, kind, scale):
 @custom_op("transformer_engine::attn_softmax_forward", mutates_args=())
 def attn_softmax_forward(x: Tensor, scale: float, bias_type: str, bias: Optional[Tensor],
                          alibi_slopes: Optional[Tensor], alibi_diagonal: Optional[Tensor], mask: Optional[Tensor],
-                         causal: str, offset: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                         causal: str, offset: Optional[Tensor], out_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """(y, sink_probs) of _ops.attn_softmax_forward; sink_probs empty without offset."""
     y, sink = _ops.attn_softmax_forward(x, scale, bias_type, bias, alibi_slopes, alibi_diagonal, mask, causal,
-                                        offset)
+                                        offset, out_dtype)
     return y, (sink if sink is not None else x.new_empty(0, dtype=torch.float32))
 
 
 @attn_softmax_forward.register_fake
-def _(x, scale, bias_type, bias, alibi_slopes, alibi_diagonal, mask, causal, offset):
+def _(x, scale, bias_type, bias, alibi_slopes, alibi_diagonal, mask, causal, offset, out_dtype):
     sink = x.new_empty(x.shape[:3] if offset is not None else (0,), dtype=torch.float32)
-    return torch.empty_like(x), sink
+    return torch.empty_like(x, dtype=out_dtype), sink
 
 
 @custom_op("transformer_engine::attn_softmax_backward", mutates_args=())
 def attn_softmax_backward(dy: Tensor, y: Tensor, mask: Optional[Tensor], sink_probs: Optional[Tensor],
-                          scale: float, logit_grads: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                          scale: float, logit_grads: bool, causal: str) -> Tuple[Tensor, Tensor, Tensor]:
     """(dx, logit grads, per-row sink grads) of _ops.attn_softmax_backward; the last two empty when not asked."""
-    dx, lg, dsink = _ops.attn_softmax_backward(dy, y, mask, sink_probs, scale, logit_grads)
-    empty = y.new_empty(0)
+    dx, lg, dsink = _ops.attn_softmax_backward(dy, y, mask, sink_probs, scale, logit_grads, causal)
+    empty = dy.new_empty(0)
     return dx, (lg if lg is not None else empty), (dsink if dsink is not None else empty.float())
 
 
 @attn_softmax_backward.register_fake
-def _(dy, y, mask, sink_probs, scale, logit_grads):
-    lg = torch.empty_like(y) if logit_grads else y.new_empty(0)
-    dsink = torch.empty_like(sink_probs) if sink_probs is not None else y.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(y), lg, dsink
+def _(dy, y, mask, sink_probs, scale, logit_grads, causal):
+    lg = torch.empty_like(dy) if logit_grads else dy.new_empty(0)
+    dsink = torch.empty_like(sink_probs) if sink_probs is not None else dy.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(dy), lg, dsink
 
 
 # ------------------------------------------------------------------ eager fast path
