@@ -94,10 +94,18 @@ attn::ScoreCausal causal_rule(NVTE_Mask_Type mask_type) {
   }
 }
 
+// Two operands share a buffer (an empty one shares nothing: frameworks give every empty tensor
+// the same null address).
+bool same_buffer(const Tensor &a, const Tensor &b) {
+  const NVTEBasicTensor &x = a.params[kNVTERowwiseData], &y = b.params[kNVTERowwiseData];
+  return x.data_ptr != nullptr && x.data_ptr == y.data_ptr && numel(x.shape) != 0;
+}
+
 void check_alias(const Tensor &out, const char *out_name, const Tensor &in, const char *in_name) {
-  const NVTEBasicTensor &o = out.params[kNVTERowwiseData], &i = in.params[kNVTERowwiseData];
-  NVTE_CHECK(o.data_ptr != i.data_ptr || o.dtype == i.dtype, out_name, " shares its buffer with ", in_name,
-             " but has dtype ", dtype_name(o.dtype), " instead of ", dtype_name(i.dtype));
+  NVTE_CHECK(!same_buffer(out, in) || out.params[kNVTERowwiseData].dtype == in.params[kNVTERowwiseData].dtype,
+             out_name, " shares its buffer with ", in_name, " but has dtype ",
+             dtype_name(out.params[kNVTERowwiseData].dtype), " instead of ",
+             dtype_name(in.params[kNVTERowwiseData].dtype));
 }
 
 void forward(const NVTETensor input, const NVTETensor bias, const NVTETensor alibi_slopes,
@@ -180,8 +188,7 @@ void backward(const NVTETensor incoming_grads, const NVTETensor softmax_results,
     float_like(*lg, "logit_grads", shape);
     check_alias(*lg, "logit_grads", dy, "incoming_grads");
     check_alias(*lg, "logit_grads", y, "softmax_results");
-    NVTE_CHECK(lg->params[kNVTERowwiseData].data_ptr != dx.params[kNVTERowwiseData].data_ptr,
-               "logit_grads and output_grads must be different buffers");
+    NVTE_CHECK(!same_buffer(*lg, dx), "logit_grads and output_grads must be different buffers");
   }
   Tensor *dsink = optional_mut(offset_grads, "offset_grads");
   const Tensor *sink = optional(sink_probs, "sink_probs");

@@ -19,7 +19,7 @@
 #include "../common/attn_softmax.h"
 #include "attn_softmax.h"
 #include "common.cuh"
-#include "row_reduce.cuh"
+#include "softmax_rows.cuh"
 
 namespace nvte::cuda {
 namespace {
@@ -69,30 +69,6 @@ __device__ __forceinline__ Row row_of(const SoftmaxArgs &a, size_t r) {
   w.n = attn::causal_keys(a, i);
   w.hh = hh;
   return w;
-}
-
-// V values of T at element `off` of p as floats: one vector access, or V scalar ones.
-template <class T, int V>
-__device__ __forceinline__ void load_chunk(const void *p, size_t off, float *f) {
-  if constexpr (V == 1 || std::is_same_v<T, AnyT>) {
-#pragma unroll
-    for (int e = 0; e < V; ++e) f[e] = ld<T>(p, off + e, kNVTEFloat32);
-  } else {
-    const Vec<T, V> v = load_vec<T, V>(static_cast<const T *>(p) + off);
-#pragma unroll
-    for (int e = 0; e < V; ++e) f[e] = load_f32(v.v[e]);
-  }
-}
-template <class T, int V>
-__device__ __forceinline__ void store_chunk(void *p, size_t off, const float *f) {
-  if constexpr (V == 1) {
-    st<T>(p, off, f[0], kNVTEFloat32);
-  } else {
-    Vec<T, V> v;
-#pragma unroll
-    for (int e = 0; e < V; ++e) v.v[e] = store_f32<T>(f[e]);
-    store_vec<T, V>(static_cast<T *>(p) + off, v);
-  }
 }
 
 // Logits of the chunk at j0 (keys >= w.n: -inf; the caller keeps j0 < w.n).

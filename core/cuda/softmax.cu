@@ -17,7 +17,7 @@
 #include <type_traits>
 
 #include "common.cuh"
-#include "row_reduce.cuh"
+#include "softmax_rows.cuh"
 #include "softmax.h"
 #include "transpose.h"
 
@@ -33,20 +33,6 @@ constexpr int chunk_width() {
   } else {
     return (int)(16 / sizeof(T)) < ELEMS ? (int)(16 / sizeof(T)) : ELEMS;
   }
-}
-
-template <class T, int V>
-__device__ __forceinline__ void load_chunk(const void *p, size_t off, float *f) {
-  const Vec<T, V> v = load_vec<T, V>(static_cast<const T *>(p) + off);
-#pragma unroll
-  for (int e = 0; e < V; ++e) f[e] = load_f32(v.v[e]);
-}
-template <class T, int V>
-__device__ __forceinline__ void store_chunk(void *p, size_t off, const float *f) {
-  Vec<T, V> v;
-#pragma unroll
-  for (int e = 0; e < V; ++e) v.v[e] = store_f32<T>(f[e]);
-  store_vec<T, V>(static_cast<T *>(p) + off, v);
 }
 
 enum MaskKind : int { kNone = 0, kExplicit = 1, kCausal = 2 };

@@ -63,7 +63,8 @@ NVTE_API NVTEStatus nvte_scaled_aligned_causal_masked_softmax_backward(const NVT
  *  Keys hidden by mask_type are left out of the row: NVTE_NO_MASK hides none, NVTE_CAUSAL_MASK
  *  those with j > i, NVTE_CAUSAL_BOTTOM_RIGHT_MASK those with j > i + Sk - Sq; they get y = 0, and a
  *  row with no key left is all zeros. Keys hidden by the explicit `mask` get z_j = -10000 (the rule
- *  of nvte_scaled_masked_softmax_forward: a row it hides wholly comes out uniform). Then
+ *  of nvte_scaled_masked_softmax_forward: without a sink, a row it hides wholly comes out uniform
+ *  over the keys mask_type leaves; with one, such a row is zeros and its sink share 1). Then
  *  y = exp(z_j - m) / (sum_k exp(z_k - m) + [exp(offset[h] - m)]) over the row's keys, with m the
  *  row max (including offset[h]); the bracketed term (the attention sink of TE's softmax_type)
  *  only when softmax_offset is given.
@@ -114,7 +115,7 @@ NVTE_API NVTEStatus nvte_attn_softmax_forward(const NVTETensor input, const NVTE
  *  \param[out] offset_grads    null, or float32 [B, H, Sq].
  *  \param[in]  scale_factor    the forward's scale.
  *  \param[in]  mask_type       the forward's: keys it leaves out of a row get zero gradients
- *                              without dy and y being read there.
+ *                              (their dy and y do not enter the result and are in general not read).
  *  \param[in]  stream          CUDA stream of the call (ignored on the CPU). */
 NVTE_API NVTEStatus nvte_attn_softmax_backward(const NVTETensor incoming_grads, const NVTETensor softmax_results,
                                                const NVTETensor mask, const NVTETensor sink_probs,

@@ -1,7 +1,8 @@
 """nvte_attn_softmax_forward / nvte_attn_softmax_backward (softmax.h) on the CUDA backend vs the
 CPU backend (the oracle, itself held to float64 in tests/core/test_attn_softmax.py) on the same
-inputs: row lengths 1, 7, 128, 1000, 4097, 20000 (warp per row, block per row, the long-row
-path), every bias type (pre/post-scale bias broadcast over batch and heads in each float dtype;
+inputs: row lengths 1, 7, 128, 1000, 4097, 20000 (warp per row, block per row with the logits
+staged in shared memory) and 25000 / 30001 (past the staging limit of 24576: logits rebuilt in each
+pass), every bias type (pre/post-scale bias broadcast over batch and heads in each float dtype;
 ALiBi with default, [H] and [B, H] slopes and diagonals [1] / [B] of either sign), the causal mask
 types with rows that see nothing, explicit masks broadcast in batch and heads with wholly hidden
 rows, the attention sink (softmax_offset, sink_probs, offset_grads), float32 / float16 /
@@ -256,6 +257,22 @@ def test_forward_float32_output(dtype):
         offset = torch.randn(shape[1], generator=g)
         check_forward(x, 0.125, "post", "causal", bias=bias, offset=offset, want_sink=True, out_dtype=torch.float32,
                       misalign=n % 2 == 1)
+
+
+@pytest.mark.parametrize("dtype", list(HP))
+@pytest.mark.parametrize("sk", [25000, 30001])
+def test_forward_rows_past_the_staging_limit(sk, dtype):
+    """Rows longer than shared memory stages (24576 logits): the three passes rebuild the logits
+    (bias, ALiBi, mask, sink, causal rows; vector and scalar chunks; misaligned; in place)."""
+    g = gen(14)
+    shape = (1, 2, 3, sk)
+    x = randn(shape, HP[dtype], g)
+    bias = bias_of(g, shape, "1H", HP[dtype])
+    offset = torch.randn(2, generator=g)
+    check_forward(x, 0.125, "post", "bottom_right", bias=bias, offset=offset, want_sink=True)
+    check_forward(x, 0.125, "alibi", "causal", diag=torch.tensor([sk - 3], dtype=torch.int64),
+                  mask=mask_of(g, shape, "B1"), misalign=True)
+    check_forward(x, 0.125, "pre", bias=bias, in_place=True)
 
 
 @pytest.mark.parametrize("mask_type", list(MASK))

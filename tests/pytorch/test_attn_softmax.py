@@ -7,6 +7,7 @@ The library's own rules (every mask, dtype, size) are tested in tests/core/test_
 import pytest
 import torch
 
+from transformer_engine.pytorch import custom_ops
 from transformer_engine.pytorch.attn_softmax import attn_softmax
 
 from _util import dev, rel_err, seeded
@@ -110,6 +111,52 @@ def test_torch_compile_fullgraph(rng):
     torch._dynamo.reset()
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_empty_tensors_with_mixed_dtypes():
+    """Empty scores (torch gives every empty tensor the same null address): the float32-probability
+    path of a learnable sink and a post-scale bias's logit gradients are not taken for aliases."""
+    x = dev(torch.zeros(2, H, 0, SK, dtype=torch.bfloat16)).requires_grad_(True)
+    off = dev(torch.zeros(H)).requires_grad_(True)
+    bias = dev(torch.zeros(1, H, 0, SK, dtype=torch.bfloat16)).requires_grad_(True)
+    y = attn_softmax(x, SCALE, "post_scale_bias", bias, offset=off)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    y.sum().backward()
+    assert x.grad.shape == x.shape and bias.grad.shape == bias.shape and torch.all(off.grad == 0)
+
+
+def test_float64_bias(rng):
+    """A float64 bias runs (the library takes it as float32) and gets a float64 gradient."""
+    g = seeded(rng)
+    x = torch.randn(4, H, SQ, SK, generator=g, dtype=torch.float64)
+    bias = torch.randn(1, H, SQ, SK, generator=g, dtype=torch.float64)
+    dy = torch.randn(4, H, SQ, SK, generator=g, dtype=torch.float64)
+    b64 = leaf(bias)
+    attn_softmax(dev(leaf(x.float())), SCALE, "post_scale_bias", dev(b64)).backward(dev(dy.float()))
+    br = leaf(bias)
+    ref(leaf(x), "post_scale_bias", br, None, None).backward(dy)
+    assert b64.grad.dtype == torch.float64 and rel_err(b64.grad, br.grad) < 1e-5
+
+
+def test_sink_probabilities_exact_only_when_training_the_sink():
+    """A learnable sink keeps float32 probabilities for its gradient only when one will be taken."""
+    x = dev(torch.randn(B, H, SQ, SK).bfloat16())
+    off = dev(torch.zeros(H)).requires_grad_(True)
+    seen = []
+    real = custom_ops.attn_softmax_forward
+
+    def spy(*a):
+        seen.append(a[-1])
+        return real(*a)
+    custom_ops.attn_softmax_forward = spy
+    try:
+        attn_softmax(x, SCALE, offset=off)
+        with torch.no_grad():
+            attn_softmax(x, SCALE, offset=off)
+        attn_softmax(x, SCALE, offset=off.detach())
+    finally:
+        custom_ops.attn_softmax_forward = real
+    assert seen == [torch.float32, torch.bfloat16, torch.bfloat16]
 
 
 def test_mask_errors():

@@ -19,11 +19,7 @@ BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
 
 class _AttnSoftmaxFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias, offset, scale: float, bias_type: str, slopes, diag, mask, causal: str):
-        # The sink's gradient sums -p_sink * (dy . y) over every row of the batch: with y rounded to
-        # 16 bits that sum drifts (a few times autograd's error through float32 probabilities), so
-        # a learnable sink keeps float32 probabilities for the backward.
-        exact = offset is not None and ctx.needs_input_grad[2] and x.dtype != torch.float32
+    def forward(ctx, x, bias, offset, scale: float, bias_type: str, slopes, diag, mask, causal: str, exact: bool):
         y, sink = custom_ops.attn_softmax_forward(x, scale, bias_type, bias, slopes, diag, mask, causal, offset,
                                                   torch.float32 if exact else x.dtype)
         ctx.scale, ctx.bias_type, ctx.causal = scale, bias_type, causal
@@ -44,9 +40,12 @@ class _AttnSoftmaxFn(torch.autograd.Function):
                                                          ctx.causal)
         dbias = None
         if want_bias:  # pre-scale: d(scale * (x + bias)) = dx; post-scale: the logit gradient
-            dbias = (lg if post else dx).sum_to_size(ctx.bias_shape).to(ctx.bias_dtype)
+            g = lg if post else dx
+            dims = [d for d in range(4) if ctx.bias_shape[d] == 1 and g.shape[d] != 1]
+            # (summed in float32: a float32 bias broadcast over batch or heads keeps its precision)
+            dbias = (g.sum(dims, keepdim=True, dtype=torch.float32) if dims else g).to(ctx.bias_dtype)
         doff = dsink.sum((0, 2)).to(ctx.offset_dtype) if ctx.has_offset and ctx.needs_input_grad[2] else None
-        return (dx if ctx.needs_input_grad[0] else None), dbias, doff, None, None, None, None, None, None
+        return (dx if ctx.needs_input_grad[0] else None), dbias, doff, None, None, None, None, None, None, None
 
 
 def attn_softmax(scores: torch.Tensor, scale: float, bias_type: str = "no_bias", bias: Optional[torch.Tensor] = None,
@@ -60,13 +59,15 @@ def attn_softmax(scores: torch.Tensor, scale: float, bias_type: str = "no_bias",
     [b, h] (None: TE's default slopes), alibi_diagonal int64 [1 or b] (attn_bias.alibi_diagonal).
     mask: bool broadcastable to [b, h, sq, sk], True = hidden (TE's -10000 rule); causal:
     "no_mask", "causal" (top-left) or "causal_bottom_right" (keys past the diagonal left out).
-    offset: the sink logits [h] of softmax_type, or None."""
+    offset: the sink logits [h] of softmax_type, or None. ALiBi slopes get no gradient (as in TE)."""
     if bias_type not in BIAS_TYPES:
         raise ValueError(f"unknown core_attention_bias_type {bias_type!r}")
     b, h, sq, sk = scores.shape
-    if bias is not None and bias.dim() == 3:
-        bias = bias.unsqueeze(0)
-    if bias is not None and not bias.is_contiguous():
+    if bias is not None:
+        if bias.dim() == 3:
+            bias = bias.unsqueeze(0)
+        if bias.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            bias = bias.float()  # (the library takes these three; autograd casts the gradient back)
         bias = bias.contiguous()
     slopes = None if alibi_slopes is None else alibi_slopes.to(device=scores.device, dtype=torch.float32).contiguous()
     diag = None if alibi_diagonal is None else alibi_diagonal.to(device=scores.device, dtype=torch.int64).contiguous()
@@ -81,4 +82,10 @@ def attn_softmax(scores: torch.Tensor, scale: float, bias_type: str = "no_bias",
         offset = offset.to(device=scores.device)
         if offset.dtype != torch.float32:
             offset = offset.float()
-    return _AttnSoftmaxFn.apply(scores.contiguous(), bias, offset, float(scale), bias_type, slopes, diag, mask, causal)
+    # The sink's gradient sums -p_sink * (dy . y) over every row of the batch: with y rounded to 16
+    # bits that sum drifts (a few times autograd's error through float32 probabilities), so a sink
+    # that is being trained keeps float32 probabilities for the backward.
+    exact = (offset is not None and offset.requires_grad and torch.is_grad_enabled()
+             and scores.dtype != torch.float32)
+    return _AttnSoftmaxFn.apply(scores.contiguous(), bias, offset, float(scale), bias_type, slopes, diag, mask, causal,
+                                exact)

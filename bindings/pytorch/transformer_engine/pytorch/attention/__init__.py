@@ -331,10 +331,14 @@ class DotProductAttention(torch.nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         scores = _bm.matmul(q, k, y_transposed=True)  # [b, h, sq, sk], unscaled (the library's GEMM)
-        kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device)
         if core_attention_bias_type == "no_bias" and self.softmax_type == "vanilla":
+            kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device)
             probs = fused_scale_mask_softmax(scores, kind, self.softmax_scale, mask)
         else:  # the library's attention softmax: bias / ALiBi / sink applied there
+            if mask_type == "causal" and window is None:  # (top-left at any sq, sk: its rule, not a mask)
+                kind, mask = "upper_triang", None
+            else:
+                kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device)
             probs = _ab.biased_softmax(scores, self.softmax_scale, core_attention_bias_type, core_attention_bias,
                                        alibi_slopes, mask_type, attention_mask, mask, _CAUSAL_OF_KIND[kind],
                                        self.sink_offset(scores.device))

@@ -1,10 +1,37 @@
-// cuda/row_reduce.cuh - pieces shared by the softmax kernels (softmax.cu, attn_softmax.cu): a
-// group of G threads owning one row (a warp, or a whole block) reduces it with these.
+// cuda/softmax_rows.cuh - pieces shared by the softmax kernels (softmax.cu, attn_softmax.cu),
+// whose groups of G threads (a warp, or a whole block) each own a row: chunked loads and stores,
+// exp of a non-positive argument, and the group's max and sum.
 #pragma once
+
+#include <type_traits>
 
 #include "common.cuh"
 
 namespace nvte::cuda {
+
+// V values of T at element `off` of p as floats: one vector access, or V scalar ones.
+template <class T, int V>
+__device__ __forceinline__ void load_chunk(const void *p, size_t off, float *f) {
+  if constexpr (V == 1 || std::is_same_v<T, AnyT>) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) f[e] = ld<T>(p, off + e, kNVTEFloat32);
+  } else {
+    const Vec<T, V> v = load_vec<T, V>(static_cast<const T *>(p) + off);
+#pragma unroll
+    for (int e = 0; e < V; ++e) f[e] = load_f32(v.v[e]);
+  }
+}
+template <class T, int V>
+__device__ __forceinline__ void store_chunk(void *p, size_t off, const float *f) {
+  if constexpr (V == 1) {
+    st<T>(p, off, f[0], kNVTEFloat32);
+  } else {
+    Vec<T, V> v;
+#pragma unroll
+    for (int e = 0; e < V; ++e) v.v[e] = store_f32<T>(f[e]);
+    store_vec<T, V>(static_cast<T *>(p) + off, v);
+  }
+}
 
 // exp(d) for d <= 0 (a logit minus the row max) as 2^(d * log2(e)) on the special-function
 // unit: within ~2 ulp of expf (results below 2^-126 flush to 0), a third of expf's
