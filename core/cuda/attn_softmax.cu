@@ -166,6 +166,18 @@ __global__ void __launch_bounds__(threads_of<G>()) attn_softmax_fwd_kernel(const
   }
 }
 
+// The chunk at `off` of dy (TG) and y (TY); AnyT: run-time dtypes, V = 1.
+template <class TY, class TG, int V>
+__device__ __forceinline__ void load_grads(const BwdParams &p, size_t off, float *g, float *y) {
+  if constexpr (std::is_same_v<TG, AnyT>) {
+    g[0] = ld<AnyT>(p.dy, off, p.dy_dt);
+    y[0] = ld<AnyT>(p.y, off, p.y_dt);
+  } else {
+    load_chunk<TG, V>(p.dy, off, g);
+    load_chunk<TY, V>(p.y, off, y);
+  }
+}
+
 // dy, dx and logit grads in TG, y in TY (AnyT: run-time dtypes, V = 1).
 template <class TY, class TG, int G, int V>
 __global__ void __launch_bounds__(threads_of<G>()) attn_softmax_bwd_kernel(const BwdParams p) {
@@ -180,13 +192,7 @@ __global__ void __launch_bounds__(threads_of<G>()) attn_softmax_bwd_kernel(const
     float dot = 0.0f;
     for (size_t j0 = (size_t)t * V; j0 < w.n; j0 += (size_t)G * V) {
       float g[V], y[V];
-      if constexpr (kAny) {
-        g[0] = ld<AnyT>(p.dy, w.base + j0, p.dy_dt);
-        y[0] = ld<AnyT>(p.y, w.base + j0, p.y_dt);
-      } else {
-        load_chunk<TG, V>(p.dy, w.base + j0, g);
-        load_chunk<TY, V>(p.y, w.base + j0, y);
-      }
+      load_grads<TY, TG, V>(p, w.base + j0, g, y);
 #pragma unroll
       for (int e = 0; e < V; ++e) dot += j0 + e < w.n ? g[e] * y[e] : 0.0f;
     }
@@ -196,12 +202,8 @@ __global__ void __launch_bounds__(threads_of<G>()) attn_softmax_bwd_kernel(const
       if (j0 >= w.n) {  // left out of the row: zero, unread
 #pragma unroll
         for (int e = 0; e < V; ++e) g[e] = y[e] = 0.0f;
-      } else if constexpr (kAny) {
-        g[0] = ld<AnyT>(p.dy, w.base + j0, p.dy_dt);
-        y[0] = ld<AnyT>(p.y, w.base + j0, p.y_dt);
       } else {
-        load_chunk<TG, V>(p.dy, w.base + j0, g);
-        load_chunk<TY, V>(p.y, w.base + j0, y);
+        load_grads<TY, TG, V>(p, w.base + j0, g, y);
       }
 #pragma unroll
       for (int e = 0; e < V; ++e) {
