@@ -175,7 +175,6 @@ def test_dpa_mask_type_override_and_kv_channels_tuple():
 
 def test_dpa_softmax_uses_library_kernels(monkeypatch):
     from transformer_engine import _nvte
-    import transformer_engine.pytorch.attention as attn
     calls = []
 
     class Spy:
@@ -185,7 +184,8 @@ def test_dpa_softmax_uses_library_kernels(monkeypatch):
                 calls.append(name)
                 return fn(*a, **kw)
             return wrapped
-    monkeypatch.setattr(attn._ops, "_nvte", Spy())  # the adapter's library calls all go through _ops
+    from transformer_engine.pytorch import _ops_softmax
+    monkeypatch.setattr(_ops_softmax, "_nvte", Spy())  # the adapter's softmax calls all go through _ops_softmax
     expected = {"no_mask": "scaled_softmax", "causal": "scaled_upper_triang_masked_softmax",
                 "causal_bottom_right": "scaled_aligned_causal_masked_softmax", "arbitrary": "scaled_masked_softmax"}
     for mt, fam in expected.items():

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from . import _ops
+from . import _ops, _ops_softmax
 from .fp8_handoff import handoff_parts, handoff_words, new_handoff
 
 __all__ = ["quantize", "dequantize", "gemm", "gemm_fp8_output", "transpose", "grouped_gemm", "layernorm_fwd",
@@ -380,8 +380,8 @@ def _(grad, x, name):
 # ----------------------------------------------------------------------------------- softmax
 @custom_op("transformer_engine::softmax_forward", mutates_args=())
 def softmax_forward(x: Tensor, kind: str, scale: float, mask: Optional[Tensor]) -> Tensor:
-    """Fused scaled (masked) softmax over the last dim, see _ops.softmax_forward."""
-    return _ops.softmax_forward(kind, x, scale, mask)
+    """Fused scaled (masked) softmax over the last dim, see _ops_softmax.softmax_forward."""
+    return _ops_softmax.softmax_forward(kind, x, scale, mask)
 
 
 @softmax_forward.register_fake
@@ -391,7 +391,7 @@ def _(x, kind, scale, mask):
 
 @custom_op("transformer_engine::softmax_backward", mutates_args=())
 def softmax_backward(dy: Tensor, y: Tensor, kind: str, scale: float) -> Tensor:
-    return _ops.softmax_backward(kind, dy, y, scale)
+    return _ops_softmax.softmax_backward(kind, dy, y, scale)
 
 
 @softmax_backward.register_fake
@@ -403,8 +403,8 @@ def _(dy, y, kind, scale):
 def attn_softmax_forward(x: Tensor, scale: float, bias_type: str, bias: Optional[Tensor],
                          alibi_slopes: Optional[Tensor], alibi_diagonal: Optional[Tensor], mask: Optional[Tensor],
                          causal: str, offset: Optional[Tensor], out_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-    """(y, sink_probs) of _ops.attn_softmax_forward; sink_probs empty without offset."""
-    y, sink = _ops.attn_softmax_forward(x, scale, bias_type, bias, alibi_slopes, alibi_diagonal, mask, causal,
+    """(y, sink_probs) of _ops_softmax.attn_softmax_forward; sink_probs empty without offset."""
+    y, sink = _ops_softmax.attn_softmax_forward(x, scale, bias_type, bias, alibi_slopes, alibi_diagonal, mask, causal,
                                         offset, out_dtype)
     return y, (sink if sink is not None else x.new_empty(0, dtype=torch.float32))
 
@@ -418,8 +418,8 @@ def _(x, scale, bias_type, bias, alibi_slopes, alibi_diagonal, mask, causal, off
 @custom_op("transformer_engine::attn_softmax_backward", mutates_args=())
 def attn_softmax_backward(dy: Tensor, y: Tensor, mask: Optional[Tensor], sink_probs: Optional[Tensor],
                           scale: float, logit_grads: bool, causal: str) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dx, logit grads, per-row sink grads) of _ops.attn_softmax_backward; the last two empty when not asked."""
-    dx, lg, dsink = _ops.attn_softmax_backward(dy, y, mask, sink_probs, scale, logit_grads, causal)
+    """(dx, logit grads, per-row sink grads) of _ops_softmax.attn_softmax_backward; the last two empty when not asked."""
+    dx, lg, dsink = _ops_softmax.attn_softmax_backward(dy, y, mask, sink_probs, scale, logit_grads, causal)
     empty = dy.new_empty(0)
     return dx, (lg if lg is not None else empty), (dsink if dsink is not None else empty.float())
 
