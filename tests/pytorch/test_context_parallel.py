@@ -8,10 +8,6 @@ ranks' gradients). The rank-2 run uses the CPU's default (unfused) local attenti
 run the fused one (NVTE_FUSED_ATTN=1); the ring (p2p) runs fused attention in both."""
 import math
 import os
-import subprocess
-import sys
-import tempfile
-import time
 
 import pytest
 import torch
@@ -22,44 +18,18 @@ from transformer_engine.pytorch import context_parallel_ring as _ring
 
 from _util import DEVICE, ON_CUDA, rel_err
 import _cp_worker as W
+from _ranks import run_ranks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (2, 3)
 RUNS = [(2, ""), (3, ""), (4, "hier")]  # (cp_size, worker mode); "hier": a2a+p2p over _cp_worker.HIER's groups
 
 
-def _run_ranks(size, mode="", timeout=600, grace=30):
-    """The ranks' saved results. When a rank fails, the others (which may wait in a collective for
-    it) get `grace` seconds and are then killed, so that a failure is reported instead of a hang."""
-    with tempfile.TemporaryDirectory() as d:
-        env = dict(os.environ)
-        if size == 3 and not ON_CUDA:
-            env["NVTE_FUSED_ATTN"] = "1"
-        outs = [os.path.join(d, f"rank{r}.pt") for r in range(size)]
-        logs = [open(os.path.join(d, f"rank{r}.log"), "w+b") for r in range(size)]
-        procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_cp_worker.py"), str(r), str(size),
-                                   os.path.join(d, "store"), outs[r], DEVICE.type, mode], env=env,
-                                  stdout=logs[r], stderr=subprocess.STDOUT) for r in range(size)]
-        start, failed = time.monotonic(), None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed is None and any(p.returncode not in (None, 0) for p in procs):
-                failed = now
-            if now - start > timeout or (failed is not None and now - failed > grace):
-                for p in procs:
-                    p.kill()
-                break
-            time.sleep(0.1)
-        texts = []
-        for p, f in zip(procs, logs):
-            p.wait()
-            f.seek(0)
-            texts.append(f.read().decode(errors="replace"))
-            f.close()
-        bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-        assert not bad, "\n".join(f"rank {r} of {size} failed (exit {procs[r].returncode}):\n{texts[r][-4000:]}"
-                                   for r in bad)
-        return [torch.load(o) for o in outs]
+def _run_ranks(size, mode=""):
+    """The ranks' saved results (_cp_worker.py; the CPU's rank-3 run takes fused local attention)."""
+    env = dict(os.environ)
+    if size == 3 and not ON_CUDA:
+        env["NVTE_FUSED_ATTN"] = "1"
+    return run_ranks("_cp_worker.py", size, DEVICE.type, [mode], env=env)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,16 @@ amax into row 0 of its module's amax history. Forward scales are updated (histor
 scale recomputed by nvte_delayed_scaling_recipe_amax_and_scale_update) when the OUTERMOST
 fp8_autocast exits with grad enabled, for every module that ran an FP8 forward inside it.
 Backward scales are updated in each module's backward, right before its gradients are cast
-(a simplification of TE, which does it once per backward pass). With an fp8_group the
-current forward amaxes (row 0) are all-reduced (MAX) through torch.distributed before the
-forward update; the backward updates use each rank's own amaxes (TE reduces those over the
-group too), so ranks' backward scales may differ (each rank's gradient casts stay within range).
+(a simplification of TE, which does it once per backward pass).
+
+Amax reduction (recipe.reduce_amax, default True, with an fp8_group given): at the outermost
+region's exit, one MAX all-reduce per (group, device) carries the current amaxes (row 0) of every
+module that ran there, forward and backward histories together (TE aggregates them per region
+too). The forward rows hold this step's amaxes; the backward rows hold those of the last backward
+pass (a module's backward rolls its history before casting), so the next backward's scales come
+from the group's amaxes too and every rank casts with the same scales. Without an fp8_group there
+is no reduction (TE would reduce over the default group when torch.distributed is initialised; a
+module run on one rank only, as in tests, would then hang).
 """
 from __future__ import annotations
 
@@ -158,15 +164,15 @@ class FP8Meta:
         fwd, bwd = _fwd_bwd_dtypes(self.recipe)
         return fwd if key == "fwd" else bwd
 
-    def update(self, key: str, group=None) -> None:
-        """Reduce the current amaxes over `group` (if any) and run one delayed-scaling step."""
-        if not self.initialized or not isinstance(self.recipe, DelayedScaling):
+    def delayed(self) -> bool:
+        """Whether this module holds delayed-scaling state worth updating."""
+        return self.initialized and isinstance(self.recipe, DelayedScaling)
+
+    def update(self, key: str) -> None:
+        """One delayed-scaling step of the forward or backward state."""
+        if not self.delayed():
             return
         h = self.amax_history[key]
-        if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-            row = h[0].clone()
-            torch.distributed.all_reduce(row, op=torch.distributed.ReduceOp.MAX, group=group)
-            h[0].copy_(row)
         custom_ops.delayed_scaling_update(h, self.scale[key], self.recipe.amax_compute_algo,
                                           self.fp8_dtype(key), float(self.recipe.margin))
 
@@ -245,6 +251,27 @@ class FP8GlobalState:
         cls.enabled, cls.calibrating, cls.recipe, cls.group = state
 
 
+def reduce_amaxes(pending: dict) -> None:
+    """MAX all-reduce of the current amaxes (history row 0, forward and backward) of the metas in
+    `pending` (meta -> fp8_group) whose recipe has reduce_amax, one collective per (group, device)
+    over one flat buffer. Metas without a group, and groups of one rank, are left alone."""
+    dist = torch.distributed
+    if not pending or not dist.is_available() or not dist.is_initialized():
+        return
+    buckets = {}
+    for meta, group in pending.items():
+        if group is None or not meta.delayed() or not meta.recipe.reduce_amax:
+            continue
+        rows = (meta.amax_history["fwd"][0], meta.amax_history["bwd"][0])
+        buckets.setdefault((group, rows[0].device), []).extend(rows)
+    for (group, _), rows in buckets.items():
+        if dist.get_world_size(group) <= 1:
+            continue
+        flat = torch.cat(rows)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        torch._foreach_copy_(rows, list(flat.split([r.numel() for r in rows])))
+
+
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
                  fp8_group=None, _graph: bool = False):
@@ -273,8 +300,9 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Op
         if st.depth == 0:
             pending, st.pending = st.pending, {}
             if torch.is_grad_enabled():
-                for meta, group in pending.items():
-                    meta.update("fwd", group)
+                reduce_amaxes(pending)
+                for meta in pending:
+                    meta.update("fwd")
 
 
 autocast = fp8_autocast
