@@ -6,8 +6,10 @@
 // aligned and Sk % V == 0, element by element otherwise. Each logit is built once from the
 // score, the bias element or ALiBi term, and the masks (the rules of common/attn_softmax.h, as
 // the CPU builds them) and kept in the group's slice of dynamic shared memory, so scores and bias
-// are read from global memory once and y written once; rows whose logits do not fit (over ~24k
-// keys) rebuild them in each of the three passes (max, sum, write) instead. A thread only
+// are read from global memory once and y written once. Rows of vector chunks up to 8 per thread
+// (8192 keys of 16-bit scores) keep their logits in registers instead (a compile-time chunk
+// count), which spares the shared-memory round trips; rows whose logits do not fit in shared
+// memory either (over ~24k keys) rebuild them in each of the three passes (max, sum, write). A thread only
 // touches the shared slots it wrote, so only the reductions synchronise. Chunks past a causal
 // row's last visible key are neither read nor built. y is written in the score dtype or float32
 // (the latter keeps the probabilities exact for a backward that needs them: the sink gradient).
@@ -183,6 +185,57 @@ __global__ void __launch_bounds__(threads_of<G>()) attn_softmax_fwd_kernel(const
   }
 }
 
+// The same with the row in registers: thread t holds chunks t, t + G, ..., NC of them (the
+// dispatch picks NC >= the row's chunks per thread; chunks past the row hold -inf, then 0).
+template <class T, class TO, int G, int V, int TK, int NC>
+__global__ void __launch_bounds__(threads_of<G>()) attn_softmax_fwd_reg_kernel(const FwdParams p) {
+  __shared__ float sh[G > 32 ? G / 32 : 1];
+  constexpr int kGroups = threads_of<G>() / G;
+  const int t = G > 32 ? (int)threadIdx.x : (int)(threadIdx.x & 31);
+  const int grp = G > 32 ? 0 : (int)(threadIdx.x >> 5);
+  const size_t sk = p.a.sk;
+  for (size_t r = (size_t)blockIdx.x * kGroups + grp; r < p.rows; r += (size_t)gridDim.x * kGroups) {
+    const Row w = row_of(p.a, r);
+    float z[NC][V];
+    float m = p.a.offset ? p.a.offset[w.hh] : -__builtin_huge_valf();
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const size_t j0 = ((size_t)c * G + t) * V;
+      if (j0 < w.n) {
+        logits_at<T, V, TK>(p, w, j0, z[c]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) z[c][e] = -__builtin_huge_valf();
+      }
+#pragma unroll
+      for (int e = 0; e < V; ++e) m = fmaxf(m, z[c][e]);
+    }
+    m = group_max<G>(m, sh);
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        z[c][e] = exp_nonpos(z[c][e] - m);  // (-inf - m: 0 for a finite m)
+        sum += z[c][e];
+      }
+    }
+    sum = group_sum<G>(sum, sh);
+    const float es = p.a.offset ? exp_nonpos(p.a.offset[w.hh] - m) : 0.0f;
+    sum += es;
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row with nothing in it: zeros
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const size_t j0 = ((size_t)c * G + t) * V;
+      if (j0 >= sk) continue;
+#pragma unroll
+      for (int e = 0; e < V; ++e) z[c][e] = j0 < w.n ? z[c][e] * inv : 0.0f;
+      store_chunk<TO, V>(p.y, w.base + j0, z[c]);
+    }
+    if (p.sink != nullptr && t == 0) p.sink[r] = es * inv;
+  }
+}
+
 // The chunk at `off` of dy (TG) and y (TY); AnyT: run-time dtypes, V = 1.
 template <class TY, class TG, int V>
 __device__ __forceinline__ void load_grads(const BwdParams &p, size_t off, float *g, float *y) {
@@ -265,11 +318,28 @@ void launch_fwd(FwdParams p, cudaStream_t stream) {
   p.staged = bytes <= kMaxStageBytes;
   const size_t smem = p.staged ? bytes : 0;
   if (smem > 48 * 1024) {
-    NVTE_CHECK_CUDA(cudaFuncSetAttribute(attn_softmax_fwd_kernel<T, TO, G, V, TK>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxStageBytes));
+    allow_dynamic_smem(reinterpret_cast<const void *>(attn_softmax_fwd_kernel<T, TO, G, V, TK>), kMaxStageBytes);
   }
   attn_softmax_fwd_kernel<T, TO, G, V, TK><<<grid_of(p.rows, rows_per_block), threads, smem, stream>>>(p);
   NVTE_CHECK_LAUNCH();
+}
+
+template <class T, class TO, int G, int V, int TK, int NC>
+void launch_fwd_reg(const FwdParams &p, cudaStream_t stream) {
+  constexpr int threads = threads_of<G>();
+  attn_softmax_fwd_reg_kernel<T, TO, G, V, TK, NC><<<grid_of(p.rows, threads / G), threads, 0, stream>>>(p);
+  NVTE_CHECK_LAUNCH();
+}
+
+// Vector rows: in registers when a thread's chunks fit NC <= 8 (the smallest of 2, 4, 8 that
+// holds them), else staged in shared memory / rebuilt.
+template <class T, class TO, int G, int V, int TK>
+void launch_fwd_vec(const FwdParams &p, cudaStream_t stream) {
+  const size_t per_thread = (p.a.sk + (size_t)G * V - 1) / ((size_t)G * V);
+  if (per_thread <= 2) return launch_fwd_reg<T, TO, G, V, TK, 2>(p, stream);
+  if (per_thread <= 4) return launch_fwd_reg<T, TO, G, V, TK, 4>(p, stream);
+  if (per_thread <= 8) return launch_fwd_reg<T, TO, G, V, TK, 8>(p, stream);
+  launch_fwd<T, TO, G, V, TK>(p, stream);
 }
 
 // Vector chunks when Sk is a multiple of V and the buffers are aligned to V elements.
@@ -283,12 +353,14 @@ void launch_fwd_typed(FwdParams p, cudaStream_t stream) {
     return warp ? launch_fwd<T, TO, 32, 1, kAnyTerm>(p, stream) : launch_fwd<T, TO, 256, 1, kAnyTerm>(p, stream);
   }
   if (p.a.bias != nullptr) {
-    return warp ? launch_fwd<T, TO, 32, V, kBiasTerm>(p, stream) : launch_fwd<T, TO, 256, V, kBiasTerm>(p, stream);
+    return warp ? launch_fwd_vec<T, TO, 32, V, kBiasTerm>(p, stream)
+                : launch_fwd_vec<T, TO, 256, V, kBiasTerm>(p, stream);
   }
   if (p.a.bias_type == attn::ScoreBias::Alibi) {
-    return warp ? launch_fwd<T, TO, 32, V, kAlibiTerm>(p, stream) : launch_fwd<T, TO, 256, V, kAlibiTerm>(p, stream);
+    return warp ? launch_fwd_vec<T, TO, 32, V, kAlibiTerm>(p, stream)
+                : launch_fwd_vec<T, TO, 256, V, kAlibiTerm>(p, stream);
   }
-  return warp ? launch_fwd<T, TO, 32, V, kNoTerm>(p, stream) : launch_fwd<T, TO, 256, V, kNoTerm>(p, stream);
+  return warp ? launch_fwd_vec<T, TO, 32, V, kNoTerm>(p, stream) : launch_fwd_vec<T, TO, 256, V, kNoTerm>(p, stream);
 }
 
 template <class T>

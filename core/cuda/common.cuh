@@ -29,6 +29,9 @@ int sm_count();
 // raises the kernel's dynamic shared memory limit to smem (needed on each device before a
 // launch with more than 48 KiB in all): call it before launching a kernel with smem > 0.
 int resident_blocks(const void *kernel, int threads, size_t smem);
+// Lets `kernel` take `max_smem` bytes of dynamic shared memory on the current device (needed past
+// 48 KiB); the driver call is made once per kernel and device.
+void allow_dynamic_smem(const void *kernel, size_t max_smem);
 
 // An FP8 output with no elements: nothing is converted, but scale_inv (and the columnwise
 // scale_inv) still become 1 / *scale, as the CPU backend writes them (amax, a max over no values,

@@ -1,6 +1,7 @@
 // device.cu - device properties cached for launch-size decisions.
 #include <map>
 #include <mutex>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -63,6 +64,17 @@ int resident_blocks(const void *kernel, int threads, size_t smem) {
   NVTE_CHECK(v > 0, "internal: a kernel with ", threads, " threads and ", smem,
              " bytes of shared memory does not fit on an SM of device ", dev);
   return cache[key] = v;
+}
+
+void allow_dynamic_smem(const void *kernel, size_t max_smem) {
+  static std::mutex mu;
+  static std::set<std::tuple<const void *, int, size_t>> done;
+  int dev = 0;
+  NVTE_CHECK_CUDA(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lk(mu);
+  if (done.count({kernel, dev, max_smem})) return;
+  NVTE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)max_smem));
+  done.insert({kernel, dev, max_smem});
 }
 
 }  // namespace nvte::cuda

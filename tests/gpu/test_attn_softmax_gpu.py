@@ -356,6 +356,23 @@ def test_forward_combinations(bias_type, mask_type):
                       offset=torch.randn(h, generator=g), want_sink=True, **kw)
 
 
+@pytest.mark.parametrize("dtype", list(HP))
+@pytest.mark.parametrize("sk", [256, 512, 1024, 1032, 2056, 4096, 8192, 8200, 16392])
+def test_forward_register_rows(sk, dtype):
+    """Vector rows around the register path's chunk counts (2, 4, 8 chunks a thread for a warp or
+    a block, and just past them into shared memory): bias, ALiBi, no term; causal rules, an
+    explicit mask, the sink, in place."""
+    g = gen(15)
+    shape = (1, 2, 3, sk) if sk > 4096 else (2, 2, 3, sk)
+    b, h, sq, _ = shape
+    x = randn(shape, HP[dtype], g)
+    check_forward(x, 0.125, "post", "bottom_right", bias=bias_of(g, shape, "1H", HP[dtype]),
+                  offset=torch.randn(h, generator=g), want_sink=True)
+    check_forward(x, 0.125, "alibi", "causal", diag=torch.tensor([sk - sq], dtype=torch.int64),
+                  mask=mask_of(g, shape, "B1"))
+    check_forward(x, 0.125, "no_bias", "no_mask", in_place=True)
+
+
 def many_rows(shapes):
     g = gen(7)
     for shape in shapes:
