@@ -47,14 +47,21 @@ def ref_mask(mask_type, b, sq, sk, attention_mask=None, window=None):
         c = torch.ones(sq, sk, dtype=torch.bool).triu(1 + off).view(1, 1, sq, sk)
         m = c if m is None else m | c
     if window is not None:
-        i = torch.arange(sq).view(sq, 1) + (sk - sq)
-        j = torch.arange(sk).view(1, sk)
-        w = torch.zeros(sq, sk, dtype=torch.bool)
+        # TE aligns a window's diagonal top-left for causal / padding_causal, bottom-right for the
+        # other mask types (at each sequence's own lengths under padding)
+        if mask_type in ("causal", "padding_causal"):
+            off = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+        elif "padding" in mask_type:
+            off = ((~km.reshape(b, sk)).sum(1) - (~qm.reshape(b, sq)).sum(1)).view(b, 1, 1, 1)
+        else:
+            off = torch.full((1, 1, 1, 1), sk - sq)
+        i = torch.arange(sq).view(1, 1, sq, 1) + off
+        j = torch.arange(sk).view(1, 1, 1, sk)
+        w = torch.zeros(1, 1, sq, sk, dtype=torch.bool)
         if window[0] >= 0:
-            w |= j < i - window[0]
+            w = w | (j < i - window[0])
         if window[1] >= 0:
-            w |= j > i + window[1]
-        w = w.view(1, 1, sq, sk)
+            w = w | (j > i + window[1])
         m = w if m is None else m | w
     return m
 

@@ -47,8 +47,11 @@ def mask_lengths(attention_mask, b: int, sq: int, sk: int, device) -> Tuple[torc
     return (~qm.reshape(b, sq)).sum(1).to(device), (~km.reshape(b, sk)).sum(1).to(device)
 
 
-def alibi_diagonal(mask_type: str, attention_mask, b: int, sq: int, sk: int, device) -> torch.Tensor:
-    """int64 [1 or b]: the diagonal offset of ALiBi's distances (module docstring)."""
+def mask_diagonal(mask_type: str, attention_mask, b: int, sq: int, sk: int, device) -> torch.Tensor:
+    """int64 [1 or b]: the offset of the diagonal that a causal mask, a sliding window and ALiBi's
+    distances are aligned to (query i's diagonal key is i + offset), as TE aligns them: top-left
+    (0) for causal and padding_causal, bottom-right for every other mask type, at each sequence's
+    own lengths under padding masks."""
     if "causal" in mask_type and not mask_type.endswith("bottom_right"):
         return torch.zeros(1, dtype=torch.int64, device=device)
     if "padding" in mask_type and attention_mask is not None:
@@ -90,5 +93,5 @@ def biased_softmax(scores: torch.Tensor, scale: float, bias_type: str, bias: Opt
         bias = check_bias(bias, b, h, sq, sk)
     elif bias_type == "alibi":
         check_alibi_slopes(alibi_slopes, b, h)
-        diag = alibi_diagonal(mask_type, attention_mask, b, sq, sk, scores.device)
+        diag = mask_diagonal(mask_type, attention_mask, b, sq, sk, scores.device)
     return attn_softmax(scores, scale, bias_type, bias, alibi_slopes, diag, softmax_mask, causal, offset)

@@ -56,7 +56,7 @@ def attn_softmax(scores: torch.Tensor, scale: float, bias_type: str = "no_bias",
     differentiable in scores, bias and offset.
 
     bias: [1 or b, 1 or h, sq, sk] (or [h, sq, sk]) for pre/post_scale_bias. ALiBi: slopes [h] or
-    [b, h] (None: TE's default slopes), alibi_diagonal int64 [1 or b] (attn_bias.alibi_diagonal).
+    [b, h] (None: TE's default slopes), alibi_diagonal int64 [1 or b] (attn_bias.mask_diagonal).
     mask: bool broadcastable to [b, h, sq, sk], True = hidden (TE's -10000 rule); causal:
     "no_mask", "causal" (top-left) or "causal_bottom_right" (keys past the diagonal left out).
     offset: the sink logits [h] of softmax_type, or None. ALiBi slopes get no gradient (as in TE)."""

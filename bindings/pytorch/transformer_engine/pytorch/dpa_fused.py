@@ -50,7 +50,9 @@ def thd_mask_type(mask_type: str) -> str:
     return _THD_MASKS[mask_type]
 
 
-def check_qkv(q, k, v, fmt: str, h: int, g: int) -> None:
+def check_qkv(q, k, v, fmt: str, h: int, g: int, dk: int, dv: int) -> None:
+    """Shapes against the module's heads (h query, g key/value) and head sizes (kv_channels: dk for
+    queries and keys, dv for values); one dtype for all three (as TE requires)."""
     rank = 3 if fmt == "thd" else 4
     for name, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != rank:
@@ -60,6 +62,12 @@ def check_qkv(q, k, v, fmt: str, h: int, g: int) -> None:
     if q.shape[-2] != h or k.shape[-2] != g or v.shape[-2] != g:
         raise ValueError(f"DotProductAttention: expected {h} query heads and {g} key/value heads, got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[-1] != dk or k.shape[-1] != dk or v.shape[-1] != dv:
+        raise ValueError(f"DotProductAttention: kv_channels gives head sizes {dk} (query, key) and {dv} (value); "
+                         f"got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"DotProductAttention: query_layer, key_layer and value_layer must share one dtype, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"DotProductAttention: key_layer {tuple(k.shape)} and value_layer {tuple(v.shape)} must "
                          f"agree in all but the head size")

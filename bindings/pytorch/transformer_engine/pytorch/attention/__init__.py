@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -103,37 +104,29 @@ _CAUSAL_OF_KIND = {"scaled": "no_mask", "upper_triang": "causal", "aligned_causa
                    "masked": "no_mask"}
 
 
-def _causal_mask(sq: int, sk: int, bottom_right: bool, device) -> torch.Tensor:
-    """[1, 1, sq, sk] bool, True where key j is after query i (aligned top-left or bottom-right)."""
-    i = torch.arange(sq, device=device).view(sq, 1)
-    j = torch.arange(sk, device=device).view(1, sk)
-    off = (sk - sq) if bottom_right else 0
-    return (j > i + off).view(1, 1, sq, sk)
-
-
-def _window_mask(sq: int, sk: int, window: Tuple[int, int], device) -> torch.Tensor:
-    """[1, 1, sq, sk] bool, True outside [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded)."""
-    i = torch.arange(sq, device=device).view(sq, 1) + (sk - sq)
-    j = torch.arange(sk, device=device).view(1, sk)
-    m = torch.zeros(sq, sk, dtype=torch.bool, device=device)
-    if window[0] >= 0:
-        m |= j < i - window[0]
-    if window[1] >= 0:
-        m |= j > i + window[1]
-    return m.view(1, 1, sq, sk)
-
-
 def _padding_mask(attention_mask, b: int, sq: int, sk: int) -> torch.Tensor:
     """[b, 1, sq, sk] bool from a [b, 1, 1, s] mask or a (q_mask, kv_mask) pair."""
     qm, km = _ab.split_padding_mask(attention_mask, b, sq, sk)
     return qm.reshape(b, 1, sq, 1) | km.reshape(b, 1, 1, sk)
 
 
-def _normalize_window(window_size, mask_type: str) -> Optional[Tuple[int, int]]:
-    """None when no sliding window applies beyond the mask type itself."""
+def _check_window(window_size) -> Optional[Tuple[int, int]]:
+    """window_size as a pair of ints >= -1 (-1: unbounded), or None; raises for anything else."""
     if window_size is None:
         return None
-    w = (int(window_size[0]), int(window_size[1]))
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    w = tuple(int(x) for x in window_size) if ok and all(isinstance(x, numbers.Integral) for x in window_size) else None
+    if w is None or min(w) < -1:
+        raise ValueError(f"DotProductAttention: window_size must be a pair (left, right) of ints >= -1 "
+                         f"(-1: unbounded), got {window_size!r}")
+    return w
+
+
+def _normalize_window(window_size, mask_type: str) -> Optional[Tuple[int, int]]:
+    """None when no sliding window applies beyond the mask type itself."""
+    w = _check_window(window_size)
+    if w is None:
+        return None
     if w == (-1, -1) or ("causal" in mask_type and w == (-1, 0)):
         return None
     return w
@@ -194,7 +187,7 @@ class DotProductAttention(torch.nn.Module):
         self.attention_dropout = float(attention_dropout)
         self.qkv_format = self._check_format(qkv_format)
         self.attn_mask_type = self._check_mask_type(attn_mask_type)
-        self.window_size = window_size
+        self.window_size = _check_window(window_size)
         self.layer_number = layer_number
         if attention_type not in ("self", "cross"):
             raise ValueError(f"attention_type must be 'self' or 'cross', got {attention_type!r}")
@@ -292,7 +285,8 @@ class DotProductAttention(torch.nn.Module):
         if _cp_local and self.cp is not None and self.cp.comm_type == "a2a":  # this rank's share of the heads
             h, g = h // self.cp.size, g // self.cp.size
             self._sink_heads = slice(self.cp.rank * h, (self.cp.rank + 1) * h)
-        _df.check_qkv(query_layer, key_layer, value_layer, fmt, h, g)
+        _df.check_qkv(query_layer, key_layer, value_layer, fmt, h, g, self.hidden_size_per_attention_head_k,
+                      self.hidden_size_per_attention_head_v)
         if self.cp is not None and not _cp_local:
             return self._context_parallel(query_layer, key_layer, value_layer, fmt, mask_type, window_size,
                                           attention_mask, core_attention_bias_type, inference_params, _fp8_handoff,
@@ -429,19 +423,19 @@ class DotProductAttention(torch.nn.Module):
             mask = attention_mask.bool()
             if mask.dim() == 2:
                 mask = mask.view(1, 1, *mask.shape)
-        if mask_type == "padding_causal_bottom_right":
-            # Bottom-right at each sequence's own lengths (as TE and the fused path align it).
-            lq, lk = _ab.mask_lengths(attention_mask, b, sq, sk, device)
-            i = torch.arange(sq, device=device).view(1, sq, 1)
-            j = torch.arange(sk, device=device).view(1, 1, sk)
-            c = (j > i + (lk - lq).view(b, 1, 1)).view(b, 1, sq, sk)
-            mask = c if mask is None else (mask | c)
-        elif "causal" in mask_type:
-            c = _causal_mask(sq, sk, mask_type.endswith("bottom_right"), device)
-            mask = c if mask is None else (mask | c)
-        if window is not None:
-            w = _window_mask(sq, sk, window, device)
-            mask = w if mask is None else (mask | w)
+        if "causal" in mask_type or window is not None:
+            # key j is after query i's diagonal key when j > i + offset; a window keeps
+            # [i + offset - left, i + offset + right] (-1: unbounded)
+            off = _ab.mask_diagonal(mask_type, attention_mask, b, sq, sk, device).view(-1, 1, 1, 1)
+            i = torch.arange(sq, device=device).view(1, 1, sq, 1) + off
+            j = torch.arange(sk, device=device).view(1, 1, 1, sk)
+            hidden = [j > i] if "causal" in mask_type else []
+            if window is not None and window[0] >= 0:
+                hidden.append(j < i - window[0])
+            if window is not None and window[1] >= 0:
+                hidden.append(j > i + window[1])
+            for c in hidden:
+                mask = c if mask is None else (mask | c)
         if mask is None:
             return "scaled", None
         return "masked", mask.to(device)

@@ -1,0 +1,73 @@
+"""DotProductAttention's sliding-window alignment with sq != skv on both paths, and its argument
+checks (window_size, kv_channels against the head sizes, one dtype for Q, K, V).
+
+TE aligns a window's diagonal to the top-left corner for causal / padding_causal and to the
+bottom-right one for every other mask type, at each sequence's own lengths under padding
+(DotProductAttention's bottom_right_diagonal default); the references here build that rule
+themselves (test_attention.ref_mask)."""
+import math
+
+import pytest
+import torch
+
+from transformer_engine.pytorch.attention import DotProductAttention
+
+from _util import dev, rel_err
+from test_attention import TOL, make_qkv, padding_masks, ref_attention, ref_mask
+
+MASKS = ["no_mask", "causal", "causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right"]
+
+
+@pytest.mark.parametrize("fused", ["0", "1"])
+@pytest.mark.parametrize("window", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("mask_type", MASKS)
+@pytest.mark.parametrize("sq,sk", [(5, 8), (8, 5)])
+def test_window_alignment(mask_type, window, sq, sk, fused, monkeypatch):
+    """Forward and gradients against float64 over the rows that see a key (a row that sees none, a
+    padded query's or one the window leaves empty, is the paths' own business: zeros fused, a
+    uniform average unfused, as in TE)."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
+    b, h, d = 2, 2, 8
+    qm, km = padding_masks(b, sq, sk, seed=3)
+    mask = (qm, km) if "padding" in mask_type else None
+    dpa = DotProductAttention(h, d, attn_mask_type=mask_type, qkv_format="bshd")
+    q, k, v = make_qkv("bshd", b, sq, sk, h, h, d, seed=5)
+    out = dpa(dev(q), dev(k), dev(v), attention_mask=None if mask is None else tuple(dev(m) for m in mask),
+              window_size=window)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    hidden = ref_mask(mask_type, b, sq, sk, mask, window)
+    ref = ref_attention(q64, k64, v64, "bshd", 1 / math.sqrt(d), hidden)
+    rows = (~hidden).any(-1).expand(b, 1, sq).reshape(b, sq, 1)
+    assert rows.any(), "every row hidden: nothing compared"
+    assert rel_err(out.cpu() * rows, ref * rows) < TOL, (mask_type, window)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)) * rows
+    out.backward(dev(dy))
+    ref.backward(dy.double())
+    for t, r in ((q, q64), (k, k64), (v, v64)):
+        assert rel_err(t.grad, r.grad) < 1e-4, (mask_type, window)
+
+
+@pytest.mark.parametrize("window", [(-2, 0), (0, -5), (1,), (1, 0, 2), (1.5, 0), "1,0"])
+def test_window_size_is_checked(window):
+    with pytest.raises(ValueError, match="window_size must be a pair"):
+        DotProductAttention(2, 8, window_size=window)
+    dpa = DotProductAttention(2, 8, qkv_format="bshd")
+    q, k, v = make_qkv("bshd", 1, 4, 4, 2, 2, 8)
+    with pytest.raises(ValueError, match="window_size must be a pair"):
+        dpa(dev(q), dev(k), dev(v), window_size=window)
+
+
+def test_head_sizes_must_match_kv_channels():
+    q, k, v = make_qkv("bshd", 1, 4, 4, 2, 2, 16)
+    with pytest.raises(ValueError, match="kv_channels gives head sizes 8"):
+        DotProductAttention(2, 8, qkv_format="bshd")(dev(q), dev(k), dev(v))
+    with pytest.raises(ValueError, match=r"head sizes 16 \(query, key\) and 4 \(value\)"):
+        DotProductAttention(2, (16, 4), qkv_format="bshd")(dev(q), dev(k), dev(v))
+    out = DotProductAttention(2, (16, 16), qkv_format="bshd")(dev(q), dev(k), dev(v))
+    assert out.shape == (1, 4, 32)
+
+
+def test_qkv_must_share_a_dtype():
+    q, k, v = make_qkv("bshd", 1, 4, 4, 2, 2, 8)
+    with pytest.raises(TypeError, match="share one dtype"):
+        DotProductAttention(2, 8, qkv_format="bshd")(dev(q), dev(k), dev(v.to(torch.bfloat16)))
