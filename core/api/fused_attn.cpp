@@ -52,8 +52,11 @@ AttnScalars scalars(size_t max_sq, size_t max_skv, bool is_training, bool return
   s.bias_type = bias;
   s.mask_type = mask;
   s.softmax_type = softmax;
-  s.window_left = window_left;
-  s.window_right = window_right;
+  // A window of 2^40 or more reaches every key of any sequence a tensor can hold: it is read as
+  // unbounded (-1), which also keeps the band arithmetic (i + diagonal +- window) from overflowing.
+  constexpr int64_t kReachesAll = int64_t(1) << 40;
+  s.window_left = window_left >= kReachesAll ? -1 : window_left;
+  s.window_right = window_right >= kReachesAll ? -1 : window_right;
   s.bottom_right_diagonal = bottom_right;
   return s;
 }
@@ -250,11 +253,12 @@ BwdAux parse_bwd_aux(const NVTETensorPack *pack, const AttnScalars &s) {
   NVTE_CHECK(pack != nullptr, "Aux_CTX_Tensors is NULL; the backward needs the pack filled by the "
              "training forward");
   const bool bias = has_bias_tensor(s.bias_type), offset = s.softmax_type != NVTE_VANILLA_SOFTMAX;
-  const size_t base = 2 + (bias ? 1 : 0) + (offset ? 1 : 0);
-  NVTE_CHECK(pack->size == base || pack->size == base + 1, "Aux_CTX_Tensors has ", pack->size,
+  const bool alibi = s.bias_type == NVTE_ALIBI;
+  const size_t base = 2 + (bias ? 1 : 0) + (offset ? 1 : 0), most = base + 1 + (alibi ? 1 : 0);
+  NVTE_CHECK(pack->size >= base && pack->size <= most, "Aux_CTX_Tensors has ", pack->size,
              " tensors; the forward of this configuration leaves ", base,
              " (statistics, rng_state", bias ? ", bias" : "", offset ? ", softmax offset" : "",
-             "), or one more (max logit, or ALiBi slopes)");
+             "), plus the max logit when asked for", alibi ? " and the ALiBi slopes when given" : "");
   for (size_t i = 0; i < pack->size; ++i)
     NVTE_CHECK(pack->tensors[i] != nullptr, "Aux_CTX_Tensors->tensors[", i, "] is a NULL handle");
   size_t extra = pack->size - base, i = 0;
@@ -275,7 +279,7 @@ BwdAux parse_bwd_aux(const NVTETensorPack *pack, const AttnScalars &s) {
     r.bias = pack->tensors[i++];
     NVTE_CHECK(present(const_cast<Tensor *>(r.bias)), "Aux_CTX_Tensors[", i - 1,
                "] (the forward's Bias) has no data");
-  } else if (s.bias_type == NVTE_ALIBI && extra > 0) {
+  } else if (alibi && extra > 0) {
     r.bias = pack->tensors[i++];
     --extra;
   }
@@ -461,6 +465,7 @@ NVTE_Fused_Attn_Backend nvte_get_fused_attn_backend(
                                   window_size_right, false);
     const attn::LayoutInfo l =
         api::check_config(s, {q_dtype, kv_dtype, num_attn_heads, num_gqa_groups, head_dim_qk, head_dim_v});
+    if (is_training) reject_paged_backward(s);  // training needs the backward, which paged layouts lack
 #if defined(NVTE_WITH_CUDNN)
     if (nvte_cuda_backend_available()) {
       AttnParams p;

@@ -3,8 +3,10 @@
 #include "attn_rows.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "../common/dtype_switch.h"
 
@@ -18,11 +20,34 @@ void load_f64(const void *base, NVTEDType t, size_t offset, size_t n, double *ou
   });
 }
 
+namespace {
+
+// double -> float rounded to odd (an inexact result gets its last mantissa bit set): rounding
+// that float once more to a format at least two bits narrower (bf16, fp16) then gives the
+// correctly rounded result of the double, as one rounding would. Plain double -> float -> bf16
+// rounds twice and misses ties by one ulp.
+float f64_to_f32_odd(double d) {
+  float f = static_cast<float>(d);
+  if (static_cast<double>(f) == d || std::isnan(d) || std::isinf(f)) return f;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if (std::fabs(static_cast<double>(f)) > std::fabs(d)) --u;  // round-to-nearest went up: truncate
+  u |= 1u;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+}  // namespace
+
 void store_f64(void *base, NVTEDType t, size_t offset, size_t n, const double *in) {
   with_float_dtype(t, "attention output", [&](auto tag) {
     using T = typename decltype(tag)::type;
     T *dst = static_cast<T *>(base) + offset;
-    for (size_t i = 0; i < n; ++i) dst[i] = from_f32<T>(static_cast<float>(in[i]));
+    if constexpr (std::is_same_v<T, float>) {
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(in[i]);
+    } else {
+      for (size_t i = 0; i < n; ++i) dst[i] = from_f32<T>(f64_to_f32_odd(in[i]));
+    }
   });
 }
 

@@ -45,10 +45,11 @@ def visible(lens_q, lens_kv, sq, skv, cfg):
     vis = (i < lq) & (j < lk)
     if cfg.causal:
         vis &= j <= d
+    # (as distances: d - wl would overflow int64 for windows near 2^63)
     if cfg.wl >= 0:
-        vis &= j >= d - cfg.wl
+        vis &= d - j <= cfg.wl
     if cfg.wr >= 0:
-        vis &= j <= d + cfg.wr
+        vis &= j - d <= cfg.wr
     return vis
 
 

@@ -15,7 +15,7 @@ import torch
 from fused_attn_case import (BT, DTYPES, LAYOUTS, MASKS, PAGED_LAYOUTS, Case, L, M, Run, ST, T, layout_info, run_case,
                              view)
 from fused_attn_ref import AttnCfg, AttnExtras, dropout_keep, fused_attn_bwd_ref, fused_attn_ref, logits
-from util import assert_close
+from util import NP_TYPE, assert_close
 from transformer_engine import _nvte as nvte
 
 # -inf statistics compare equal in util.assert_close; numpy warns while computing -inf - -inf.
@@ -162,6 +162,44 @@ def test_softmax_types(softmax, mask, dropout, rng):
 def test_return_max_logit(layout, rng):
     r = run_case(Case(layout=layout, mask="padding", return_max_logit=True, bias="post"), rng)
     assert len(r.described) == 4  # stats, max, rng_state, bias
+
+
+@pytest.mark.parametrize("softmax", ["vanilla", "learnable"])
+def test_return_max_logit_with_alibi_slopes(softmax, rng):
+    """The pack then holds stats, max, rng_state, slopes (and the offset): the backward must take it."""
+    r = run_case(Case(bias="alibi", custom_slopes=True, return_max_logit=True, softmax=softmax, mask="causal"), rng)
+    assert len(r.described) == 4 + (softmax == "learnable")
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
+def test_windows_beyond_any_sequence_are_unbounded(mask, rng):
+    """A window of 2^40 or more reaches every key (no int64 overflow in i + diagonal + window)."""
+    big = 2**63 - 1
+    for wl, wr in ((big, big), (-1, big), (big, 0 if "causal" in mask else -1)):
+        run_case(Case(sq=3, skv=5, mask=mask, wl=wl, wr=wr, bottom_right_diagonal=True), rng)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_outputs_are_rounded_once(dtype):
+    """O = mean(V) (all logits 0) exactly 1 + half an ulp + a little: correctly rounded it is 1 + ulp;
+    through float32 first it becomes a tie and rounds to even (1.0)."""
+    npdt = NP_TYPE[dtype]
+    if dtype == "bfloat16":
+        vals, ulp = [2.0, 2.0, 2.0**-6, 2.0**-28], 2.0**-7  # mean 1 + 2^-8 + 2^-30
+    else:
+        vals, ulp = [2.0] * 32 + [2.0**-5, 2.0**-20] + [0.0] * 30, 2.0**-10  # mean 1 + 2^-11 + 2^-26
+    n = len(vals)
+    v = np.array(vals, np.float64).reshape(1, n, 1, 1).astype(npdt)
+    assert (v.astype(np.float64).ravel() == vals).all()
+    q, k, o = np.zeros((1, 1, 1, 1), npdt), np.zeros((1, n, 1, 1), npdt), np.full((1, 1, 1, 1), np.nan, npdt)
+    nvte.fused_attn_fwd(Q=T(q), K=T(k), V=T(v), Bias=None, SoftmaxOffset=None, S=None, O=T(o), aux=None,
+                        cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                        page_table_k=None, page_table_v=None, rng_state=None, max_seqlen_q=1, max_seqlen_kv=n,
+                        is_training=False, return_max_logit=False, cuda_graph=False, attn_scale=1.0, dropout=0.0,
+                        qkv_layout=L.NVTE_BSHD_BSHD_BSHD, bias_type=BT.NVTE_NO_BIAS, attn_mask_type=M.NVTE_NO_MASK,
+                        softmax_type=ST.NVTE_VANILLA_SOFTMAX, window_size_left=-1, window_size_right=-1,
+                        bottom_right_diagonal=False)
+    assert float(o.ravel()[0]) == 1.0 + ulp
 
 
 # ------------------------------------------------------------------ sizes
@@ -328,6 +366,17 @@ def test_backend_query():
     args.update(qkv_layout=L.NVTE_BSHD_BSHD_BSHD, num_gqa_groups=3)
     assert nvte.get_fused_attn_backend(q_dtype=DT.kBFloat16, kv_dtype=DT.kBFloat16, **args) == no
     assert "divide" in nvte.get_last_error()
+
+
+def test_backend_query_paged_layouts_are_inference_only():
+    DT, F = nvte.DType, nvte.NVTE_Fused_Attn_Backend
+    args = dict(q_dtype=DT.kBFloat16, kv_dtype=DT.kBFloat16, qkv_layout=L.NVTE_Paged_KV_BSHD_BSHD_BSHD,
+                bias_type=BT.NVTE_NO_BIAS, attn_mask_type=M.NVTE_PADDING_CAUSAL_MASK,
+                softmax_type=ST.NVTE_VANILLA_SOFTMAX, dropout=0.0, num_attn_heads=4, num_gqa_groups=2,
+                max_seqlen_q=1, max_seqlen_kv=64, head_dim_qk=64, head_dim_v=64)
+    assert nvte.get_fused_attn_backend(is_training=False, **args) == F.NVTE_F16_arbitrary_seqlen
+    assert nvte.get_fused_attn_backend(is_training=True, **args) == F.NVTE_No_Backend
+    assert "no backward" in nvte.get_last_error()
 
 
 def test_workspace_queries_are_zero_on_cpu(rng):
