@@ -315,8 +315,6 @@ def test_errors(monkeypatch):
         with pytest.raises(ValueError, match="must match the cache"):
             dpa(q.float() if DT != torch.float32 else q.double(), k.float() if DT != torch.float32 else k.double(),
                 k.float() if DT != torch.float32 else k.double(), inference_params=params)
-    with pytest.raises(RuntimeError, match="forward only"):
-        dpa(q.requires_grad_(True), k, k, inference_params=params)
     paged = InferenceParams(4, 8, G, D, DT, is_paged=True, page_size=4, total_num_pages=3)
     paged.pre_step(OrderedDict({0: 5}))  # 2 of the 3 pages
     with pytest.raises(RuntimeError, match="cache is full"):
@@ -449,3 +447,53 @@ def test_paged_cache_page_size_not_a_power_of_two(monkeypatch):
                                             fa.BIAS_INT["no_bias"], fa.MASK_INT["padding_causal_bottom_right"],
                                             0.0, False, 1, 12, -1, -1, br=True)
         assert not ok and "powers of two" in why, why
+
+
+def test_generation_with_autograd_on_runs_and_refuses_backward():
+    """TE's own K/V-cache tests call eval() modules without no_grad: the steps give what they give
+    under no_grad, and a backward through them raises."""
+    torch.manual_seed(4)
+    layer = te.TransformerLayer(HID, 2 * HID, 4, num_gqa_groups=2, hidden_dropout=0.0, attention_dropout=0.0,
+                                layer_number=1, self_attn_mask_type="padding_causal", attn_input_format="bshd",
+                                params_dtype=DT, device=DEVICE).eval()
+    x = torch.randn(2, 4, HID, generator=torch.Generator().manual_seed(5)).to(DEVICE, DT)
+    outs = []
+    for grad in (False, True):
+        params = InferenceParams(2, 16, 2, HID // 4, DT, qkv_format="bshd")
+        with torch.set_grad_enabled(grad):
+            params.pre_step(OrderedDict({0: 4, 1: 2}))
+            outs.append(layer(x, inference_params=params))
+            params.pre_step(OrderedDict({0: 1, 1: 1}))
+            outs.append(layer(x[:, :1], inference_params=params))
+    for a, b in zip(outs[:2], outs[2:]):
+        assert not a.requires_grad and b.requires_grad
+        assert torch.equal(a, b.detach())
+    with pytest.raises(RuntimeError, match="forward only"):
+        outs[-1].sum().backward()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rope_table_of_the_cache_length_with_a_padded_step(fused, monkeypatch):
+    """RoPE with a table of exactly max_sequence_length positions: a sequence decoding its last
+    token beside a new 4-token prompt (bshd) pads its step with rows past the table's end. The real
+    rows must equal each sequence's own causal forward with the same table."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1" if fused else "0")
+    torch.manual_seed(6)
+    mha = te.MultiheadAttention(HID, 4, attention_dropout=0.0, attn_mask_type="causal", qkv_format="bshd",
+                                layer_number=1, params_dtype=torch.float32, device=DEVICE).eval()
+    freqs = te.attention.RotaryPositionEmbedding(HID // 4)(16).to(DEVICE)
+    a, b = (torch.randn(1, n, HID, generator=torch.Generator().manual_seed(n)).to(DEVICE) for n in (16, 4))
+    params = InferenceParams(2, 16, 4, HID // 4, torch.float32, qkv_format="bshd")
+    with torch.no_grad():
+        params.pre_step(OrderedDict({0: 15}))
+        mha(a[:, :15], inference_params=params, rotary_pos_emb=freqs)
+        params.pre_step(OrderedDict({0: 1, 1: 4}))
+        step = torch.zeros(2, 4, HID, device=DEVICE)
+        step[0, :1], step[1] = a[0, 15:], b[0]
+        out = mha(step, inference_params=params, rotary_pos_emb=freqs)
+        full_a, full_b = (mha(t, rotary_pos_emb=freqs) for t in (a, b))
+    assert rel_err(out[0, :1], full_a[0, 15:]) < TOL and rel_err(out[1], full_b[0]) < TOL
+    short = InferenceParams(1, 32, 4, HID // 4, torch.float32, qkv_format="bshd")  # a table too short for tokens
+    short.pre_step(OrderedDict({0: 17}))
+    with pytest.raises(ValueError, match="reach position 16"), torch.no_grad():
+        mha(torch.zeros(1, 17, HID, device=DEVICE), inference_params=short, rotary_pos_emb=freqs)

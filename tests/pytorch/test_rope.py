@@ -281,3 +281,9 @@ def test_errors():
         apply_rotary_pos_emb(t, emb, "sbhd", cp_size=2)  # 4 local rows of 8 positions
     with pytest.raises(ValueError, match="even"):
         RotaryPositionEmbedding(7)
+    for fused in (False, True):  # a table per batch entry, or one without its singleton dims, is not TE's form
+        for bad in (emb.expand(4, 2, 1, 8), emb.view(4, 8), emb.view(4, 1, 8)):
+            with pytest.raises(ValueError, match=r"freqs must be \[s2, 1, 1, d2\]"):
+                apply_rotary_pos_emb(t, bad, "sbhd", fused=fused)
+        with pytest.raises(TypeError, match="float32, float16 or bfloat16, got torch.float64"):
+            apply_rotary_pos_emb(t.double(), emb, "sbhd", fused=fused)

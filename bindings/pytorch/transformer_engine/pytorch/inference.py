@@ -410,6 +410,9 @@ class InferenceParams:
         lens_q = np.fromiter(self.step_dict.values(), np.int64, self.batch_size)
         lens_kv = np.fromiter(self.sequences.values(), np.int64, self.batch_size)
         self.max_seqlen_q = int(lens_q.max())
+        # (positions a RoPE table must hold: every cached token's, and every row of a padded
+        # BSHD/SBHD step, whose shorter sequences' padding rows run past their last token)
+        self.rope_positions = (int(lens_kv.max()), int((lens_kv - lens_q).max()) + self.max_seqlen_q)
         cu = np.zeros((2, self.batch_size + 1), np.int64)
         np.cumsum(lens_q, out=cu[0, 1:])
         np.cumsum(lens_kv, out=cu[1, 1:])

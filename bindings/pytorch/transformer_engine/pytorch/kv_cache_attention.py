@@ -77,11 +77,33 @@ def attend(dpa, params: InferenceParams, q: Tensor, k: Tensor, v: Tensor, fmt: s
     if mask_type == "arbitrary":
         raise ValueError(f"{who}: attn_mask_type 'arbitrary' cannot be used with a K/V cache (its masks are the "
                          "cached lengths, and causal ones are bottom-right aligned)")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise RuntimeError(f"{who}: K/V-cache attention is forward only; run generation under torch.no_grad() "
-                           "or torch.inference_mode()")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{who}: query/key/value dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    args = (dpa, params, fmt, mask_type, window, bias_type, alibi_slopes)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        # generation with autograd on (TE's own K/V-cache tests run eval() modules so): the step runs,
+        # and its output refuses a backward
+        return _ForwardOnly.apply(args, q, k, v)
+    return _attend(*args, q, k, v)
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """A K/V-cache step under autograd: forward as without it, no backward."""
+
+    @staticmethod
+    def forward(ctx, args, q, k, v):
+        return _attend(*args, q, k, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("DotProductAttention (inference_params): K/V-cache attention is forward only; its "
+                           "output has no backward (the cache holds earlier steps' keys without their graph)")
+
+
+def _attend(dpa, params: InferenceParams, fmt: str, mask_type: str, window, bias_type: str, alibi_slopes,
+            q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """attend() after its checks."""
+    who = "DotProductAttention (inference_params)"
     key = dpa.layer_number if dpa.layer_number is not None else dpa  # (TE needs layer_number; a module is as unique)
     q, k_cache, v_cache, table, cu_q, cu_kv, max_sq, max_skv, _ = params.step(key, q, k, v, fmt)
     mask = _fa.MASK_INT["padding_causal_bottom_right" if "causal" in mask_type else "padding"]

@@ -158,12 +158,17 @@ def apply_rotary_pos_emb(t: Tensor, freqs: Tensor, tensor_format: str = "sbhd", 
                          f"{tensor_format!r}, got {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
     if tensor_format == "thd" and cu_seqlens is None:
         raise ValueError("apply_rotary_pos_emb: tensor_format 'thd' needs cu_seqlens")
-    if not isinstance(freqs, Tensor) or freqs.shape[-1] > t.shape[-1]:
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"apply_rotary_pos_emb: t must be float32, float16 or bfloat16, got {t.dtype}")
+    if not isinstance(freqs, Tensor) or freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
+        raise ValueError(f"apply_rotary_pos_emb: freqs must be [s2, 1, 1, d2] (RotaryPositionEmbedding's table), got "
+                         f"{tuple(freqs.shape) if isinstance(freqs, Tensor) else type(freqs).__name__}")
+    if freqs.shape[-1] > t.shape[-1]:
         raise ValueError(f"apply_rotary_pos_emb: freqs' last dim ({freqs.shape[-1]}) must not exceed the head size "
                          f"({t.shape[-1]})")
     if tensor_format != "thd" and start_positions is None:
         s = (t.shape[0] if tensor_format == "sbhd" else t.shape[1]) * cp_size
-        rows = freqs.numel() // max(freqs.shape[-1], 1)
+        rows = freqs.shape[0]
         if rows < s:
             raise ValueError(f"apply_rotary_pos_emb: freqs has {rows} positions, fewer than the sequence length {s}"
                              + (f" (the whole sequence of the {cp_size} context-parallel ranks)" if cp_size > 1 else ""))

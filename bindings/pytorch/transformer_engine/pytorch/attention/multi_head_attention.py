@@ -83,6 +83,21 @@ _MHA_INIT_NOOPS = ("seq_length", "micro_batch_size")
 
 
 # ------------------------------------------------------------- MultiheadAttention
+def _cover_padding_rows(freqs, tokens: int, rows: int):
+    """The RoPE table of a padded K/V-cache step: it must hold every cached token's position
+    (`tokens`); the padding rows of the step's shorter sequences reach up to `rows` positions, past
+    what a table of the cache's length holds, and rotate by angle 0 there (zeros appended: their
+    outputs are never read)."""
+    if not isinstance(freqs, torch.Tensor) or freqs.dim() != 4:
+        return freqs  # (apply_rotary_pos_emb reports it)
+    if freqs.shape[0] < tokens:
+        raise ValueError(f"MultiheadAttention: rotary_pos_emb has {freqs.shape[0]} positions; the K/V cache's "
+                         f"sequences reach position {tokens - 1}")
+    if freqs.shape[0] >= rows:
+        return freqs
+    return torch.cat([freqs, freqs.new_zeros((rows - freqs.shape[0], *freqs.shape[1:]))])
+
+
 class MultiheadAttention(torch.nn.Module):
     """Multi-head attention: QKV projection (optionally with the input norm fused in), the core
     DotProductAttention, and the output projection `proj`.
@@ -224,6 +239,8 @@ class MultiheadAttention(torch.nn.Module):
             if start is None:
                 raise RuntimeError("MultiheadAttention: inference_params needs pre_step(step_dict) before the forward")
             cu_seqlens_q = cu_seqlens_kv = inference_params.cu_seqlens_q
+            if self.qkv_format != "thd":
+                q_emb, k_emb = (_cover_padding_rows(e, *inference_params.rope_positions) for e in (q_emb, k_emb))
         elif self.attention_type == "self" and cu_seqlens_kv is None:
             cu_seqlens_kv = cu_seqlens_q
         fmt, inter = self.qkv_format, self.rotary_pos_interleaved
