@@ -1,5 +1,6 @@
 """DotProductAttention's sliding-window alignment with sq != skv on both paths, and its argument
-checks (window_size, kv_channels against the head sizes, one dtype for Q, K, V).
+checks (window_size, kv_channels against the head sizes, one dtype for Q, K, V, bool attention
+masks).
 
 TE aligns a window's diagonal to the top-left corner for causal / padding_causal and to the
 bottom-right one for every other mask type, at each sequence's own lengths under padding
@@ -71,3 +72,16 @@ def test_qkv_must_share_a_dtype():
     q, k, v = make_qkv("bshd", 1, 4, 4, 2, 2, 8)
     with pytest.raises(TypeError, match="share one dtype"):
         DotProductAttention(2, 8, qkv_format="bshd")(dev(q), dev(k), dev(v.to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("mask_type", ["padding", "arbitrary"])
+def test_attention_mask_must_be_bool(mask_type):
+    """An integer or float "keep" mask (1 = token) would be read inverted: TE takes bool masks only."""
+    q, k, v = make_qkv("bshd", 2, 4, 4, 2, 2, 8)
+    keep = torch.ones(2, 1, 1, 4, dtype=torch.int64) if mask_type == "padding" else torch.ones(2, 1, 4, 4)
+    dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type=mask_type)
+    for m in (keep, keep.float(), (keep.bool(), keep)):
+        with pytest.raises(TypeError, match="attention_mask must be a bool tensor"):
+            dpa(dev(q), dev(k), dev(v), attention_mask=m if isinstance(m, tuple) else dev(m))
+    out = dpa(dev(q), dev(k), dev(v), attention_mask=dev(~keep.bool()))
+    assert out.shape == (2, 4, 16)

@@ -187,6 +187,22 @@ def test_stub_dropout_drop_path_and_no_grad(stub_mha):
     assert x.grad is not None and layer.layernorm_mlp.fc1_weight.grad is not None
 
 
+def test_decoder_drop_path_skips_cross_attention(stub_mha):
+    """TE drops the self-attention and MLP paths of a decoder layer, not its cross attention."""
+    layer = _stub_layer(layer_type="decoder", drop_path_rate=0.5)
+    seen = []
+
+    class Record(torch.nn.Module):
+        def forward(self, t):
+            seen.append(t)
+            return torch.zeros_like(t)  # every dropped path: the layer is then its input plus the cross branch
+    layer.drop_path = Record()
+    x, enc = dev(torch.randn(5, 2, 32)), dev(torch.randn(5, 2, 32))
+    y = layer(x, encoder_output=enc)
+    assert len(seen) == 2
+    assert rel_err(y, x + layer.inter_attention(x, encoder_output=enc)) < 1e-6
+
+
 def test_drop_path_module():
     torch.manual_seed(0)
     dp = te_transformer.DropPath(0.5, batch_dim=1)

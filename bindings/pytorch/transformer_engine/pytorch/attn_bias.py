@@ -23,6 +23,16 @@ from .attn_softmax import attn_softmax
 BIASES = ("pre_scale_bias", "post_scale_bias")
 
 
+def check_mask_dtype(attention_mask) -> None:
+    """attention_mask (a tensor or a (q, kv) pair) must be bool, True = masked out, as TE requires: an
+    integer or float "keep" mask (1 = token, HuggingFace's convention) would be read inverted."""
+    masks = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,)
+    for m in masks:
+        if isinstance(m, torch.Tensor) and m.dtype != torch.bool:
+            raise TypeError(f"attention_mask must be a bool tensor (True = masked out), got {m.dtype}; a mask "
+                            f"with 1 for the tokens to keep is ~mask.bool()")
+
+
 def split_padding_mask(attention_mask, b: int, sq: int, sk: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(query mask, key/value mask), bool, of a padding attention_mask: one [b, 1, 1, s] tensor
     (self attention) or a (q_mask, kv_mask) pair (True = padded); their sizes checked."""

@@ -1,7 +1,7 @@
 """te.TransformerLayer: one pre-norm transformer block built from TE modules.
 
     x  -> self_attention (its own input norm)  -> dropout -> drop_path -> + residual
-       -> [decoder: inter_attention over encoder_output, same residual step]
+       -> [decoder: inter_attention over encoder_output, the same step without drop_path, as in TE]
        -> layernorm_mlp (its own input norm)   -> dropout -> drop_path -> + residual
        -> [output_layernorm: layernorm]
 
@@ -172,10 +172,10 @@ class TransformerLayer(torch.nn.Module):
             if m is not None:
                 m.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
-    def _residual(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + drop_path(dropout(out)), in plain torch ops."""
+    def _residual(self, out: torch.Tensor, residual: torch.Tensor, drop_path: bool = True) -> torch.Tensor:
+        """residual + drop_path(dropout(out)), in plain torch ops (TE drops no cross-attention path)."""
         out = torch.nn.functional.dropout(out, p=self.hidden_dropout, training=self.training)
-        if self.drop_path is not None:
+        if drop_path and self.drop_path is not None:
             out = self.drop_path(out)
         return residual + out
 
@@ -225,7 +225,7 @@ class TransformerLayer(torch.nn.Module):
                                        attn_mask_type=cross_type, **extra_x)
             cross_out, ln_out = _split_ln_output(res)
             residual = ln_out if self.apply_residual_connection_post_layernorm and ln_out is not None else x
-            x = self._residual(cross_out, residual)
+            x = self._residual(cross_out, residual, drop_path=False)
 
         res = self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch)
         mlp_out, ln_out = _split_ln_output(res)

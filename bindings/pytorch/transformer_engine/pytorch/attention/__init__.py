@@ -272,6 +272,7 @@ class DotProductAttention(torch.nn.Module):
         if alibi_slopes is not None and core_attention_bias_type != "alibi":
             raise ValueError(f"DotProductAttention: alibi_slopes given with core_attention_bias_type "
                              f"{core_attention_bias_type!r} (they need 'alibi')")
+        _ab.check_mask_dtype(attention_mask)
         if core_attention_bias is not None and core_attention_bias_type not in _ab.BIASES:
             raise ValueError(f"DotProductAttention: core_attention_bias given with core_attention_bias_type "
                              f"{core_attention_bias_type!r} (it needs 'pre_scale_bias' or 'post_scale_bias')")
