@@ -7,13 +7,13 @@ ranks' amaxes differ. Three runs of two FP8 training steps each: fp8_group given
 reduce_amax=True ("reduce"), with reduce_amax=False ("no_reduce"), and no fp8_group ("no_group").
 Saved per run and step: every module's amax histories and scales, and how many all-reduces the
 step's fp8_autocast exit made."""
-import sys
-
 import torch
 import torch.distributed as dist
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
+
+from _ranks import init_rank
 
 B, S, H, D = 2, 5, 2, 8  # batch, sequence, heads, head size
 
@@ -44,16 +44,7 @@ def state(mods):
 
 
 def main():
-    rank, size, init_file, out_file, device = sys.argv[1:6]
-    rank, size = int(rank), int(size)
-    torch.set_num_threads(1)
-    on_cuda = device == "cuda"
-    if on_cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=size)
-    group = dist.new_group(list(range(size)))
-    dev = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+    rank, size, out_file, dev, group, _ = init_rank()
     calls = [0]
     all_reduce = dist.all_reduce
 

@@ -7,14 +7,14 @@ Every rank draws the same whole-sequence inputs (seeded), runs DotProductAttenti
 TransformerLayer) with context parallelism on its two chunks, and saves its local outputs and
 gradients; the test puts the chunks back in sequence order and compares with float64 attention
 over the whole sequence."""
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
+
+from _ranks import init_rank
 
 B, C, D_QK, D_V = 2, 3, 16, 8  # batch, chunk length (odd), head sizes (multiples of 8: cuDNN's)
 EPS = 1e-2  # the dropout test's step along its direction
@@ -161,18 +161,10 @@ def thd_local_index(lens, rank, size):
 
 
 def main():
-    rank, size, init_file, out_file, device = sys.argv[1:6]
-    mode = sys.argv[6] if len(sys.argv) > 6 else ""
-    rank, size = int(rank), int(size)
-    torch.set_num_threads(1)
-    on_cuda = device == "cuda"
-    if on_cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=size)
-    group = dist.new_group(list(range(size)))
+    rank, size, out_file, dev, group, rest = init_rank()
+    mode = rest[0] if rest else ""
+    on_cuda = dev.type == "cuda"
     cp_group = hier_groups(rank, *HIER) if mode == "hier" else group  # (amaxes are reduced over `group`)
-    dev = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
     dtype = torch.bfloat16 if on_cuda else torch.float32
     h, g = heads(size)
     results = {}

@@ -44,3 +44,20 @@ def run_ranks(worker, size, device_type, args=(), env=None, timeout=600, grace=3
         assert not bad, "\n".join(f"rank {r} of {size} failed (exit {procs[r].returncode}):\n{texts[r][-4000:]}"
                                    for r in bad)
         return [torch.load(o) for o in outs]
+
+
+def init_rank():
+    """In a worker: join the process group its argv names (gloo on the CPU; NCCL with GPU `rank`
+    under "cuda") -> (rank, size, output file, device, a group of all ranks, the test's own argv)."""
+    import torch.distributed as dist
+    rank, size, init_file, out_file, device = sys.argv[1:6]
+    rank, size = int(rank), int(size)
+    torch.set_num_threads(1)
+    on_cuda = device == "cuda"
+    if on_cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=size)
+    group = dist.new_group(list(range(size)))
+    dev = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+    return rank, size, out_file, dev, group, sys.argv[6:]
