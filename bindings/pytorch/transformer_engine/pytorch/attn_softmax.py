@@ -3,9 +3,10 @@ mask: an attention bias (pre_scale_bias / post_scale_bias), ALiBi, or the attent
 softmax_type. One library call each way (nvte_attn_softmax_forward / _backward, softmax.h), which
 builds the logits with fused attention's conventions (fused_attn.h), so a call gives the same
 probabilities on either path. This module only shapes the operands and wires autograd: the bias
-gradient is the library's logit gradient (post-scale) or score gradient (pre-scale) summed over
-the bias's broadcast dimensions, the sink gradient the library's per-row terms summed over batch
-and queries."""
+gradient is the library's logit gradient (post-scale; for a bias broadcast over batch or heads the
+score gradient's sum over those dimensions divided by the scale) or score gradient (pre-scale)
+summed over the bias's broadcast dimensions, the sink gradient the library's per-row terms summed
+over batch and queries."""
 from __future__ import annotations
 
 from typing import Optional
@@ -35,15 +36,21 @@ class _AttnSoftmaxFn(torch.autograd.Function):
         y, mask, sink = ctx.saved_tensors
         want_bias = ctx.bias_shape is not None and ctx.needs_input_grad[1]
         post = want_bias and ctx.bias_type == "post_scale_bias"
+        dims = [d for d in range(4) if ctx.bias_shape[d] == 1 and dy.shape[d] != 1] if want_bias else []
+        # A post-scale bias broadcast over batch or heads takes sum(dx) / scale (dx = scale * the logit
+        # gradient): the logit gradient is then not written out, a quarter of the backward's traffic.
+        lg_out = post and (not dims or ctx.scale == 0.0)
         dx, lg, dsink = custom_ops.attn_softmax_backward(dy.contiguous(), y, mask,
-                                                         sink if ctx.needs_input_grad[2] else None, ctx.scale, post,
+                                                         sink if ctx.needs_input_grad[2] else None, ctx.scale, lg_out,
                                                          ctx.causal)
         dbias = None
         if want_bias:  # pre-scale: d(scale * (x + bias)) = dx; post-scale: the logit gradient
-            g = lg if post else dx
-            dims = [d for d in range(4) if ctx.bias_shape[d] == 1 and g.shape[d] != 1]
+            g = lg if lg_out else dx
             # (summed in float32: a float32 bias broadcast over batch or heads keeps its precision)
-            dbias = (g.sum(dims, keepdim=True, dtype=torch.float32) if dims else g).to(ctx.bias_dtype)
+            dbias = g.sum(dims, keepdim=True, dtype=torch.float32) if dims else g
+            if post and not lg_out:
+                dbias = dbias / ctx.scale
+            dbias = dbias.to(ctx.bias_dtype)
         doff = dsink.sum((0, 2)).to(ctx.offset_dtype) if ctx.has_offset and ctx.needs_input_grad[2] else None
         return (dx if ctx.needs_input_grad[0] else None), dbias, doff, None, None, None, None, None, None, None
 
