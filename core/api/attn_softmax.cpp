@@ -7,13 +7,34 @@
 
 #include "../common/attn_softmax.h"
 #include "../common/backend.h"
+#include "alias_checks.h"
 #include "../cpu/attn_softmax.h"
 #ifdef NVTE_WITH_CUDA
 #include "../cuda/attn_softmax.h"
 #endif
 
 using namespace nvte;
+using api::check_alias;
+using api::same_buffer;
 using attn::SoftmaxArgs;
+
+namespace nvte::api {
+
+// Two operands share a buffer (an empty one shares nothing: frameworks give every empty tensor
+// the same null address).
+bool same_buffer(const Tensor &a, const Tensor &b) {
+  const NVTEBasicTensor &x = a.params[kNVTERowwiseData], &y = b.params[kNVTERowwiseData];
+  return x.data_ptr != nullptr && x.data_ptr == y.data_ptr && numel(x.shape) != 0;
+}
+
+void check_alias(const Tensor &out, const char *out_name, const Tensor &in, const char *in_name) {
+  NVTE_CHECK(!same_buffer(out, in) || out.params[kNVTERowwiseData].dtype == in.params[kNVTERowwiseData].dtype,
+             out_name, " shares its buffer with ", in_name, " but has dtype ",
+             dtype_name(out.params[kNVTERowwiseData].dtype), " instead of ",
+             dtype_name(in.params[kNVTERowwiseData].dtype));
+}
+
+}  // namespace nvte::api
 
 namespace {
 
@@ -92,20 +113,6 @@ attn::ScoreCausal causal_rule(NVTE_Mask_Type mask_type) {
                 " is not taken: NVTE_NO_MASK, NVTE_CAUSAL_MASK or NVTE_CAUSAL_BOTTOM_RIGHT_MASK (padding and other "
                 "masks come as the explicit mask tensor)");
   }
-}
-
-// Two operands share a buffer (an empty one shares nothing: frameworks give every empty tensor
-// the same null address).
-bool same_buffer(const Tensor &a, const Tensor &b) {
-  const NVTEBasicTensor &x = a.params[kNVTERowwiseData], &y = b.params[kNVTERowwiseData];
-  return x.data_ptr != nullptr && x.data_ptr == y.data_ptr && numel(x.shape) != 0;
-}
-
-void check_alias(const Tensor &out, const char *out_name, const Tensor &in, const char *in_name) {
-  NVTE_CHECK(!same_buffer(out, in) || out.params[kNVTERowwiseData].dtype == in.params[kNVTERowwiseData].dtype,
-             out_name, " shares its buffer with ", in_name, " but has dtype ",
-             dtype_name(out.params[kNVTERowwiseData].dtype), " instead of ",
-             dtype_name(in.params[kNVTERowwiseData].dtype));
 }
 
 void forward(const NVTETensor input, const NVTETensor bias, const NVTETensor alibi_slopes,

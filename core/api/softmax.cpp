@@ -4,12 +4,14 @@
 #include "transformer_engine/softmax.h"
 
 #include "../common/backend.h"
+#include "alias_checks.h"
 #include "../cpu/softmax.h"
 #ifdef NVTE_WITH_CUDA
 #include "../cuda/softmax.h"
 #endif
 
 using namespace nvte;
+using api::check_alias;
 using cpu::SoftmaxMask;
 
 namespace {
@@ -71,6 +73,7 @@ void run_forward(const char *op, SoftmaxMask kind, const NVTETensor input, const
   Tensor &out = const_cast<Tensor &>(require_float(softmax_results, "softmax_results"));
   check_family_shape(kind, in, "input");
   check_same_shape(out, "softmax_results", in, "input");
+  check_alias(out, "softmax_results", in, "input");
   const Tensor *m = nullptr;
   if (kind == SoftmaxMask::Explicit) {
     m = &require(mask, "mask");
@@ -87,14 +90,6 @@ void run_forward(const char *op, SoftmaxMask kind, const NVTETensor input, const
   }
 }
 
-// An output buffer that is exactly an input buffer must hold the same dtype, else rows overlap.
-void check_alias(const Tensor &out, const Tensor &in, const char *in_name) {
-  const NVTEBasicTensor &o = out.params[kNVTERowwiseData], &i = in.params[kNVTERowwiseData];
-  NVTE_CHECK(o.data_ptr == nullptr || o.data_ptr != i.data_ptr || o.dtype == i.dtype,
-             "output_grads shares its buffer with ", in_name, " but has dtype ", dtype_name(o.dtype),
-             " instead of ", dtype_name(i.dtype));
-}
-
 void run_backward(const char *op, SoftmaxMask kind, const NVTETensor incoming_grads,
                   const NVTETensor softmax_results, NVTETensor output_grads, float scale, cudaStream_t stream) {
   const Tensor &dy = require_float(incoming_grads, "incoming_grads");
@@ -104,8 +99,8 @@ void run_backward(const char *op, SoftmaxMask kind, const NVTETensor incoming_gr
   check_family_shape(kind, dy, "incoming_grads");
   check_same_shape(dy, "incoming_grads", y, "softmax_results");
   check_same_shape(dx, "output_grads", y, "softmax_results");
-  check_alias(dx, dy, "incoming_grads");
-  check_alias(dx, y, "softmax_results");
+  check_alias(dx, "output_grads", dy, "incoming_grads");
+  check_alias(dx, "output_grads", y, "softmax_results");
   switch (backend_of({{"incoming_grads", incoming_grads},
                       {"softmax_results", softmax_results},
                       {"output_grads", output_grads}})) {

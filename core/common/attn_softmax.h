@@ -73,4 +73,12 @@ NVTE_HD float score_logit(const SoftmaxArgs &a, float s, float bv, float slope, 
 
 constexpr float kMaskedLogit = -10000.0f;  // the explicit mask's fill (nvte_scaled_masked_softmax)
 
+// Whether a row's keys are all left out, given the largest logit among its keys (-inf when it has
+// none): none, or every logit -inf (a -inf bias excludes its key, as in fused attention), or an
+// explicit mask hiding all of them (TE's kernel rule: the row's maximum is the -10000 fill). Such
+// a row's keys get y = 0 (a sink, if any, then takes the whole row): never NaN, never uniform.
+NVTE_HD bool keys_left_out(float key_max, bool has_mask) {
+  return key_max == -__builtin_huge_valf() || (has_mask && key_max == kMaskedLogit);
+}
+
 }  // namespace nvte::attn

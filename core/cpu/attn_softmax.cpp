@@ -37,20 +37,22 @@ void attn_softmax_forward(const attn::SoftmaxArgs &a, const Tensor &in, Tensor &
       const long long u = alibi ? (long long)i + a.diag[bb * a.diag_sb] : 0;
       const uint8_t *m = a.mask ? a.mask + attn::broadcast_row(a.mask_sb, a.mask_sh, bb, hh, i, sk) : nullptr;
       const size_t n = attn::causal_keys(a, i);  // keys [0, n) stay in the row
-      float mx = a.offset ? a.offset[hh] : -INFINITY;
+      float km = -INFINITY;  // the keys' largest logit
       for (size_t j = 0; j < n; ++j) {
         v[j] = m && m[j] ? attn::kMaskedLogit : attn::score_logit(a, a.scale * v[j], bias[j], slope, u, j);
-        mx = v[j] > mx ? v[j] : mx;
+        km = v[j] > km ? v[j] : km;
       }
-      float sum = 0.0f;
+      const bool none = attn::keys_left_out(km, m != nullptr);
+      const float mx = a.offset ? (none || a.offset[hh] > km ? a.offset[hh] : km) : km;
+      double sum = 0.0;  // (in double: a float sum stalls over very long rows)
       for (size_t j = 0; j < n; ++j) {
-        v[j] = expf(v[j] - mx);
+        v[j] = none ? 0.0f : expf(v[j] - mx);
         sum += v[j];
       }
       const float es = a.offset ? expf(a.offset[hh] - mx) : 0.0f;
       sum += es;
       // A row with nothing in it (and no sink) has sum 0: all zeros.
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float inv = sum > 0.0 ? static_cast<float>(1.0 / sum) : 0.0f;
       for (size_t j = 0; j < n; ++j) v[j] *= inv;
       for (size_t j = n; j < sk; ++j) v[j] = 0.0f;
       if (sink != nullptr) sink[r] = es * inv;
@@ -78,8 +80,9 @@ void attn_softmax_backward(const attn::SoftmaxArgs &a, const Tensor &dy, const T
       g.load(r, gv.data());
       p.load(r, pv.data());
       const size_t n = attn::causal_keys(a, i);  // keys [0, n) are in the row
-      float dot = 0.0f;
-      for (size_t j = 0; j < n; ++j) dot += gv[j] * pv[j];
+      double acc = 0.0;
+      for (size_t j = 0; j < n; ++j) acc += static_cast<double>(gv[j]) * pv[j];
+      const float dot = static_cast<float>(acc);
       const uint8_t *m = a.mask ? a.mask + attn::broadcast_row(a.mask_sb, a.mask_sh, bb, hh, i, sk) : nullptr;
       for (size_t j = 0; j < sk; ++j) gv[j] = j >= n || (m && m[j]) ? 0.0f : pv[j] * (gv[j] - dot);
       if (dsink != nullptr) dsink[r] = -sink[r] * dot;

@@ -2,10 +2,12 @@
 // loops, numerically stable (the row max is subtracted before expf).
 #include "softmax.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "../common/attn_softmax.h"
 #include "parallel.h"
 #include "rows.h"
 
@@ -19,12 +21,16 @@ void softmax_inplace(float *v, size_t n) {
   if (n == 0) return;
   float m = v[0];
   for (size_t j = 1; j < n; ++j) m = v[j] > m ? v[j] : m;
-  float sum = 0.0f;
+  if (attn::keys_left_out(m, false)) {  // every logit -inf: zeros, not NaN (as the GPU)
+    std::fill(v, v + n, 0.0f);
+    return;
+  }
+  double sum = 0.0;  // (in double: a float sum stalls over very long rows)
   for (size_t j = 0; j < n; ++j) {
     v[j] = expf(v[j] - m);
     sum += v[j];
   }
-  const float inv = 1.0f / sum;
+  const float inv = static_cast<float>(1.0 / sum);
   for (size_t j = 0; j < n; ++j) v[j] *= inv;
 }
 
@@ -57,9 +63,16 @@ void softmax_forward(SoftmaxMask kind, const Tensor &in, const Tensor *mask, Ten
           // The mask broadcasts over heads (and over batch when its first dim is 1).
           const size_t b = mask_per_batch ? r / (heads * sq) : 0;
           const uint8_t *m = mask_data + (b * sq + i) * sk;
-          for (size_t j = 0; j < sk; ++j)
-            if (m[j]) v[j] = -10000.0f;  // so a fully masked row comes out uniform
-          softmax_inplace(v.data(), sk);
+          float mx = -INFINITY;
+          for (size_t j = 0; j < sk; ++j) {
+            if (m[j]) v[j] = attn::kMaskedLogit;
+            mx = v[j] > mx ? v[j] : mx;
+          }
+          if (attn::keys_left_out(mx, true)) {  // a wholly masked row: zeros (TE's kernel rule)
+            std::fill(v.begin(), v.end(), 0.0f);
+          } else {
+            softmax_inplace(v.data(), sk);
+          }
           break;
         }
         case SoftmaxMask::UpperTriang:
@@ -92,8 +105,9 @@ void softmax_backward(const Tensor &dy, const Tensor &y, Tensor &dx, float scale
       // Both rows are read completely before the store, so dx may alias dy or y.
       g.load(r, gv.data());
       p.load(r, pv.data());
-      float dot = 0.0f;
-      for (size_t j = 0; j < sk; ++j) dot += gv[j] * pv[j];
+      double acc = 0.0;  // (in double: a float sum stalls over very long rows)
+      for (size_t j = 0; j < sk; ++j) acc += static_cast<double>(gv[j]) * pv[j];
+      const float dot = static_cast<float>(acc);
       for (size_t j = 0; j < sk; ++j) gv[j] = scale * pv[j] * (gv[j] - dot);
       dst.store(r, gv.data());
     }

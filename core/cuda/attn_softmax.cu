@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(threads_of<G>()) attn_softmax_fwd_kernel(const
   float *zs = stage + (p.staged ? (size_t)grp * C * V : 0);
   for (size_t r = (size_t)blockIdx.x * kGroups + grp; r < p.rows; r += (size_t)gridDim.x * kGroups) {
     const Row w = row_of(p.a, r);
-    float m = p.a.offset ? p.a.offset[w.hh] : -__builtin_huge_valf();
+    float m = -__builtin_huge_valf();  // the keys' largest logit, then the row's (with the sink)
     for (size_t j0 = (size_t)t * V; j0 < w.n; j0 += (size_t)G * V) {
       float z[V];
       logits_at<T, V, TK>(p, w, j0, z);
@@ -146,6 +146,8 @@ __global__ void __launch_bounds__(threads_of<G>()) attn_softmax_fwd_kernel(const
       }
     }
     m = group_max<G>(m, sh);
+    const bool none = attn::keys_left_out(m, w.mrow != nullptr);  // (then y = 0 for every key)
+    if (p.a.offset) m = none ? p.a.offset[w.hh] : fmaxf(m, p.a.offset[w.hh]);
     float sum = 0.0f;
     for (size_t j0 = (size_t)t * V; j0 < w.n; j0 += (size_t)G * V) {
       float z[V];
@@ -157,7 +159,7 @@ __global__ void __launch_bounds__(threads_of<G>()) attn_softmax_fwd_kernel(const
       }
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        const float ex = exp_nonpos(z[e] - m);  // (keys past n: exp(-inf) = 0)
+        const float ex = none ? 0.0f : exp_nonpos(z[e] - m);  // (keys past n: exp(-inf) = 0)
         if (p.staged) zs[e * C + j0 / V] = ex;
         sum += ex;
       }
@@ -177,7 +179,7 @@ __global__ void __launch_bounds__(threads_of<G>()) attn_softmax_fwd_kernel(const
       } else {
         logits_at<T, V, TK>(p, w, j0, y);
 #pragma unroll
-        for (int e = 0; e < V; ++e) y[e] = exp_nonpos(y[e] - m) * inv;
+        for (int e = 0; e < V; ++e) y[e] = none ? 0.0f : exp_nonpos(y[e] - m) * inv;
       }
       store_chunk<TO, V>(p.y, w.base + j0, y);
     }
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(threads_of<G>()) attn_softmax_fwd_reg_kernel(c
   for (size_t r = (size_t)blockIdx.x * kGroups + grp; r < p.rows; r += (size_t)gridDim.x * kGroups) {
     const Row w = row_of(p.a, r);
     float z[NC][V];
-    float m = p.a.offset ? p.a.offset[w.hh] : -__builtin_huge_valf();
+    float m = -__builtin_huge_valf();  // the keys' largest logit, then the row's (with the sink)
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
       const size_t j0 = ((size_t)c * G + t) * V;
@@ -211,12 +213,14 @@ __global__ void __launch_bounds__(threads_of<G>()) attn_softmax_fwd_reg_kernel(c
       for (int e = 0; e < V; ++e) m = fmaxf(m, z[c][e]);
     }
     m = group_max<G>(m, sh);
+    const bool none = attn::keys_left_out(m, w.mrow != nullptr);  // (then y = 0 for every key)
+    if (p.a.offset) m = none ? p.a.offset[w.hh] : fmaxf(m, p.a.offset[w.hh]);
     float sum = 0.0f;
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        z[c][e] = exp_nonpos(z[c][e] - m);  // (-inf - m: 0 for a finite m)
+        z[c][e] = none ? 0.0f : exp_nonpos(z[c][e] - m);  // (-inf - m: 0 for a finite m)
         sum += z[c][e];
       }
     }

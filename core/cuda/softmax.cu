@@ -16,6 +16,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "../common/attn_softmax.h"
 #include "common.cuh"
 #include "softmax_rows.cuh"
 #include "softmax.h"
@@ -129,15 +130,17 @@ __global__ void __launch_bounds__(block_threads<G>()) softmax_fwd_kernel(const S
       for (int e = 0; e < V; ++e) {
         const int j = (k * G + t) * V + e;
         float a = v[k * V + e] * p.scale;
-        if (ri.mrow != nullptr && j < p.sk && ri.mrow[j]) a = -10000.0f;
+        if (ri.mrow != nullptr && j < p.sk && ri.mrow[j]) a = attn::kMaskedLogit;
         a = j < ri.valid ? a : kNegInf;
         v[k * V + e] = a;
         m = fmaxf(m, a);
       }
     }
     m = group_max<G>(m, sh);
+    // keys left out (none visible, all -inf, or all masked: TE's rule): the row is all zeros
+    const bool keys = ri.valid > 0 && !attn::keys_left_out(m, ri.mrow != nullptr);
     float sum = 0.0f;
-    if (ri.valid > 0) {
+    if (keys) {
 #pragma unroll
       for (int k = 0; k < K; ++k) {
 #pragma unroll
@@ -150,15 +153,14 @@ __global__ void __launch_bounds__(block_threads<G>()) softmax_fwd_kernel(const S
       }
     }
     sum = group_sum<G>(sum, sh);
-    // A row with nothing visible (causal, Sk < Sq) is all zeros.
-    const float inv = ri.valid > 0 ? 1.0f / sum : 0.0f;
+    const float inv = keys ? 1.0f / sum : 0.0f;
     float am = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int j0 = (k * G + t) * V;
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        const float yv = ri.valid > 0 ? v[k * V + e] * inv : 0.0f;
+        const float yv = keys ? v[k * V + e] * inv : 0.0f;
         v[k * V + e] = yv;
         am = fmaxf(am, fabsf(yv));
       }
@@ -253,7 +255,7 @@ constexpr int kLongThreads = 512;
 // Masked logit of element j (j < valid).
 template <class T>
 __device__ __forceinline__ float logit(const SmParams &p, const RowInfo &ri, size_t base, int j) {
-  if (ri.mrow != nullptr && ri.mrow[j]) return -10000.0f;
+  if (ri.mrow != nullptr && ri.mrow[j]) return attn::kMaskedLogit;
   return ld<T>(p.x, base + j, p.x_dt) * p.scale;
 }
 
@@ -268,13 +270,14 @@ __global__ void __launch_bounds__(kLongThreads) softmax_fwd_long_kernel(const Sm
     float m = -__builtin_huge_valf();
     for (int j = t; j < ri.valid; j += G) m = fmaxf(m, logit<T>(p, ri, base, j));
     m = group_max<G>(m, sh);
+    const int valid = attn::keys_left_out(m, ri.mrow != nullptr) ? 0 : ri.valid;  // (as the register kernel)
     float sum = 0.0f;
-    for (int j = t; j < ri.valid; j += G) sum += exp_nonpos(logit<T>(p, ri, base, j) - m);
+    for (int j = t; j < valid; j += G) sum += exp_nonpos(logit<T>(p, ri, base, j) - m);
     sum = group_sum<G>(sum, sh);
-    const float inv = 1.0f / sum;
+    const float inv = valid > 0 ? 1.0f / sum : 0.0f;
     float am = 0.0f;
     for (int j = t; j < p.sk; j += G) {
-      const float yv = j < ri.valid ? exp_nonpos(logit<T>(p, ri, base, j) - m) * inv : 0.0f;
+      const float yv = j < valid ? exp_nonpos(logit<T>(p, ri, base, j) - m) * inv : 0.0f;
       am = fmaxf(am, fabsf(yv));
       st<T>(p.out, base + j, yv, p.out_dt);
     }

@@ -2,8 +2,9 @@
  * softmax.h - fused scale + mask + softmax over the last dimension, forward and backward.
  *
  * forward:  y = softmax(scale_factor * x) along the last dim, masked positions excluded.
- *   scaled_masked: masked logits are replaced by -10000 before the softmax (TE's rule; a
- *   fully masked row becomes uniform). The causal families give masked positions y = 0.
+ *   scaled_masked: masked logits (mask byte != 0) are replaced by -10000 before the softmax, and
+ *   a wholly masked row (its maximum is that fill) is all zeros, as TE's kernel makes it. The
+ *   causal families give masked positions y = 0. A row whose logits are all -inf is zeros too.
  * backward: output_grads = scale_factor * y * (dy - sum(dy * y, last dim)); output_grads
  *   may alias incoming_grads. Math is float32; inputs/outputs float32, float16 or bfloat16.
  */
@@ -63,8 +64,9 @@ NVTE_API NVTEStatus nvte_scaled_aligned_causal_masked_softmax_backward(const NVT
  *  Keys hidden by mask_type are left out of the row: NVTE_NO_MASK hides none, NVTE_CAUSAL_MASK
  *  those with j > i, NVTE_CAUSAL_BOTTOM_RIGHT_MASK those with j > i + Sk - Sq; they get y = 0, and a
  *  row with no key left is all zeros. Keys hidden by the explicit `mask` get z_j = -10000 (the rule
- *  of nvte_scaled_masked_softmax_forward: without a sink, a row it hides wholly comes out uniform
- *  over the keys mask_type leaves; with one, such a row is zeros and its sink share 1). Then
+ *  of nvte_scaled_masked_softmax_forward: a row it hides wholly, i.e. whose keys' maximum is that
+ *  fill, leaves all its keys out). A bias of -inf leaves its key out as well; a row whose keys are
+ *  all left out has y = 0 (never NaN) and, with a sink, sink share 1. Then
  *  y = exp(z_j - m) / (sum_k exp(z_k - m) + [exp(offset[h] - m)]) over the row's keys, with m the
  *  row max (including offset[h]); the bracketed term (the attention sink of TE's softmax_type)
  *  only when softmax_offset is given.

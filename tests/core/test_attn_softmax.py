@@ -4,7 +4,7 @@ contract (attn_softmax_ref, attn_softmax_backward_ref): every bias type (pre/pos
 broadcast over batch and heads, in each float dtype; ALiBi with TE's default slopes, [H] and
 [B, H] slopes, diagonals [1] and [B] of either sign), the causal mask types with Sq < Sk and
 Sq > Sk (rows that see no key are all zeros), explicit uint8 masks broadcast in batch and heads
-with wholly hidden rows (uniform), the attention sink (softmax_offset, sink_probs; rows without
+with wholly hidden rows (zeros), the attention sink (softmax_offset, sink_probs; rows without
 keys give y = 0, sink 1), float32 / float16 / bfloat16 inputs, odd sizes, in-place calls; the
 backward's three outputs, aliasing; misuse raises nvte.Error.
 
@@ -96,6 +96,8 @@ def attn_softmax_ref(x, scale, bias_type="no_bias", bias=None, slopes=None, diag
     an offset; a row with neither key nor sink is all zeros."""
     s, t, hidden, explicit = terms(x, scale, bias_type, bias, slopes, diag, mask, mask_type)
     z = np.where(explicit, -10000.0, s + t)
+    # a row whose kept keys the explicit mask hides all leaves them all out (TE's kernel rule)
+    hidden = hidden | np.broadcast_to((explicit | hidden).all(axis=-1, keepdims=True), x.shape)
     z = np.where(hidden, -np.inf, z)
     m = z.max(axis=-1, initial=-np.inf)
     if offset is not None:
@@ -167,7 +169,7 @@ def check_forward(x, scale, bias_type="no_bias", mask_type="no_mask", bias=None,
     y64 = np.asarray(y, np.float64)
     _, _, hidden, explicit = terms(x, scale, **kw)
     assert np.all(y64[hidden] == 0.0), "keys hidden by mask_type must be exactly 0"
-    no_keys = hidden.all(axis=-1)
+    no_keys = (hidden | explicit).all(axis=-1)  # (an explicit mask hiding every kept key: no keys either)
     assert np.all(y64[no_keys] == 0.0), "rows without keys must be all zeros"
     if want_sink:
         assert_close(sink, sink_ref, "float32", rtol=TOLERANCE["float32"][1] + rt_sink)
@@ -298,8 +300,8 @@ def test_forward_causal(mask_type, dtype, rng):
 @pytest.mark.parametrize("bcast", ["11", "B1", "1H", "BH"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_forward_explicit_mask(dtype, bcast, mask_type, rng):
-    """uint8 masks [1|B, 1|H, Sq, Sk] (-10000 fill); a wholly hidden row is uniform over the keys
-    the mask type leaves (1 / Sk without one); hidden keys of other rows are exactly 0."""
+    """uint8 masks [1|B, 1|H, Sq, Sk] (-10000 fill); a row whose kept keys it hides all is zeros
+    (TE's kernel rule); hidden keys of other rows are exactly 0."""
     for b, h, sq, sk in [(2, 3, 5, 7), (2, 3, 4, 33), (1, 3, 3, 1), (2, 1, 6, 130)]:
         x = randn(rng, (b, h, sq, sk), dtype)
         for density in [0.0, 0.4, 1.0]:
@@ -307,10 +309,9 @@ def test_forward_explicit_mask(dtype, bcast, mask_type, rng):
             y, _ = check_forward(x, 0.25, "no_bias", mask_type, mask=mask)
             y64 = np.asarray(y, np.float64)
             _, _, hidden, explicit = terms(x, 1.0, mask=mask, mask_type=mask_type)
-            # rows whose keys (those the mask type leaves) the explicit mask hides all: uniform
+            # rows whose keys (those the mask type leaves) the explicit mask hides all: zeros
             full = np.broadcast_to((explicit | hidden).all(axis=-1, keepdims=True), x.shape)
-            if mask_type == "no_mask":
-                assert_close(y64[full], np.full(full.sum(), 1.0 / sk), dtype)
+            assert np.all(y64[full] == 0.0), "a wholly hidden row must be all zeros"
             assert np.all(y64[explicit & ~full] == 0.0), "hidden keys of partly visible rows must be 0"
 
 
@@ -693,3 +694,23 @@ def test_errors(call, match):
     nvte.attn_softmax_forward(f32(1, 1, 1, 2), None, None, None, None, None, nvte.Tensor(y), None, 1.0,
                               BT.NVTE_NO_BIAS, MT.NVTE_NO_MASK)
     assert y.tolist() == [[[[0.5, 0.5]]]]
+
+
+@pytest.mark.parametrize("offset", [None, "sink"])
+def test_minus_inf_bias_leaves_keys_out(offset, rng):
+    """A post-scale bias of -inf leaves its key out, as in fused attention; a row whose keys it
+    leaves out all is zeros (not NaN), its sink share 1."""
+    b, h, sq, sk = 1, 2, 3, 5
+    x = randn(rng, (b, h, sq, sk), "float32")
+    bias = np.zeros((1, h, sq, sk), np.float32)
+    bias[0, 0, 0, :] = -np.inf  # a whole row
+    bias[0, 1, 1, 2:] = -np.inf  # part of one
+    off = offset_for(rng, h) if offset else None
+    y, sink = run_forward(x, 0.5, "post", bias=bias, offset=off, want_sink=offset is not None)
+    y_ref, sink_ref = attn_softmax_ref(x, 0.5, "post", bias=bias, offset=off)
+    assert not np.isnan(y).any()
+    assert_close(y, y_ref, "float32")  # (the -inf keys: exactly 0 in both)
+    assert np.all(y[0, 0, 0] == 0.0) and np.all(y[0, 1, 1, 2:] == 0.0)
+    if offset:
+        assert_close(sink, sink_ref, "float32")
+        assert sink[0, 0, 0] == 1.0

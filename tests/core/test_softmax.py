@@ -22,15 +22,17 @@ def T(a):
 
 def softmax_ref(x, scale, masked=None, rule="zero"):
     """softmax(scale * x) over the last dim. masked (bool, broadcastable): rule "fill" replaces
-    masked logits by -10000 (scaled_masked); rule "zero" excludes them and gives y = 0 there
-    (causal families; a fully masked row is all zeros)."""
+    masked logits by -10000 (scaled_masked), except in a wholly masked row, which is all zeros
+    (TE's kernel); rule "zero" excludes them and gives y = 0 there (causal families; a fully
+    masked row is all zeros). A row of -inf logits is all zeros."""
     z = np.asarray(x, np.float64) * scale
     if masked is None:
         masked = np.zeros(z.shape, bool)
     masked = np.broadcast_to(masked, z.shape)
     if rule == "fill":
+        whole = np.broadcast_to(masked.all(axis=-1, keepdims=True), z.shape)
         z = np.where(masked, -10000.0, z)
-        masked = np.zeros(z.shape, bool)
+        masked = whole
     z = np.where(masked, -np.inf, z)
     m = np.max(z, axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -123,7 +125,7 @@ def test_scaled_masked_softmax_forward(dtype, scale, density, mask_batch, rng):
         mb = b if mask_batch == "B" else 1
         mask = (rng.random((mb, 1, sq, sk)) < density).astype(np.uint8)
         if sq > 1 and sk > 0:
-            mask[0, 0, 0, :] = 1  # a fully masked row (uniform) and a fully visible one
+            mask[0, 0, 0, :] = 1  # a fully masked row (zeros) and a fully visible one
             mask[0, 0, 1, :] = 0
         y = poisoned(x.shape, dtype)
         nvte.scaled_masked_softmax_forward(T(x), nvte.Tensor(mask), T(y), scale)
@@ -132,8 +134,7 @@ def test_scaled_masked_softmax_forward(dtype, scale, density, mask_batch, rng):
         full = np.broadcast_to(mask.astype(bool).all(axis=-1, keepdims=True), x.shape)
         partly = np.broadcast_to(mask.astype(bool), x.shape) & ~full
         assert np.all(y[partly] == 0), "masked entries of partly visible rows must be 0"
-        if sk:
-            assert_close(np.asarray(y, np.float64)[full], np.full(full.sum(), 1.0 / sk), dtype)
+        assert np.all(y[full] == 0), "a wholly masked row must be all zeros (TE's kernel rule)"
 
 
 @pytest.mark.parametrize("scale", SCALES)
@@ -247,7 +248,15 @@ def bad_alias():
     return nvte.scaled_softmax_backward(nvte.Tensor(a), f32(2, 4), out, 1.0), a  # keep a alive
 
 
+def bad_forward_alias():
+    a = np.zeros((2, 4), np.float32)
+    out = nvte.Tensor()
+    out.set_param(nvte.Param.kRowwiseData, a.ctypes.data, [2, 4], DT.kFloat16)
+    return nvte.scaled_softmax_forward(nvte.Tensor(a), out, 1.0), a  # keep a alive
+
+
 @pytest.mark.parametrize("call, match", [
+    (bad_forward_alias, r"softmax_results shares its buffer with input but has dtype float16 instead of float32"),
     (lambda: nvte.scaled_softmax_forward(f32(5), f32(5), 1.0),
      r"nvte_scaled_softmax_forward: input has shape \[5\]; expected rank >= 2"),
     (lambda: nvte.scaled_softmax_forward(f32(2, 5), f32(2, 6), 1.0),
@@ -296,3 +305,31 @@ def test_errors(call, match):
     y = np.zeros((1, 2), np.float32)
     nvte.scaled_softmax_forward(f32(1, 2), nvte.Tensor(y), 1.0)
     assert y.tolist() == [[0.5, 0.5]]
+
+
+def test_rows_of_minus_inf_are_zeros():
+    """A row whose logits are all -inf has no probability to give: zeros (never NaN), every family."""
+    x = np.full((1, 2, 3, 3), -np.inf, np.float32)
+    x[0, 1] = 0.0  # head 1 finite: uniform
+    for call in (lambda y: nvte.scaled_softmax_forward(T(x), T(y), 1.0),
+                 lambda y: nvte.scaled_masked_softmax_forward(T(x), nvte.Tensor(np.zeros((1, 1, 3, 3), np.uint8)),
+                                                              T(y), 1.0),
+                 lambda y: nvte.scaled_aligned_causal_masked_softmax_forward(T(x), T(y), 1.0)):
+        y = poisoned(x.shape, "float32")
+        call(y)
+        assert np.all(y[0, 0] == 0.0)
+        assert not np.isnan(y).any()
+
+
+def test_long_rows_keep_float32_accuracy(rng):
+    """2^18 keys: the row sums accumulate in double (a float32 running sum drifts by ~1e-4 here)."""
+    x = rng.normal(0, 1, (1, 1 << 18)).astype(np.float32)
+    y = np.zeros_like(x)
+    nvte.scaled_softmax_forward(T(x), T(y), 1.0)
+    ref = softmax_ref(x, 1.0)
+    assert np.max(np.abs(y - ref) / ref) < 2e-6  # (expf and the division: a few ulps)
+    dy = rng.normal(0, 1, x.shape).astype(np.float32)
+    dx = np.zeros_like(x)
+    nvte.scaled_softmax_backward(T(dy), T(y), T(dx), 1.0)
+    ref_dx = softmax_backward_ref(dy, y, 1.0)
+    assert np.max(np.abs(dx - ref_dx)) < 2e-6 * np.max(np.abs(ref_dx))

@@ -67,15 +67,17 @@ def ref_mask(mask_type, b, sq, sk, attention_mask=None, window=None):
 
 
 def ref_attention(q, k, v, fmt, scale, mask):
-    """float64 softmax(scale q k^T, masked with TE's -10000 fill) v; inputs in `fmt`, GQA by repetition."""
+    """float64 softmax(scale q k^T, masked with TE's -10000 fill) v; a wholly masked row has no keys
+    (zeros, TE's kernel rule); inputs in `fmt`, GQA by repetition."""
     perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
     q, k, v = (_c64(t).permute(*perm) for t in (q, k, v))
     h, g = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)
     s = scale * (q @ k.transpose(-1, -2))
+    p = torch.softmax(s if mask is None else s.masked_fill(mask.cpu(), -10000.0), -1)
     if mask is not None:
-        s = s.masked_fill(mask.cpu(), -10000.0)
-    o = torch.softmax(s, -1) @ v
+        p = torch.where(mask.cpu().expand_as(p).all(-1, keepdim=True), torch.zeros_like(p), p)
+    o = p @ v
     o = o.permute(2, 0, 1, 3) if fmt == "sbhd" else o.permute(0, 2, 1, 3)
     return o.reshape(o.shape[0], o.shape[1], -1)
 

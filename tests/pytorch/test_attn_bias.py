@@ -45,16 +45,17 @@ def te_default_slopes(h):
 
 def ref_biased(q, k, v, fmt, scale, mask, bias_type, bias):
     """float64 attention with the bias folded as TE defines it; masked scores take TE's -10000 fill
-    (the unfused path's softmax: a row without visible keys comes out uniform)."""
+    (the unfused path's softmax: a row without visible keys is zeros, TE's kernel rule)."""
     perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
     q, k, v = (t.permute(*perm) for t in (q, k, v))
     h, g = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)
     qk = q @ k.transpose(-1, -2)
     s = scale * (qk + bias) if bias_type == "pre_scale_bias" else scale * qk + bias
+    p = torch.softmax(s if mask is None else s.masked_fill(mask, -10000.0), -1)
     if mask is not None:
-        s = s.masked_fill(mask, -10000.0)
-    o = torch.softmax(s, -1) @ v
+        p = torch.where(mask.expand_as(p).all(-1, keepdim=True), torch.zeros_like(p), p)
+    o = p @ v
     o = o.permute(2, 0, 1, 3) if fmt == "sbhd" else o.permute(0, 2, 1, 3)
     return o.reshape(o.shape[0], o.shape[1], -1)
 

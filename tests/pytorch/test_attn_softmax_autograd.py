@@ -17,7 +17,8 @@ SCALE = 0.3
 
 
 def ref(x, bias_type, bias, offset, hidden, slopes=None, causal=False):
-    """float64 autograd reference: logits, -10000 fill where hidden, the sink column."""
+    """float64 autograd reference: logits, -10000 fill where hidden, the sink column; a row whose
+    kept keys are all hidden has none (zeros, TE's kernel rule; the sink takes it)."""
     z = SCALE * x
     if bias_type == "pre_scale_bias":
         z = SCALE * (x + bias)
@@ -27,14 +28,19 @@ def ref(x, bias_type, bias, offset, hidden, slopes=None, causal=False):
         i = torch.arange(SQ, dtype=torch.float64).view(SQ, 1)
         j = torch.arange(SK, dtype=torch.float64).view(1, SK)
         z = z - slopes.view(1, H, 1, 1) * (i - j).abs()
+    whole = None
     if hidden is not None:
         z = z.masked_fill(hidden, -10000.0)
+        gone = hidden | torch.ones(SQ, SK, dtype=torch.bool).triu(1) if causal else hidden
+        whole = gone.expand(B, H, SQ, SK).all(-1, keepdim=True)
     if causal:
         z = z.masked_fill(torch.ones(SQ, SK, dtype=torch.bool).triu(1), float("-inf"))
     if offset is None:
-        return torch.softmax(z, -1)
-    col = offset.view(1, H, 1, 1).expand(B, H, SQ, 1)
-    return torch.softmax(torch.cat([z, col], -1), -1)[..., :-1]
+        y = torch.softmax(z, -1)
+    else:
+        col = offset.view(1, H, 1, 1).expand(B, H, SQ, 1)
+        y = torch.softmax(torch.cat([z, col], -1), -1)[..., :-1]
+    return y if whole is None else torch.where(whole, torch.zeros_like(y), y)
 
 
 def leaf(t):
