@@ -373,6 +373,29 @@ def test_forward_register_rows(sk, dtype):
     check_forward(x, 0.125, "no_bias", "no_mask", in_place=True)
 
 
+@pytest.mark.parametrize("sk", [7, 128, 1000, 4096, 20000])
+def test_forward_minus_inf_bias_rows(sk):
+    """A -inf bias leaves its key out; a row whose keys it leaves out all is zeros (never NaN),
+    its sink share 1 (scalar and vector chunks, register, staged and rebuilt rows)."""
+    g = gen(16)
+    shape = (1, 2, 3, sk)
+    x = randn(shape, torch.bfloat16, g)
+    bias = torch.zeros(1, 2, 3, sk, dtype=torch.bfloat16)
+    bias[0, 0, 0] = float("-inf")
+    bias[0, 1, 1, sk // 2:] = float("-inf")
+    for offset in (None, torch.randn(2, generator=g)):
+        (yd, sd), (yc, sc) = forward_both(x, 0.125, "post", bias=bias, offset=offset, want_sink=offset is not None)
+        assert not bool(yd.isnan().any()) and bool((yd[0, 0, 0] == 0).all())
+        y = yd.cpu()
+        assert torch.equal(y[0, 0, 0], yc[0, 0, 0]) and torch.equal(y[0, 1, 1, sk // 2:], yc[0, 1, 1, sk // 2:])
+        rest = torch.ones(shape, dtype=torch.bool)
+        rest[0, 0, 0] = False
+        assert_fwd_close(y[rest], yc[rest], 1e-6)
+        if offset is not None:
+            assert sd[0, 0, 0].item() == 1.0
+            assert_fwd_close(sd, sc, 1e-6)
+
+
 def many_rows(shapes):
     g = gen(7)
     for shape in shapes:

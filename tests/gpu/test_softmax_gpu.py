@@ -123,6 +123,13 @@ def test_scaled_forward_extreme_logits():
     yd, yc = forward_both("scaled", x, torch.float32, 1.0)
     assert_fwd_close(yd, yc)
     assert yd[2, -1].item() == 1.0 and bool((yd[2, :-1] == 0).all())
+    # rows of -inf logits: zeros, not NaN (warp, block and multi-pass kernels)
+    for sk in (7, 1000, 8000, 20000):
+        x = torch.full((2, sk), float("-inf"))
+        x[1] = 0.0
+        yd, yc = forward_both("scaled", x, torch.float32, 1.0)
+        assert bool((yd[0] == 0).all()) and not bool(yd.isnan().any())
+        assert_fwd_close(yd, yc)
 
 
 @pytest.mark.parametrize("mask_batch", ["B", "1"])
@@ -135,7 +142,7 @@ def test_masked_forward(dtype, scale, mask_batch):
         mb = b if mask_batch == "B" else 1
         mask = (torch.rand((mb, 1, sq, sk), generator=g) < 0.3).to(torch.uint8)
         if sq > 1:
-            mask[0, 0, 0, :] = 1  # a fully masked row (uniform) and a fully visible one
+            mask[0, 0, 0, :] = 1  # a fully masked row (zeros) and a fully visible one
             mask[0, 0, 1, :] = 0
         yd, yc = forward_both("masked", x, HP[dtype], scale, mask)
         assert_fwd_close(yd, yc)
