@@ -8,6 +8,8 @@ TransformerLayer) with context parallelism on its two chunks, and saves its loca
 gradients; the test puts the chunks back in sequence order and compares with float64 attention
 over the whole sequence."""
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -222,6 +224,7 @@ def main():
         moved = ((dpa(*loc[:3]) - o_drop).float().norm() / o_drop.float().norm()).cpu()
         results[f"dropout-{comm}"] = vals + [slope, moved]
 
+    tracker_runs(results, rank, size, group, dev, dtype)
     fp8_runs(results, rank, size, group, group, mode, on_cuda, dev, dtype)
     transformer_layer_run(results, rank, size, group, "p2p", dev, dtype)
     # a TransformerLayer under fp8_mha (p2p, causal, no RoPE: without CP its attention takes FP8 hand-offs);
@@ -350,6 +353,54 @@ def sink_runs(results, rank, size, cp_group, mode, dev, dtype):
     o.backward(loc[3].reshape(o.shape))
     results[f"thd-pad-sink-{comm}"] = ([t.detach().float().cpu() for t in (o.view(-1, h, D_V), *(x.grad for x in xs))]
                                       + [dpa.softmax_offset.grad.detach().float().cpu()])
+
+
+class Tracker:
+    """A get_rng_state_tracker() stand-in (Megatron's): fork() draws in its own RNG state."""
+
+    def __init__(self, seed, dev):
+        self.dev = dev
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            self.state = self._get()
+
+    def _get(self):
+        return torch.cuda.get_rng_state(self.dev) if self.dev.type == "cuda" else torch.get_rng_state()
+
+    def _set(self, st):
+        if self.dev.type == "cuda":
+            torch.cuda.set_rng_state(st, self.dev)
+        else:
+            torch.set_rng_state(st)
+
+    @contextlib.contextmanager
+    def fork(self):
+        orig = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(orig)
+
+
+def tracker_runs(results, rank, size, group, dev, dtype):
+    # dropout drawn in the module's RNG tracker (TE's get_rng_state_tracker) with each comm type:
+    # per comm type, [default RNG state untouched, output with tracker seed 1, seed 1 again, seed 2]
+    h, g = heads(size)
+    q, k, v, _ = whole_inputs(size, 79, dtype)
+    loc = [local_chunks(t, rank, size).to(dev) for t in (q, k, v)]
+    for comm in ("p2p", "all_gather", "a2a"):
+        outs, untouched = [], True
+        for seed in (1, 1, 2):
+            tracker = Tracker(seed, dev)
+            dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.5, qkv_format="bshd",
+                                         attn_mask_type="causal", cp_group=group, cp_comm_type=comm,
+                                         get_rng_state_tracker=lambda t=tracker: t)
+            before = Tracker._get(tracker)
+            outs.append(dpa(*loc).detach().float().cpu())
+            untouched = untouched and torch.equal(before, Tracker._get(tracker))
+        results[f"tracker-{comm}"] = [untouched] + outs
 
 
 def finish(results, out_file):

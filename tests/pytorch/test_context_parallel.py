@@ -289,6 +289,18 @@ def test_dropout_backward_matches_forward(results, size, comm):
         assert abs(fd - slope) <= 2e-3 * max(abs(slope), 1.0), (comm, fd, slope, base)
 
 
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_dropout_draws_in_the_rng_tracker(results, comm):
+    """With get_rng_state_tracker, every comm type's dropout draws in the tracker's stream (as TE runs
+    its CP attention inside the tracker's fork): torch's default generator stays where it was, the
+    same tracker seed gives the same output and another seed another."""
+    for r in results(2):
+        untouched, one, again, two = r[f"tracker-{comm}"]
+        assert untouched, f"{comm}: the default RNG moved"
+        assert torch.equal(one, again), f"{comm}: the same tracker seed gave different masks"
+        assert not torch.equal(one, two), f"{comm}: another tracker seed gave the same masks"
+
+
 @pytest.mark.parametrize("size, mode, i", [(s, m, i) for s, m in RUNS for i in range(len(W.fp8_cases(s, m)))],
                          ids=[f"{s}-{'-'.join(c)}" for s, m in RUNS for c in W.fp8_cases(s, m)])
 def test_fp8_attention_as_accurate_as_without_cp(results, size, mode, i):

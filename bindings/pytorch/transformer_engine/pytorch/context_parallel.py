@@ -38,12 +38,17 @@ FP8 attention (fp8_dpa, and fp8_mha's attention): the ring over bshd / sbhd
 (context_parallel_fp8.py: K/V travel in FP8) and "a2a" (its local attention is the module's FP8
 attention); not "all_gather", whose causal attention is two calls per rank while FP8 attention's
 recipe state takes one per step. Dropout: the ring gives each step its own rng_state (the
-backward reuses it); "all_gather" and "a2a" run it inside their local attention calls.
+backward reuses it), drawn in the module's get_rng_state_tracker stream when it has one (as TE);
+"all_gather" and "a2a" run it inside their local attention calls. The learnable sink offsets'
+gradient on each rank is that rank's part (its queries; with "a2a", its heads), summed over the
+group as every other parameter's is (TE all-gathers it under "a2a").
 cp_stream is accepted and unused (the ring overlaps its transfers with the attention calls on the
 current stream). The ring's merge (a few torch operations on the statistics) is adapter code, as
 in TE; every attention call is the library's.
 """
 from __future__ import annotations
+
+import contextlib
 
 import functools
 from typing import Callable, List, NamedTuple, Optional, Sequence
@@ -150,7 +155,7 @@ def module_forward(dpa, q, k, v, fmt: str, mask_type: str, window, attention_mas
     sink = dpa.sink_offset(q.device)
     return attend(dpa.cp, q, k, v, fmt, mask_type, window, dpa.softmax_scale, dropout, local, cu_q, ring_fp8,
                   cu_q_pad, None if sink is None else sink.float(),
-                  bias.to(q.dtype) if bias_type != "no_bias" else None)
+                  bias.to(q.dtype) if bias_type != "no_bias" else None, rng=dpa.dropout_rng)
 
 
 _SAME = _fa.TensorMemo(8)
@@ -266,14 +271,17 @@ def _check_bias(bias, b: int, h: int, sq: int, sk: int, size: int, even: bool) -
 
 
 def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float, dropout: float,
-           local: Callable, cu_seqlens=None, ring_fp8=None, cu_padded=None, sink=None, bias=None) -> torch.Tensor:
+           local: Callable, cu_seqlens=None, ring_fp8=None, cu_padded=None, sink=None, bias=None,
+           rng: Callable = contextlib.nullcontext) -> torch.Tensor:
     """The attention of this rank's queries over the whole sequence, [.., h * d_v] as the module
     returns it. local(q, k, v, mask_type, window) is the module's own (non-CP) attention (with its
     dropout); dropout: the probability the ring applies (0 outside training); cu_seqlens: THD's,
     of the whole sequences (cu_padded: their padded offsets, or None); ring_fp8: (FP8 state, cfg)
     when the ring runs in FP8 (context_parallel_fp8.RingAttentionFP8); sink: the attention sink's
     float32 logits [heads] (softmax_type; the ring folds it in after its steps, local() has its own);
-    bias: the post-scale bias of the "p2p" ring (_check_bias's shape)."""
+    bias: the post-scale bias of the "p2p" ring (_check_bias's shape); rng: the dropout RNG context
+    the ring's own dropout draws in (the module's dropout_rng: its tracker's stream, as local()
+    draws in it)."""
     ordered = mask_type == "causal" or window is not None
     sdim = _sdim(fmt)
     if fmt == "thd":
@@ -284,30 +292,36 @@ def attend(cp: CPGroup, q, k, v, fmt: str, mask_type: str, window, scale: float,
             coarse = _thd.split(cu_seqlens, q.shape[0] * a_size, cp.outer.size, cu_padded)
             order = _thd.token_order(sp, a_size, coarse)
             qf, kf, vf = (_Trade.apply(t, cp.inner, 0, order, True).contiguous() for t in (q, k, v))
-            o = _thd.RingAttentionTHD.apply(qf, kf, vf, cp.outer, coarse, "causal" in mask_type, float(scale),
-                                            float(dropout), _inner_heads(sink, cp))
+            with rng():
+                o = _thd.RingAttentionTHD.apply(qf, kf, vf, cp.outer, coarse, "causal" in mask_type, float(scale),
+                                                float(dropout), _inner_heads(sink, cp))
             o = _Trade.apply(o, cp.inner, 0, order, False)
             return o.reshape(o.shape[0], -1)
         if cp.comm_type == "p2p":
-            o = _thd.RingAttentionTHD.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, sp,
-                                            "causal" in mask_type, float(scale), float(dropout), sink)
+            with rng():
+                o = _thd.RingAttentionTHD.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp, sp,
+                                                "causal" in mask_type, float(scale), float(dropout), sink)
             return o.reshape(o.shape[0], -1)
         order = _thd.token_order(sp, cp.size)  # the whole sequences, packed
         if cp.comm_type == "all_gather":
             kf, vf = (_GatherSeq.apply(t, cp, 0, order) for t in (k, v))
-            o = _thd.attend_gathered(q.contiguous(), kf.contiguous(), vf.contiguous(), sp, cp.rank, cp.size,
-                                     "causal" in mask_type, float(scale), float(dropout),
-                                     window[0] if window is not None else -1)
+            with rng():
+                o = _thd.attend_gathered(q.contiguous(), kf.contiguous(), vf.contiguous(), sp, cp.rank, cp.size,
+                                         "causal" in mask_type, float(scale), float(dropout),
+                                         window[0] if window is not None else -1)
             return o.reshape(o.shape[0], -1)
     elif cp.comm_type == "p2p":
-        o = _ring(cp, q, k, v, fmt, mask_type == "causal", scale, dropout, ring_fp8, sink, bias)
+        with rng():
+            o = _ring(cp, q, k, v, fmt, mask_type == "causal", scale, dropout, ring_fp8, sink, bias)
         return o.reshape(*o.shape[:-2], -1)
     elif cp.comm_type == "a2a+p2p":
         # heads traded for the a2a group's chunks (coarse chunks p and 2 P - 1 - p, in sequence
         # order: the a2a group's chunk order), the ring over the p2p group, and back
         order = chunk_order(cp.inner.size) if ordered else None
         qf, kf, vf = (_Trade.apply(t, cp.inner, sdim, order, True) for t in (q, k, v))
-        o = _ring(cp.outer, qf, kf, vf, fmt, mask_type == "causal", scale, dropout, ring_fp8, _inner_heads(sink, cp))
+        with rng():
+            o = _ring(cp.outer, qf, kf, vf, fmt, mask_type == "causal", scale, dropout, ring_fp8,
+                      _inner_heads(sink, cp))
         o = _Trade.apply(o, cp.inner, sdim, order, False)
         return o.reshape(*o.shape[:-2], -1)
     else:
