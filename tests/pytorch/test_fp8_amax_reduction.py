@@ -57,14 +57,14 @@ def test_forward_amaxes_are_the_ranks_maximum(ranks):
 
 
 def test_backward_amaxes_are_the_ranks_maximum(ranks):
-    # step 0's backward amaxes (the same in every run) are reduced at step 1's autocast exit and
-    # rolled by step 1's backward into the history's last row
+    # step 0's backward amaxes (each rank's own, in row 0 after step 0) are reduced at step 1's
+    # autocast exit and rolled by step 1's backward into the history's last row
     for key in keys("hist")[1::2]:
-        want = torch.maximum(*(r["no_reduce", 1][key][-1] for r in ranks))
+        want = torch.maximum(*(r["reduce", 0][key][0] for r in ranks))
         got = ranks[0]["reduce", 1][key][-1]
         assert got.abs().max() > 0, key
         assert torch.equal(got, want), f"{key}: reduced {got}, ranks' maximum {want}"
-        own = ranks[0]["no_reduce", 1][key][-1]
+        own = ranks[0]["reduce", 0][key][0]
         assert not torch.equal(got, own), f"{key}: rank 0's own backward amaxes were not replaced"
 
 
