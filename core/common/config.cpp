@@ -7,11 +7,13 @@ using namespace nvte;
 
 namespace {
 
-// Copies between an attribute field and the caller's buffer, checking its size.
+// Copies between an attribute field and the caller's buffer, checking its size. A getter with
+// buf NULL only reports the size (TE's documented query).
 template <class T>
 void get_field(const T &field, void *buf, size_t size, size_t *size_written) {
   if (size_written) *size_written = sizeof(T);
-  NVTE_CHECK(buf != nullptr && size == sizeof(T), "buffer must hold ", sizeof(T), " bytes, got ", size);
+  if (buf == nullptr) return;
+  NVTE_CHECK(size >= sizeof(T), "buffer must hold ", sizeof(T), " bytes, got ", size);
   std::memcpy(buf, &field, sizeof(T));
 }
 template <class T>

@@ -15,10 +15,11 @@ namespace nvte::cpu {
 
 namespace {
 
-// updated scale = fp8_max / amax / 2^margin; the old scale is kept for an amax of 0, inf
-// or NaN (no information), and an overflowing quotient is clamped to FLT_MAX.
+// updated scale = fp8_max / amax / 2^margin; the old scale is kept unless amax is finite and
+// positive (0, inf, NaN or a negative value carry no usable information, as in TE), and an
+// overflowing quotient is clamped to FLT_MAX.
 float delayed_scale(float amax, float old_scale, float fp8_max, float margin_factor) {
-  if (amax == 0.0f || !std::isfinite(amax)) return old_scale;
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return old_scale;
   const float s = fp8_max / amax / margin_factor;
   return std::isinf(s) ? FLT_MAX : s;
 }
@@ -70,7 +71,9 @@ void amax_and_scale_update_after_reduction(const float *buffer, const std::vecto
     }
     if (algo == AmaxAlgo::Max) column_max(h.hist, len, n, amax.data());
     else amax = last;
-    for (size_t j = 0; j < n; ++j) h.scale[j] = delayed_scale(amax[j], h.scale[j], fp8_max, mf);
+    // a column unused this step (last == 0) keeps its scale, as in TE
+    for (size_t j = 0; j < n; ++j)
+      if (last[j] != 0.0f) h.scale[j] = delayed_scale(amax[j], h.scale[j], fp8_max, mf);
     // Columns that saw an amax this step roll by -1 (last lands in the final row), then
     // row 0 is zeroed; columns with last == 0 were unused this step and stay as they are.
     for (size_t i = 0; i + 1 < len; ++i)

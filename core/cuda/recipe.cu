@@ -23,7 +23,7 @@ namespace {
 float margin_factor(float margin) { return static_cast<float>(std::exp2(static_cast<double>(margin))); }
 
 __device__ __forceinline__ float delayed_scale(float amax, float old_scale, float fp8_max, float mf) {
-  if (amax == 0.0f || !isfinite(amax)) return old_scale;
+  if (!(amax > 0.0f) || !isfinite(amax)) return old_scale;  // (as cpu/recipe.cpp)
   const float s = fp8_max / amax / mf;
   return isinf(s) ? FLT_MAX : s;
 }
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kRecipeThreads)
       m = warp_max(m);
     }
     __syncwarp();
-    if (lane == 0) h.scale[j] = delayed_scale(m, h.scale[j], fp8_max, mf);
+    if (lane == 0 && last != 0.0f) h.scale[j] = delayed_scale(m, h.scale[j], fp8_max, mf);  // unused: kept
     if (last != 0.0f) roll_column(h.hist, h.hist, h.len, h.n, j, last, lane);
   }
 }

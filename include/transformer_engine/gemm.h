@@ -53,6 +53,8 @@ typedef enum NVTEMatmulConfigAttribute {
 } NVTEMatmulConfigAttribute;
 
 NVTE_API NVTEMatmulConfig nvte_create_matmul_config(void);
+/** \brief Read an attribute into buf (size_in_bytes at least its size); *size_written (may be
+ *  NULL) receives its size; with buf NULL only the size is reported. */
 NVTE_API NVTEStatus nvte_get_matmul_config_attribute(NVTEMatmulConfig config,
                                                      NVTEMatmulConfigAttribute attr, void *buf,
                                                      size_t size_in_bytes, size_t *size_written);

@@ -17,8 +17,8 @@ extern "C" {
  *  amax = max over the history rows ("max") or row 0 ("most_recent"), per column;
  *  updated_amax_history = amax_history rolled by -1 along rows, then row 0 zeroed
  *  (new[i] = old[(i + 1) % len], new[0] = 0);
- *  updated_scale = fp8_max / amax / 2^margin, except: the old scale is kept when amax
- *  is 0, inf or NaN, and an infinite result becomes FLT_MAX.
+ *  updated_scale = fp8_max / amax / 2^margin, except: the old scale is kept unless amax
+ *  is finite and positive (0, inf, NaN, negative), and an infinite result becomes FLT_MAX.
  *  fp8_max = 448 (kNVTEFloat8E4M3) or 57344 (kNVTEFloat8E5M2).
  *
  *  \param[in] amax_history  float32 [len, n] (or [len] for n = 1).
@@ -37,9 +37,9 @@ NVTE_API NVTEStatus nvte_delayed_scaling_recipe_amax_and_scale_update(
  *  (group i contributes n_i values, in order; it may be empty). For each column:
  *  last = buffer value if the buffer is non-empty and the value is non-zero, else
  *  history[0]. If last != 0: history[0] = last, the history is rolled by -1 and row 0
- *  zeroed (so last ends in the final row). If last == 0 (the tensor was not used this
- *  step) the history is left as it is. amax ("max" over the rows, or last for
- *  "most_recent") and the scale follow nvte_delayed_scaling_recipe_amax_and_scale_update. */
+ *  zeroed (so last ends in the final row); amax ("max" over the rows, or last for
+ *  "most_recent") and the scale follow nvte_delayed_scaling_recipe_amax_and_scale_update.
+ *  If last == 0 (the tensor was not used this step) history and scale are left as they are. */
 NVTE_API NVTEStatus nvte_delayed_scaling_recipe_amax_and_scale_update_after_reduction(
     const NVTETensor amax_reduction_buffer, const NVTETensor *amax_histories,
     const NVTETensor *scales, size_t num_tensors, const char *amax_compute_algo,

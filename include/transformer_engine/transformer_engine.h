@@ -144,7 +144,8 @@ NVTE_API NVTEStatus nvte_set_tensor_param(NVTETensor *tensor, NVTETensorParam pa
 /** \brief Get one buffer of a tensor (data_ptr NULL when unset). */
 NVTE_API NVTEBasicTensor nvte_get_tensor_param(const NVTETensor tensor, NVTETensorParam param_name);
 
-/** \brief TE 2.x "_v2" setters: buf points to an NVTEBasicTensor (size_in_bytes = its size). */
+/** \brief TE 2.x "_v2" setter / getter: buf points to an NVTEBasicTensor (size_in_bytes = its
+ *  size); the getter with buf NULL only writes the size to size_written. */
 NVTE_API NVTEStatus nvte_set_tensor_param_v2(NVTETensor tensor, NVTETensorParam param,
                                              const void *buf, size_t size_in_bytes);
 NVTE_API NVTEStatus nvte_get_tensor_param_v2(const NVTETensor tensor, NVTETensorParam param,
@@ -205,8 +206,9 @@ typedef enum NVTEQuantizationConfigAttribute {
 
 /** \brief Create a config with defaults (no pow2 rounding, epsilon 0, no noop tensor). */
 NVTE_API NVTEQuantizationConfig nvte_create_quantization_config(void);
-/** \brief Read an attribute into buf (size_in_bytes must be the attribute's size);
- *  *size_written (may be NULL) receives the attribute's size. */
+/** \brief Read an attribute into buf (size_in_bytes at least the attribute's size);
+ *  *size_written (may be NULL) receives the attribute's size. With buf NULL only the size is
+ *  reported (the call succeeds). */
 NVTE_API NVTEStatus nvte_get_quantization_config_attribute(NVTEQuantizationConfig config,
                                                            NVTEQuantizationConfigAttribute attr,
                                                            void *buf, size_t size_in_bytes,

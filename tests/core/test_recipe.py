@@ -26,8 +26,9 @@ def f32(v):
 
 # ----------------------------------------------------------------------------- references
 def delayed_scale_ref(amax, old_scale, fp8_max, margin):
-    """fp8_max / amax / 2^margin in float32; old scale for amax 0/inf/NaN; inf -> FLT_MAX."""
-    if amax == 0 or not np.isfinite(amax):
+    """fp8_max / amax / 2^margin in float32; old scale unless amax is finite and > 0 (TE's rule);
+    inf -> FLT_MAX."""
+    if not amax > 0 or not np.isfinite(amax):
         return np.float32(old_scale)
     s = f32(float(f32(float(fp8_max) / float(amax))) / float(f32(2.0**margin)))
     return FLT_MAX if np.isinf(s) else s
@@ -61,7 +62,8 @@ def after_reduction_ref(buffer, hists, scales, algo, fmt, margin):
             if last != 0:
                 h2[0, j] = last
             amax = history_amax_ref(h2[:, j], "max") if algo == "max" else np.float32(last)
-            s[j] = delayed_scale_ref(amax, s[j], FP8_MAX[fmt], margin)
+            if last != 0:  # (a column unused this step keeps its scale, as in TE)
+                s[j] = delayed_scale_ref(amax, s[j], FP8_MAX[fmt], margin)
             if last != 0:
                 col = np.roll(h2[:, j], -1)
                 col[0] = 0.0
@@ -86,6 +88,8 @@ def random_history(shape, rng, specials=True):
             h2[0, 3] = np.inf        # most_recent inf: scale kept
             h2[0, 4] = 0.0           # most_recent 0: scale kept
             h2[:, 5] = 448.0
+        if h2.shape[1] >= 7:
+            h2[0, 6] = -2.0          # most_recent negative (invalid): scale kept, as in TE
     return h
 
 
@@ -199,7 +203,7 @@ def test_after_reduction_structured():
         nvte.Tensor(np.array([5.0, 0.0], np.float32)), [nvte.Tensor(hist)], [nvte.Tensor(scale)], "max",
         DT.kFloat8E4M3, 0.0)
     np.testing.assert_array_equal(hist, [[0, 0], [3, 2], [5, 4]])  # last lands in the final row
-    np.testing.assert_array_equal(scale, [np.float32(448) / 5, np.float32(448) / 4])
+    np.testing.assert_array_equal(scale, [np.float32(448) / 5, 1.0])  # the unused column keeps its scale (TE)
     nvte.delayed_scaling_recipe_amax_and_scale_update_after_reduction(
         None, [], [], "most_recent", DT.kFloat8E5M2, 0.0)  # nothing to do
 

@@ -120,6 +120,11 @@ def test_quantization_config_attributes(lib):
     written = ctypes.c_size_t(0)
     assert lib.nvte_get_quantization_config_attribute(cfg, 1, ctypes.byref(out), 4, ctypes.byref(written)) == 0
     assert out.value == 0.5 and written.value == 4
+    written.value = 0  # a NULL buf asks for the size only (TE's documented query)
+    assert lib.nvte_get_quantization_config_attribute(cfg, 1, None, 0, ctypes.byref(written)) == 0
+    assert written.value == 4
+    assert lib.nvte_get_quantization_config_attribute(cfg, 1, ctypes.byref(out), 2, ctypes.byref(written)) == 1
+    assert b"4 bytes" in lib.nvte_get_last_error()
     assert lib.nvte_set_quantization_config_attribute(cfg, 1, ctypes.byref(eps), 8) == 1
     assert b"4 bytes" in lib.nvte_get_last_error()
     assert lib.nvte_set_quantization_config_attribute(cfg, 77, ctypes.byref(eps), 4) == 1
