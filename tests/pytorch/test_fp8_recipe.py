@@ -169,6 +169,48 @@ def test_extra_state_round_trip(rng, make):
         m2.set_extra_state({"bogus": 1})
 
 
+def _te_serialized(state):
+    """TE's `_extra_state` form: the pickled dict as a 1D uint8 tensor. It carries an object of a
+    module this package lacks (TE's private helpers), which the loader must step over."""
+    import pickle
+    import sys
+    import types
+    mod = types.ModuleType("transformer_engine.pytorch._te_private_helpers")
+
+    class Helper:
+        pass
+    Helper.__module__, Helper.__qualname__ = mod.__name__, "Helper"
+    mod.Helper = Helper
+    sys.modules[mod.__name__] = mod
+    try:
+        data = pickle.dumps(dict(state, extra_fp8_variables={"helper": Helper()}))
+    finally:
+        del sys.modules[mod.__name__]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def test_te_checkpoint_extra_state_loads():
+    """A TE 2.x state_dict: `_extra_state` is an empty uint8 tensor (no FP8 ran) or TE's pickled
+    dict of amax histories and scales (with the recipe and TE's own objects beside them)."""
+    m = te.Linear(16, gemm_dim(8), device=DEVICE)
+    sd = {k: v for k, v in m.state_dict().items() if k != "_extra_state"}
+    hist_f, hist_b = torch.rand(4, 3) * 10, torch.rand(4, 2) * 10
+    scale_f, scale_b = torch.rand(3) + 1, torch.rand(2) + 1
+    te_state = {"recipe": recipe.DelayedScaling(amax_history_len=4), "scale_fwd": scale_f, "amax_history_fwd": hist_f,
+                "scale_bwd": scale_b, "amax_history_bwd": hist_b}
+    m.load_state_dict(dict(sd, _extra_state=_te_serialized(te_state)))
+    assert m.fp8_meta.initialized
+    for key, h, sc in (("fwd", hist_f, scale_f), ("bwd", hist_b, scale_b)):
+        assert torch.equal(m.fp8_meta.amax_history[key].cpu(), h) and torch.equal(m.fp8_meta.scale[key].cpu(), sc)
+    m.load_state_dict(dict(sd, _extra_state=torch.empty(0, dtype=torch.uint8)))
+    assert not m.fp8_meta.initialized
+    with pytest.raises(ValueError, match="extra state"):
+        m.set_extra_state(torch.zeros(2, 3))
+    bad = dict(te_state, amax_history_fwd=torch.rand(4, 5))  # another module's slots
+    with pytest.raises(ValueError, match="this module needs"):
+        m.set_extra_state(_te_serialized(bad))
+
+
 def test_history_length_change_keeps_recent_rows(rng):
     d = gemm_dim(8)  # features and tokens: 8 and 4 on the CPU, 16 on CUDA (FP8 GEMM dims 16-aligned)
     m = te.Linear(d, d, device=DEVICE)

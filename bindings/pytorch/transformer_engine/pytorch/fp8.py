@@ -23,7 +23,9 @@ module run on one rank only, as in tests, would then hang).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import pickle
 from typing import Optional, Tuple
 
 import torch
@@ -188,6 +190,11 @@ class FP8Meta:
         }
 
     def load(self, state, device: torch.device) -> None:
+        """Adopt a saved state: the dict state() writes, None (no FP8 ran: fresh buffers), or TE's
+        own `_extra_state` (a uint8 tensor: empty for no FP8, else a pickled dict with the same
+        amax_history_* / scale_* entries), so TE checkpoints load."""
+        if isinstance(state, torch.Tensor):
+            state = _te_extra_state(state)
         if state is None:
             self.allocate(device)
             self.initialized = False
@@ -206,6 +213,31 @@ class FP8Meta:
             self.scale[key] = s.to(device=device, dtype=torch.float32).contiguous().clone()
         self.initialized = True
         self.bwd_seeded = (1 << self.num["bwd"]) - 1  # a saved history carries on as it is
+
+
+class _LenientUnpickler(pickle.Unpickler):
+    """Unpickles TE's extra state; a class this package lacks (TE's private helpers) becomes a
+    placeholder, since only the tensors are read. (Unpickling runs code from the checkpoint, as
+    TE's own loading and torch.load(weights_only=False) do: load checkpoints you trust.)"""
+
+    def find_class(self, module, name):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return type(name, (), {"__init__": lambda self, *a, **k: None, "__setstate__": lambda self, st: None})
+
+
+def _te_extra_state(t: torch.Tensor):
+    """The dict inside TE's serialized `_extra_state` (None when empty: no FP8 ran)."""
+    if t.numel() == 0:
+        return None
+    if t.dtype != torch.uint8 or t.dim() != 1:
+        raise ValueError(f"unrecognised FP8 extra state: a {t.dtype} tensor of shape {tuple(t.shape)} (TE's "
+                         "is 1D uint8 bytes)")
+    state = _LenientUnpickler(io.BytesIO(t.detach().cpu().numpy().tobytes())).load()
+    if not isinstance(state, dict):
+        raise ValueError(f"unrecognised FP8 extra state: TE's bytes hold a {type(state).__name__}, not a dict")
+    return {k: state[k] for k in ("amax_history_fwd", "scale_fwd", "amax_history_bwd", "scale_bwd") if k in state}
 
 
 class FP8GlobalState:

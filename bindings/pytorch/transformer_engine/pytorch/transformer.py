@@ -156,7 +156,8 @@ class TransformerLayer(torch.nn.Module):
                                           output_layer_init_method=output_layer_init_method,
                                           params_dtype=params_dtype,
                                           return_layernorm_output=self.apply_residual_connection_post_layernorm,
-                                          zero_centered_gamma=zero_centered_gamma, device=device)
+                                          zero_centered_gamma=zero_centered_gamma, device=device,
+                                          get_rng_state_tracker=get_rng_state_tracker)
         batch_dim = 1 if attn_input_format == "sbhd" else 0
         self.drop_path = DropPath(drop_path_rate, batch_dim) if drop_path_rate > 0.0 else None
         if self.output_layernorm:

@@ -3,6 +3,8 @@ FP8 metadata ownership and its state_dict entry (`_extra_state`), FP8 weight par
 (quantized_model_init)."""
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable, Optional
 
 import torch
@@ -81,7 +83,10 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 setattr(self, name, new)
         if not self.fp8_meta.amax_history and (self._num_fp8_fwd or self._num_fp8_bwd):
             self.fp8_meta.allocate(default_device())
-        with torch.no_grad():
+        # get_rng_state_tracker (TE's, for Megatron's model-parallel RNG): initialise in its stream
+        tracker, name = getattr(self, "_init_rng", (None, None))
+        fork = contextlib.nullcontext() if tracker is None else (tracker().fork(name) if name else tracker().fork())
+        with torch.no_grad(), fork:
             self._init_parameters()
         self._make_fp8_params()
 

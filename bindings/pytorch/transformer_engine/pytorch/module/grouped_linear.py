@@ -155,6 +155,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         self._num_fp8_fwd = 3 * self.num_gemms  # [inputs | weights | outputs]
         self._num_fp8_bwd = 2 * self.num_gemms  # [grad outputs | grad inputs]
         super().__init__(device, params_dtype)
+        self._init_rng = (get_rng_state_tracker, rng_tracker_name)  # weights drawn in the tracker's stream (TE)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.use_bias, self.return_bias = bool(bias), bool(return_bias)
         self.init_method = init_method if init_method is not None else default_init_method()

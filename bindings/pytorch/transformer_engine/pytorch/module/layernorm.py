@@ -2,7 +2,9 @@
 fused modules reuse."""
 from __future__ import annotations
 
-from typing import Optional
+import math
+import numbers
+from typing import Optional, Tuple
 
 import torch
 
@@ -67,17 +69,39 @@ def check_normalization(normalization: str, name: str) -> str:
     return normalization
 
 
+def _norm_shape(name: str, normalized_shape, hidden_size) -> Tuple[int, ...]:
+    """TE 2.x's normalized_shape (an int or the inner dims), or the deprecated hidden_size."""
+    if normalized_shape is None:
+        normalized_shape = hidden_size
+    elif hidden_size is not None and hidden_size != normalized_shape:
+        raise ValueError(f"{name}: normalized_shape={normalized_shape!r} and hidden_size={hidden_size!r} disagree")
+    if normalized_shape is None:
+        raise TypeError(f"{name}: normalized_shape (the normalized inner dimensions) is required")
+    dims = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else tuple(normalized_shape)
+    if not dims or not all(isinstance(d, numbers.Integral) and d > 0 for d in dims):
+        raise ValueError(f"{name}: normalized_shape must be a positive int or a non-empty iterable of them, got "
+                         f"{normalized_shape!r}")
+    return tuple(int(d) for d in dims)
+
+
 class _NormBase(TransformerEngineBaseModule):
-    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, params_dtype, zero_centered_gamma,
-                 device, with_bias: bool):
-        super().__init__(device, params_dtype)
-        if hidden_size <= 0:
-            raise ValueError(f"{type(self).__name__}: hidden_size must be positive, got {hidden_size}")
-        self.hidden_size, self.eps = int(hidden_size), float(eps)
+    def __init__(self, normalized_shape, eps: float, sequence_parallel, params_dtype, zero_centered_gamma,
+                 device, with_bias: bool, hidden_size, dtype, sm_margin):
+        name = type(self).__name__
+        if dtype is not None and params_dtype is not None and dtype != params_dtype:
+            raise ValueError(f"{name}: dtype={dtype} and params_dtype={params_dtype} disagree")
+        if not isinstance(sm_margin, numbers.Integral) or sm_margin < 0:  # (an SM budget for overlap: no-op here)
+            raise ValueError(f"{name}: sm_margin must be a non-negative int, got {sm_margin!r}")
+        super().__init__(device, params_dtype if params_dtype is not None else dtype)
+        self.normalized_shape = _norm_shape(name, normalized_shape, hidden_size)
+        self.hidden_size = math.prod(self.normalized_shape)  # the flattened row the library normalizes
+        self.eps = float(eps)
         self.zero_centered_gamma, self.sequence_parallel = bool(zero_centered_gamma), sequence_parallel
-        self.weight = self._new_param(self.hidden_size)
+        self.weight = self._new_param(*self.normalized_shape)
         if with_bias:
-            self.bias = self._new_param(self.hidden_size)
+            self.bias = self._new_param(*self.normalized_shape)
+        for p in self.parameters(recurse=False):  # (Megatron-LM reads it to all-reduce their gradients)
+            p.sequence_parallel = bool(sequence_parallel)
         if self._device_arg.type != "meta":
             self.reset_parameters()
 
@@ -87,38 +111,53 @@ class _NormBase(TransformerEngineBaseModule):
         if getattr(self, "bias", None) is not None:
             self.bias.zero_()
 
+    def _rows(self, inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """inp as [rows, prod(normalized_shape)] in dtype, after checking its inner dims."""
+        k = len(self.normalized_shape)
+        check_input(inp, self.normalized_shape[-1], type(self).__name__)
+        if tuple(inp.shape[inp.dim() - k:]) != self.normalized_shape:
+            raise ValueError(f"{type(self).__name__}: input's inner dims must be {list(self.normalized_shape)}, got "
+                             f"shape {tuple(inp.shape)}")
+        return as_2d(inp if k == 1 else inp.reshape(-1, self.hidden_size), dtype)
+
 
 class LayerNorm(_NormBase):
-    """y = (x - mean) / sqrt(var + eps) * g + bias over the last dim, g = weight
-    (or 1 + weight with zero_centered_gamma). Parameters `weight`, `bias` [hidden_size]."""
+    """y = (x - mean) / sqrt(var + eps) * g + bias over the inner dims normalized_shape (an int:
+    the last dim), g = weight (or 1 + weight with zero_centered_gamma). Parameters `weight`,
+    `bias` shaped normalized_shape. hidden_size: TE's deprecated name of normalized_shape; dtype:
+    params_dtype's; sm_margin (TE's SM budget for communication overlap) is accepted, unused."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: Optional[bool] = None,
-                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False, device=None):
-        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, True)
+    def __init__(self, normalized_shape=None, eps: float = 1e-5, sequence_parallel: Optional[bool] = None,
+                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False, hidden_size=None,
+                 device=None, dtype: Optional[torch.dtype] = None, sm_margin: int = 0):
+        super().__init__(normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, True,
+                         hidden_size, dtype, sm_margin)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        check_input(inp, self.hidden_size, "LayerNorm")
         weight, bias = self.weight, self.bias  # read once: nn.Module's parameter lookup is slow
         check_same_device(inp, (weight, bias), "LayerNorm")
         weight, bias = autocast_params(weight.device, weight, bias)
-        z = layernorm_fn(as_2d(inp, weight.dtype), weight, bias, self.eps, self.zero_centered_gamma)
+        z = layernorm_fn(self._rows(inp, weight.dtype), weight.reshape(-1), bias.reshape(-1), self.eps,
+                         self.zero_centered_gamma)
         return z.view(inp.shape)
 
 
 class RMSNorm(_NormBase):
-    """y = x / sqrt(mean(x^2) + eps) * g over the last dim, g = weight (or 1 + weight with
-    zero_centered_gamma). Parameter `weight` [hidden_size]."""
+    """y = x / sqrt(mean(x^2) + eps) * g over the inner dims normalized_shape, g = weight (or
+    1 + weight with zero_centered_gamma). Parameter `weight` shaped normalized_shape. Arguments as
+    LayerNorm's."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: Optional[bool] = None,
-                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False, device=None):
-        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, False)
+    def __init__(self, normalized_shape=None, eps: float = 1e-5, sequence_parallel: Optional[bool] = None,
+                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False, hidden_size=None,
+                 device=None, dtype: Optional[torch.dtype] = None, sm_margin: int = 0):
+        super().__init__(normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma, device, False,
+                         hidden_size, dtype, sm_margin)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        check_input(inp, self.hidden_size, "RMSNorm")
         weight = self.weight  # read once: nn.Module's parameter lookup is slow
         check_same_device(inp, (weight,), "RMSNorm")
         weight, = autocast_params(weight.device, weight)
-        z = rmsnorm_fn(as_2d(inp, weight.dtype), weight, self.eps, self.zero_centered_gamma)
+        z = rmsnorm_fn(self._rows(inp, weight.dtype), weight.reshape(-1), self.eps, self.zero_centered_gamma)
         return z.view(inp.shape)
 
 

@@ -32,6 +32,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         check_unsupported("LayerNormLinear", tp_size, fuse_wgrad_accumulation, parameters_split=parameters_split,
                           **kwargs)
         super().__init__(device, params_dtype)
+        self._init_rng = (get_rng_state_tracker, None)  # weights drawn in the tracker's stream (TE)
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"LayerNormLinear: features must be positive, got {in_features}, {out_features}")
         self.in_features, self.out_features = int(in_features), int(out_features)

@@ -72,6 +72,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             raise ValueError(f"LayerNormMLP: activation {activation!r} is not supported; "
                              f"expected one of {list(ACTIVATIONS)}")
         super().__init__(device, params_dtype)
+        self._init_rng = (get_rng_state_tracker, None)  # weights drawn in the tracker's stream (TE)
         if hidden_size <= 0 or ffn_hidden_size <= 0:
             raise ValueError(f"LayerNormMLP: sizes must be positive, got {hidden_size}, {ffn_hidden_size}")
         self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)

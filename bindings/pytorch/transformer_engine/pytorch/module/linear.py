@@ -40,6 +40,7 @@ class Linear(TransformerEngineBaseModule):
                  parameters_split=None, device=None, name: Optional[str] = None, **kwargs):
         check_unsupported("Linear", tp_size, fuse_wgrad_accumulation, parameters_split=parameters_split, **kwargs)
         super().__init__(device, params_dtype)
+        self._init_rng = (get_rng_state_tracker, rng_tracker_name)  # weights drawn in the tracker's stream (TE)
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"Linear: in_features and out_features must be positive, got {in_features}, {out_features}")
         self.in_features, self.out_features = int(in_features), int(out_features)

@@ -1,0 +1,108 @@
+"""TE 2.x constructor conventions of the modules: LayerNorm / RMSNorm over normalized_shape (an int
+or several inner dims, hidden_size as TE's deprecated name, dtype, sm_margin), the
+sequence_parallel attribute Megatron-LM reads on norm parameters, and weights initialised in the
+stream of get_rng_state_tracker (TE's reset_parameters forks it)."""
+import contextlib
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+
+from _util import DEVICE, dev, gemm_dim, rel_err
+
+
+def norm_ref(x, w, b, eps, dims, rms):
+    x = x.double()
+    red = tuple(range(x.dim() - dims, x.dim()))
+    if rms:
+        y = x / torch.sqrt((x * x).mean(red, keepdim=True) + eps)
+    else:
+        y = (x - x.mean(red, keepdim=True)) / torch.sqrt(x.var(red, unbiased=False, keepdim=True) + eps)
+    return y * w.double() + (b.double() if b is not None else 0.0)
+
+
+@pytest.mark.parametrize("cls", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("shape", [5, (5,), [3, 4], (2, 3, 4)])
+def test_normalized_shape(cls, shape):
+    m = getattr(te, cls)(shape, eps=1e-3, device=DEVICE)
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    assert tuple(m.weight.shape) == dims and m.normalized_shape == dims
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        m.weight.copy_(torch.rand(dims, generator=g) + 0.5)
+        if cls == "LayerNorm":
+            m.bias.copy_(torch.randn(dims, generator=g))
+    x = torch.randn(2, 3, *dims, generator=g).requires_grad_()
+    y = m(dev(x))
+    ref = norm_ref(x, m.weight.detach().cpu(), None if cls == "RMSNorm" else m.bias.detach().cpu(), 1e-3, len(dims),
+                   cls == "RMSNorm")
+    assert y.shape == x.shape and rel_err(y, ref) < 1e-5
+    dy = torch.randn(x.shape, generator=g)
+    y.backward(dev(dy))
+    x64 = x.detach().double().requires_grad_()
+    w64 = m.weight.detach().cpu().double().requires_grad_()
+    norm_ref(x64, w64, None if cls == "RMSNorm" else m.bias.detach().cpu(), 1e-3, len(dims),
+             cls == "RMSNorm").backward(dy.double())
+    assert rel_err(x.grad, x64.grad) < 1e-4 and rel_err(m.weight.grad, w64.grad) < 1e-4
+    with pytest.raises(ValueError, match="last dimension must be|inner dims must be"):
+        m(dev(torch.randn(2, dims[-1] + 1)) if len(dims) == 1 else dev(torch.randn(2, 7, dims[-1])))
+
+
+def test_norm_keywords():
+    a = te.LayerNorm(hidden_size=8, device=DEVICE)  # TE's deprecated name
+    b = te.RMSNorm(normalized_shape=8, dtype=torch.bfloat16, sm_margin=4, device=DEVICE)
+    assert a.normalized_shape == (8,) and b.weight.dtype == torch.bfloat16
+    for bad, match in ((dict(normalized_shape=8, hidden_size=4), "disagree"), (dict(), "required"),
+                       (dict(normalized_shape=(4, 0)), "positive"), (dict(normalized_shape=4, sm_margin=-1), "sm_margin"),
+                       (dict(normalized_shape=4, dtype=torch.float16, params_dtype=torch.float32), "disagree")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            te.LayerNorm(**bad)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_sequence_parallel_attribute_on_norm_parameters(sp):
+    for m in (te.LayerNorm(8, sequence_parallel=sp, device=DEVICE), te.RMSNorm(8, sequence_parallel=sp, device=DEVICE)):
+        assert all(p.sequence_parallel is sp for p in m.parameters())
+
+
+class Tracker:
+    """Megatron's get_rng_state_tracker() stand-in: fork(name) draws in the named stream."""
+
+    def __init__(self, seed):
+        self.states, self.seed, self.names = {}, seed, []
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        self.names.append(name)
+        orig = torch.get_rng_state()
+        if name not in self.states:
+            torch.manual_seed(self.seed)
+            self.states[name] = torch.get_rng_state()
+        torch.set_rng_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+@pytest.mark.parametrize("make", [
+    lambda t: te.Linear(8, gemm_dim(8), get_rng_state_tracker=lambda: t, rng_tracker_name="expert", device="cpu"),
+    lambda t: te.LayerNormLinear(8, gemm_dim(8), get_rng_state_tracker=lambda: t, device="cpu"),
+    lambda t: te.LayerNormMLP(8, 16, get_rng_state_tracker=lambda: t, device="cpu"),
+    lambda t: te.GroupedLinear(2, 8, gemm_dim(8), get_rng_state_tracker=lambda: t, device="cpu"),
+])
+def test_weights_are_drawn_in_the_rng_tracker(make):
+    """The weights depend on the tracker's seed, not on torch's global one, and the global
+    generator does not move."""
+    weights = []
+    for tracker_seed, global_seed in ((1, 10), (1, 20), (2, 10)):
+        torch.manual_seed(global_seed)
+        before = torch.get_rng_state()
+        t = Tracker(tracker_seed)
+        m = make(t)
+        assert torch.equal(before, torch.get_rng_state()), "the global RNG moved"
+        assert t.names, "the tracker was not used"
+        weights.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
