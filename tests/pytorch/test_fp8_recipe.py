@@ -204,6 +204,8 @@ def test_te_checkpoint_extra_state_loads():
         assert torch.equal(m.fp8_meta.amax_history[key].cpu(), h) and torch.equal(m.fp8_meta.scale[key].cpu(), sc)
     m.load_state_dict(dict(sd, _extra_state=torch.empty(0, dtype=torch.uint8)))
     assert not m.fp8_meta.initialized
+    m.load_state_dict(dict(sd, _extra_state=_te_serialized({"recipe": recipe.Float8CurrentScaling()})))
+    assert not m.fp8_meta.initialized  # current scaling keeps no histories: nothing to restore
     with pytest.raises(ValueError, match="extra state"):
         m.set_extra_state(torch.zeros(2, 3))
     bad = dict(te_state, amax_history_fwd=torch.rand(4, 5))  # another module's slots

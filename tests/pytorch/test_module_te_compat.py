@@ -51,6 +51,7 @@ def test_normalized_shape(cls, shape):
 
 def test_norm_keywords():
     a = te.LayerNorm(hidden_size=8, device=DEVICE)  # TE's deprecated name
+    assert te.LayerNorm((8,), hidden_size=8, device=DEVICE).normalized_shape == (8,)
     b = te.RMSNorm(normalized_shape=8, dtype=torch.bfloat16, sm_margin=4, device=DEVICE)
     assert a.normalized_shape == (8,) and b.weight.dtype == torch.bfloat16
     for bad, match in ((dict(normalized_shape=8, hidden_size=4), "disagree"), (dict(), "required"),

@@ -237,7 +237,10 @@ def _te_extra_state(t: torch.Tensor):
     state = _LenientUnpickler(io.BytesIO(t.detach().cpu().numpy().tobytes())).load()
     if not isinstance(state, dict):
         raise ValueError(f"unrecognised FP8 extra state: TE's bytes hold a {type(state).__name__}, not a dict")
-    return {k: state[k] for k in ("amax_history_fwd", "scale_fwd", "amax_history_bwd", "scale_bwd") if k in state}
+    keys = ("amax_history_fwd", "scale_fwd", "amax_history_bwd", "scale_bwd")
+    if not any(k in state for k in keys):
+        return None  # (a recipe without delayed-scaling state, e.g. current scaling: nothing to restore)
+    return {k: state[k] for k in keys if k in state}
 
 
 class FP8GlobalState:

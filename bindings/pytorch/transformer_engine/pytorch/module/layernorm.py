@@ -71,17 +71,20 @@ def check_normalization(normalization: str, name: str) -> str:
 
 def _norm_shape(name: str, normalized_shape, hidden_size) -> Tuple[int, ...]:
     """TE 2.x's normalized_shape (an int or the inner dims), or the deprecated hidden_size."""
-    if normalized_shape is None:
-        normalized_shape = hidden_size
-    elif hidden_size is not None and hidden_size != normalized_shape:
-        raise ValueError(f"{name}: normalized_shape={normalized_shape!r} and hidden_size={hidden_size!r} disagree")
-    if normalized_shape is None:
+    def dims_of(shape):
+        dims = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
+        if not dims or not all(isinstance(d, numbers.Integral) and d > 0 for d in dims):
+            raise ValueError(f"{name}: normalized_shape must be a positive int or a non-empty iterable of them, "
+                             f"got {shape!r}")
+        return tuple(int(d) for d in dims)
+    if normalized_shape is None and hidden_size is None:
         raise TypeError(f"{name}: normalized_shape (the normalized inner dimensions) is required")
-    dims = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else tuple(normalized_shape)
-    if not dims or not all(isinstance(d, numbers.Integral) and d > 0 for d in dims):
-        raise ValueError(f"{name}: normalized_shape must be a positive int or a non-empty iterable of them, got "
-                         f"{normalized_shape!r}")
-    return tuple(int(d) for d in dims)
+    if normalized_shape is None:
+        return dims_of(hidden_size)
+    dims = dims_of(normalized_shape)
+    if hidden_size is not None and dims_of(hidden_size) != dims:
+        raise ValueError(f"{name}: normalized_shape={normalized_shape!r} and hidden_size={hidden_size!r} disagree")
+    return dims
 
 
 class _NormBase(TransformerEngineBaseModule):
