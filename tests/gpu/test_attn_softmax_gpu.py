@@ -1,5 +1,5 @@
 """nvte_attn_softmax_forward / nvte_attn_softmax_backward (softmax.h) on the CUDA backend vs the
-CPU backend (the oracle, itself held to float64 in tests/core/test_attn_softmax.py) on the same
+CPU backend (the oracle, itself held to float64 in tests/core/test_attn_softmax*.py) on the same
 inputs: row lengths 1, 7, 128, 1000, 4097, 20000 (warp per row, block per row with the logits
 staged in shared memory) and 25000 / 30001 (past the staging limit of 24576: logits rebuilt in each
 pass), every bias type (pre/post-scale bias broadcast over batch and heads in each float dtype;

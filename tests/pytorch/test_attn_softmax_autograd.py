@@ -3,7 +3,7 @@ probabilities and the gradients of the scores, of a pre/post-scale bias broadcas
 heads (the library's score / logit gradients summed over the broadcast dims) and of the sink
 logits (the per-row terms summed over batch and queries), against float64 torch autograd; ALiBi
 with a causal rule; the op traced by torch.compile without graph breaks; mask shape errors.
-The library's own rules (every mask, dtype, size) are tested in tests/core/test_attn_softmax.py."""
+The library's own rules (every mask, dtype, size) are tested in tests/core/test_attn_softmax*.py."""
 import pytest
 import torch
 
