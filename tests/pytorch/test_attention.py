@@ -432,8 +432,8 @@ def test_mha_cross(fuse, input_layernorm):
         kvb = m.key_value.bias.view(g, 2, d)
         wk, wv = kvw[:, 0].reshape(g * d, hidden), kvw[:, 1].reshape(g * d, hidden)
         bk, bv = kvb[:, 0].reshape(-1), kvb[:, 1].reshape(-1)
-    else:
-        wq, bq = qmod.query_weight, qmod.query_bias
+    else:  # (TE's query_layer is one Linear; layernorm_query is split)
+        wq, bq = (qmod.query_weight, qmod.query_bias) if input_layernorm else (qmod.weight, qmod.bias)
         wk, bk, wv, bv = (m.key_value.key_weight, m.key_value.key_bias, m.key_value.value_weight,
                           m.key_value.value_bias)
     ln = (qmod.layer_norm_weight, qmod.layer_norm_bias) if input_layernorm else None

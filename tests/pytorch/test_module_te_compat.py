@@ -1,13 +1,16 @@
 """TE 2.x constructor conventions of the modules: LayerNorm / RMSNorm over normalized_shape (an int
 or several inner dims, hidden_size as TE's deprecated name, dtype, sm_margin), the
 sequence_parallel attribute Megatron-LM reads on norm parameters, and weights initialised in the
-stream of get_rng_state_tracker (TE's reset_parameters forks it)."""
+stream of get_rng_state_tracker (TE's reset_parameters forks it); TE's parameter names of the
+cross-attention projections, its tensor-parallel-only options at tp_size 1,
+set_tensor_parallel_group and reset_fp8_meta_tensors."""
 import contextlib
 
 import pytest
 import torch
 
 import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
 
 from _util import DEVICE, dev, gemm_dim, rel_err
 
@@ -107,3 +110,59 @@ def test_weights_are_drawn_in_the_rng_tracker(make):
         assert t.names, "the tracker was not used"
         weights.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
     assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
+
+
+def test_cross_attention_parameter_names():
+    """TE's names: the query projection without an input norm is a plain Linear (`query_layer.weight`);
+    with one it is split (`layernorm_query.query_weight`); `key_value` is split into key / value."""
+    plain = te.MultiheadAttention(32, 4, attention_type="cross", device=DEVICE)
+    keys = [k for k in plain.state_dict() if not k.endswith("_extra_state")]
+    assert [k for k in keys if k.startswith("query_layer.")] == ["query_layer.weight", "query_layer.bias"]
+    assert {"key_value.key_weight", "key_value.value_weight"} <= set(keys)
+    normed = te.MultiheadAttention(32, 4, attention_type="cross", input_layernorm=True, device=DEVICE)
+    assert "layernorm_query.query_weight" in normed.state_dict()
+
+
+def _same_layer_output(make_a, make_b):
+    torch.manual_seed(3)
+    a = make_a()
+    torch.manual_seed(3)
+    b = make_b()
+    x = torch.randn(4, 2, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    a.eval(), b.eval()
+    return torch.equal(a(x), b(x))
+
+
+def test_tensor_parallel_only_options_accepted_at_tp_size_1():
+    """sequence_parallel, set_parallel_mode and the userbuffer overlaps act on tensor-parallel
+    communication only: with tp_size 1 (TE too) they are accepted and change nothing."""
+    opts = dict(sequence_parallel=True, set_parallel_mode=True, ub_overlap_ag=True, ub_overlap_rs=True,
+                ub_bulk_dgrad=True, ub_bulk_wgrad=True)
+    assert _same_layer_output(lambda: te.TransformerLayer(32, 64, 4, device=DEVICE, **opts),
+                              lambda: te.TransformerLayer(32, 64, 4, device=DEVICE))
+    assert _same_layer_output(lambda: te.LayerNormMLP(32, 64, set_parallel_mode=True, device=DEVICE),
+                              lambda: te.LayerNormMLP(32, 64, device=DEVICE))
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        te.TransformerLayer(32, 64, 4, tp_size=2, device=DEVICE)
+
+
+@pytest.mark.parametrize("make", [lambda: te.Linear(8, 8, device=DEVICE),
+                                  lambda: te.MultiheadAttention(32, 4, device=DEVICE),
+                                  lambda: te.TransformerLayer(32, 64, 4, device=DEVICE)])
+def test_set_tensor_parallel_group_of_one_rank(make):
+    m = make()
+    m.set_tensor_parallel_group(None)
+    assert m.tp_group is None
+
+
+def test_reset_fp8_meta_tensors():
+    layer = te.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, device=DEVICE)
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
+        layer(x).sum().backward()
+    metas = [m.fp8_meta for m in layer.modules() if hasattr(m, "fp8_meta")]
+    assert len(metas) >= 4 and all(m.amax_history["fwd"].any() for m in metas)
+    layer.reset_fp8_meta_tensors()
+    for m in metas:
+        for key in ("fwd", "bwd"):
+            assert not m.amax_history[key].any() and bool((m.scale[key] == 1).all())

@@ -177,15 +177,19 @@ def _in_place(grads, geo, shape) -> bool:
 
 class _CatInPlace(torch.autograd.Function):
     """torch.cat(ts, 0) of tensors lying back to back in one buffer: a view of that buffer; the
-    backward hands each tensor its rows of the gradient (views)."""
+    backward hands each tensor its rows of the gradient (views); no gradient (a weight gradient
+    that went to main_grad instead) stays none."""
 
     @staticmethod
     def forward(ctx, *ts):
         ctx.sizes = [t.shape[0] for t in ts]
+        ctx.set_materialize_grads(False)
         return ts[0].as_strided((sum(ctx.sizes),) + tuple(ts[0].shape[1:]), ts[0].stride())
 
     @staticmethod
     def backward(ctx, g):
+        if g is None:
+            return (None,) * len(ctx.sizes)
         return tuple(g.split(ctx.sizes, 0))
 
 

@@ -26,7 +26,7 @@ from torch.library import custom_op
 from . import _ops, _ops_softmax
 from .fp8_handoff import handoff_parts, handoff_words, new_handoff
 
-__all__ = ["quantize", "dequantize", "gemm", "gemm_fp8_output", "transpose", "grouped_gemm", "layernorm_fwd",
+__all__ = ["quantize", "dequantize", "gemm", "gemm_accumulate", "gemm_fp8_output", "transpose", "grouped_gemm", "layernorm_fwd",
            "layernorm_bwd", "norm_fwd_fp8", "rmsnorm_fwd", "rmsnorm_bwd", "activation",
            "dactivation", "softmax_forward", "softmax_backward", "attn_softmax_forward", "attn_softmax_backward",
            "delayed_scaling_update", "HIGH_PRECISION_OPERAND",
@@ -183,6 +183,32 @@ def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_f
     n = bshape[1] if transb else bshape[0]
     aux = (n,) if dbias else ((n, m) if gelu else (0,))
     return A.new_empty((n, m), dtype=out_dtype), A.new_empty(aux, dtype=out_dtype)
+
+
+@custom_op("transformer_engine::gemm_accumulate", mutates_args=("out",))
+def gemm_accumulate(A: Tensor, A_transpose: Optional[Tensor], A_scale_inv: Optional[Tensor], A_fp8_dtype: int,
+                    B: Tensor, B_transpose: Optional[Tensor], B_scale_inv: Optional[Tensor], B_fp8_dtype: int,
+                    out: Tensor, transa: bool, transb: bool, dbias: bool,
+                    dbias_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """out += op(B) @ op(A) in one GEMM (C = D = out: fuse_wgrad_accumulation's main_grad) -> the
+    bias gradient of op(B) with dbias (the backward epilogue; dtype dbias_dtype: out's, float32 or
+    bfloat16 (gemm.h), default out's), else an empty tensor."""
+    a = _operand(A, A_transpose, A_scale_inv, A_fp8_dtype)
+    b = _operand(B, B_transpose, B_scale_inv, B_fp8_dtype)
+    db = None
+    if dbias:
+        n = _logical_shape(B, B_transpose, B_fp8_dtype)[1 if transb else 0]
+        db = torch.empty(n, dtype=dbias_dtype or out.dtype, device=out.device)
+    _ops.gemm(a, b, out.dtype, transa, transb, bias=db, grad=dbias, out=out, accumulate=True)
+    return db if dbias else out.new_empty(0)
+
+
+@gemm_accumulate.register_fake
+def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_fp8_dtype, out, transa, transb,
+      dbias, dbias_dtype=None):
+    bshape = _logical_shape(B, B_transpose, B_fp8_dtype)
+    return out.new_empty((bshape[1] if transb else bshape[0]) if dbias else 0,
+                         dtype=(dbias_dtype or out.dtype) if dbias else out.dtype)
 
 
 @custom_op("transformer_engine::batched_gemm", mutates_args=())
@@ -494,7 +520,7 @@ def eager_or_op(op):
     return call
 
 
-for _name in ("quantize", "quantize_many", "dequantize", "delayed_scaling_update", "gemm", "batched_gemm", "gemm_fp8_output", "transpose",
+for _name in ("quantize", "quantize_many", "dequantize", "delayed_scaling_update", "gemm", "gemm_accumulate", "batched_gemm", "gemm_fp8_output", "transpose",
               "grouped_gemm", "layernorm_fwd", "layernorm_bwd", "norm_fwd_fp8", "rmsnorm_fwd", "rmsnorm_bwd", "activation", "dactivation", "softmax_forward",
               "softmax_backward", "attn_softmax_forward", "attn_softmax_backward"):
     globals()[_name] = eager_or_op(globals()[_name])

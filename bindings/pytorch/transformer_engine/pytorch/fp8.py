@@ -108,6 +108,13 @@ class FP8Meta:
             self.scale[key] = torch.ones(n, dtype=torch.float32, device=device)
         self.bwd_seeded = 0
 
+    def reset_tensors(self) -> None:
+        """Zero amax histories and unit scales, in place (the module keeps its buffers)."""
+        for key in self.amax_history:
+            self.amax_history[key].zero_()
+            self.scale[key].fill_(1.0)
+        self.bwd_seeded = 0
+
     def take_bwd_seed(self, bit: int) -> bool:
         """Whether the backward of this forward seeds the (empty) backward amax histories behind
         `bit` with current-scaled first gradients; marks the bit, so only the first forward run

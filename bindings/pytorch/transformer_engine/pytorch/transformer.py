@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from .module import LayerNorm, LayerNormMLP, RMSNorm
-from .module.base import default_init_method
+from .module.base import default_init_method, reset_fp8_meta_tensors, set_tensor_parallel_group
 from .module.linear import check_unsupported
 
 try:  # written alongside this module; TransformerLayer needs it only when it is built
@@ -99,8 +99,10 @@ class TransformerLayer(torch.nn.Module):
             kwargs.pop(k, None)
         # every other option (TE's userbuffer overlaps, activation_params, a misspelt name) raises
         # when set: ignoring it would change the layer silently
-        check_unsupported("TransformerLayer", tp_size, fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
-                          set_parallel_mode=set_parallel_mode, **kwargs)
+        # sequence_parallel and set_parallel_mode act with tensor parallelism only (TE: sequence
+        # parallelism is on when tp_size > 1 and it is set): with tp_size 1 they change nothing
+        check_unsupported("TransformerLayer", tp_size, **kwargs)
+        self.sequence_parallel, self.set_parallel_mode = bool(sequence_parallel), bool(set_parallel_mode)
         if parallel_attention_mlp and (layer_type == "decoder" or apply_residual_connection_post_layernorm):
             raise NotImplementedError("TransformerLayer: parallel_attention_mlp is implemented for encoder layers "
                                       "without apply_residual_connection_post_layernorm")
@@ -142,7 +144,8 @@ class TransformerLayer(torch.nn.Module):
                          qkv_weight_interleaved=qkv_weight_interleaved, bias=bias, normalization=normalization,
                          device=device, qkv_format=attn_input_format, params_dtype=params_dtype,
                          fuse_qkv_params=fuse_qkv_params, softmax_type=softmax_type,
-                         get_rng_state_tracker=get_rng_state_tracker, **mha_extra)
+                         get_rng_state_tracker=get_rng_state_tracker,
+                         fuse_wgrad_accumulation=fuse_wgrad_accumulation, **mha_extra)
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type,
                                                  window_size=window_size, attention_type="self", **attn_args)
         if layer_type == "decoder":  # (its input norm stays with output_layernorm too, as in TE)
@@ -157,7 +160,8 @@ class TransformerLayer(torch.nn.Module):
                                           params_dtype=params_dtype,
                                           return_layernorm_output=self.apply_residual_connection_post_layernorm,
                                           zero_centered_gamma=zero_centered_gamma, device=device,
-                                          get_rng_state_tracker=get_rng_state_tracker)
+                                          get_rng_state_tracker=get_rng_state_tracker,
+                                          fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         batch_dim = 1 if attn_input_format == "sbhd" else 0
         self.drop_path = DropPath(drop_path_rate, batch_dim) if drop_path_rate > 0.0 else None
         if self.output_layernorm:
@@ -166,6 +170,14 @@ class TransformerLayer(torch.nn.Module):
                                       zero_centered_gamma=zero_centered_gamma, device=device)
 
     # ---------------------------------------------------------------- helpers
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """TE's: the tensor-parallel group of the submodules (one rank, or None, is implemented)."""
+        set_tensor_parallel_group(self, tp_group)
+
+    def reset_fp8_meta_tensors(self) -> None:
+        """TE's: fresh FP8 state (zero amax histories, unit scales) in every submodule."""
+        reset_fp8_meta_tensors(self)
+
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
                                    cp_comm_type: str = "p2p") -> None:
         """Context parallelism of the layer's attention (DotProductAttention.set_context_parallel_group)."""

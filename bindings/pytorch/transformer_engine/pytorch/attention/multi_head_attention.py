@@ -1,10 +1,10 @@
 """te.MultiheadAttention (TE 2.x's module transformer_engine.pytorch.attention.multi_head_attention):
 the QKV projection (optionally with the input norm fused in), the core DotProductAttention (this
-package's __init__) and the output projection; also the split-parameter projections that give the
-QKV submodules TE's parameter names."""
+package's __init__) and the output projection. The QKV submodules take TE's parameter names
+through parameters_split."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -13,69 +13,13 @@ from .. import attn_packing as _pk
 from .. import dpa_fused as _df
 from .. import fused_attention_fp8 as _fa8
 from ..fp8_handoff import handoff_parts
+from ..module.base import reset_fp8_meta_tensors, set_tensor_parallel_group
 from ..module.layernorm_linear import LayerNormLinear
 from ..module.linear import Linear
 from ..rope import apply_rotary_pos_emb
 from . import DotProductAttention, _check_forward_kwargs
 
 __all__ = ["MultiheadAttention"]
-
-
-# ------------------------------------------------------------- split-parameter projections
-class _SplitParams:
-    """Mixin: replaces the fused `weight`/`bias` of a Linear-like module with one Parameter per
-    named split (`<name>_weight`, `<name>_bias`); the forward concatenates the current Parameters.
-    They are made as consecutive rows of one buffer, so that the concatenation is a view while they
-    stay there (attn_packing.cat_rows; moved or replaced parameters are concatenated by copy)."""
-
-    def _split(self, splits: Sequence[Tuple[str, int]]) -> None:
-        self._splits = list(splits)
-        w, b = self.weight, self.bias
-        del self._parameters["weight"]
-        del self._parameters["bias"]
-        w_all = w.detach().clone()
-        b_all = None if b is None else b.detach().clone()
-        start = 0
-        for name, n in self._splits:
-            self.register_parameter(f"{name}_weight", torch.nn.Parameter(w_all[start:start + n]))
-            self.register_parameter(f"{name}_bias", None if b is None else torch.nn.Parameter(b_all[start:start + n]))
-            start += n
-        self._make_fp8_params()  # quantized_model_init: the split weights are the FP8 parameters
-
-    def _fp8_weight_slots(self):
-        if not getattr(self, "_splits", None):
-            return {}  # still building: the fused weight is split (and cast) in _split
-        return {f"{name}_weight": 1 for name, _ in self._splits}
-
-    def _init_parameters(self) -> None:
-        if not getattr(self, "_splits", None):
-            return super()._init_parameters()
-        for name, _ in self._splits:
-            self.init_method(getattr(self, f"{name}_weight"))
-            bias = getattr(self, f"{name}_bias")
-            if bias is not None:
-                bias.zero_()
-        if hasattr(self, "layer_norm_weight"):
-            self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-            if self.layer_norm_bias is not None:
-                self.layer_norm_bias.zero_()
-
-    def _weight_and_bias(self):
-        ws = [getattr(self, f"{n}_weight") for n, _ in self._splits]
-        bs = [getattr(self, f"{n}_bias") for n, _ in self._splits]
-        return _pk.cat_rows(ws), (None if bs[0] is None else _pk.cat_rows(bs))
-
-
-class _SplitLinear(_SplitParams, Linear):
-    def __init__(self, in_features, out_features, splits, **kwargs):
-        Linear.__init__(self, in_features, out_features, **kwargs)
-        self._split(splits)
-
-
-class _SplitLayerNormLinear(_SplitParams, LayerNormLinear):
-    def __init__(self, in_features, out_features, splits, **kwargs):
-        LayerNormLinear.__init__(self, in_features, out_features, **kwargs)
-        self._split(splits)
 
 
 # constructor arguments of TE's that cannot change a result: Megatron's JIT warm-up sizes
@@ -132,8 +76,6 @@ class MultiheadAttention(torch.nn.Module):
         super().__init__()
         if tp_size != 1:
             raise NotImplementedError(f"MultiheadAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
-        if fuse_wgrad_accumulation:
-            raise NotImplementedError("MultiheadAttention: fuse_wgrad_accumulation is not implemented")
         for k in _MHA_INIT_NOOPS:
             kwargs.pop(k, None)
         if not kwargs.get("qk_norm_type"):  # (their settings mean nothing without a QK norm)
@@ -169,16 +111,15 @@ class MultiheadAttention(torch.nn.Module):
         q_out = self.num_attention_heads * kv
         kv_out = self.num_gqa_groups * kv
         common = dict(init_method=init_method, bias=bias, params_dtype=params_dtype, device=device,
-                      sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker)
+                      sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         ln_args = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                        return_layernorm_output=return_layernorm_output)
 
         def make(linear_cls, in_f, splits, **extra):
             out_f = sum(n for _, n in splits)
-            if self.fuse_qkv_params:
-                return linear_cls(in_f, out_f, **common, **extra)
-            split_cls = _SplitLayerNormLinear if linear_cls is LayerNormLinear else _SplitLinear
-            return split_cls(in_f, out_f, splits, **common, **extra)
+            split = None if self.fuse_qkv_params else dict(splits)
+            return linear_cls(in_f, out_f, parameters_split=split, **common, **extra)
 
         if attention_type == "self":
             splits = [("query", q_out), ("key", kv_out), ("value", kv_out)]
@@ -190,7 +131,8 @@ class MultiheadAttention(torch.nn.Module):
             if self.input_layernorm:
                 self.layernorm_query = make(LayerNormLinear, self.hidden_size, [("query", q_out)], **ln_args)
             else:
-                self.query_layer = make(Linear, self.hidden_size, [("query", q_out)])
+                # (TE's query_layer keeps one `weight`: no parameters_split there)
+                self.query_layer = Linear(self.hidden_size, q_out, **common)
             self.key_value = make(Linear, self.hidden_size, [("key", kv_out), ("value", kv_out)])
 
         self.core_attention = DotProductAttention(
@@ -201,12 +143,21 @@ class MultiheadAttention(torch.nn.Module):
             softmax_type=softmax_type)
         self.proj = Linear(q_out, self.hidden_size, init_method=output_layer_init_method, bias=bias,
                            return_bias=self.return_bias, params_dtype=params_dtype, device=device,
-                           sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker)
+                           sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
+                           fuse_wgrad_accumulation=fuse_wgrad_accumulation)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
                                    cp_comm_type: str = "p2p") -> None:
         """Context parallelism of the core attention (DotProductAttention.set_context_parallel_group)."""
         self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """TE's: the tensor-parallel group of the submodules (one rank, or None, is implemented)."""
+        set_tensor_parallel_group(self, tp_group)
+
+    def reset_fp8_meta_tensors(self) -> None:
+        """TE's: fresh FP8 state (zero amax histories, unit scales) in every submodule."""
+        reset_fp8_meta_tensors(self)
 
     # -------------------------------------------------------------- helpers
     # (SplitPacked: a packed gradient from fused attention becomes mixed's gradient without a copy;

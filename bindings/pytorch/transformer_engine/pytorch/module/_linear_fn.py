@@ -76,6 +76,8 @@ class LinearCfg:
     # Delayed scaling only: FP8 hand-offs (fp8_handoff.py) of the input / the output
     fp8_input: bool = False
     fp8_output: bool = False
+    # fuse_wgrad_accumulation: the weight gradient is added into the weights' main_grad (wgrad_to)
+    fuse_wgrad: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -85,7 +87,7 @@ class LinearCfg:
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, w_data, w_transpose, w_scale_inv, fwd_scale, fwd_hist, bwd_scale, bwd_hist,
-                cfg: LinearCfg, norm_weight=None, norm_bias=None, rows: int = 0):
+                cfg: LinearCfg, norm_weight=None, norm_bias=None, rows: int = 0, wgrad_to: tuple = ()):
         # x2: contiguous [tokens, in] in weight's dtype (the norm's input with cfg.norm), or with
         # cfg.fp8_input the hand-off of FP8 [rows, in]; w_*: the FP8 weight (FP8 modes only)
         b = bias if bias is not None and bias.numel() else None
@@ -126,6 +128,7 @@ class _LinearFn(torch.autograd.Function):
         # may not change between forward and backward)
         ctx.bwd_scale, ctx.bwd_hist = bwd_scale, bwd_hist
         ctx.cfg = cfg
+        ctx.wgrad_to = wgrad_to  # Parameters (not saved tensors): their main_grad is read in backward
         ctx.weight_dtype = weight.dtype
         ctx.act_dtype = dtype
         ctx.features = (weight.shape[1], weight.shape[0])
@@ -179,7 +182,9 @@ class _LinearFn(torch.autograd.Function):
             elif need_dx:
                 dx = ops.gemm(none, w_t, w_si, cfg.fwd_dtype, gd, None, g_si, cfg.bwd_dtype, dtype, False, False,
                               None, False, False)[0]
-            if need_dw:
+            if need_dw and cfg.fuse_wgrad:
+                dw = _accumulate_wgrad(ctx, (none, xt, x_si, cfg.fwd_dtype, none, gt, gt_si, cfg.bwd_dtype), False)[0]
+            elif need_dw:
                 dw = ops.gemm(none, xt, x_si, cfg.fwd_dtype, none, gt, gt_si, cfg.bwd_dtype,
                               ctx.weight_dtype, False, True, None, False, False)[0]
             if need_db:
@@ -198,11 +203,48 @@ class _LinearFn(torch.autograd.Function):
                 g = ops.dactivation(g, pre, "gelu")
             if need_dx:
                 dx = ops.gemm(w, None, None, HP, g, None, None, HP, dtype, False, False, None, False, False)[0]
-            if need_dw or need_db:
+            if need_dw and cfg.fuse_wgrad:
+                dw, db = _accumulate_wgrad(ctx, (x2, None, None, HP, g, None, None, HP), need_db)
+            elif need_dw or need_db:
                 dw, gb = ops.gemm(x2, None, None, HP, g, None, None, HP, ctx.weight_dtype, False, True, None, False,
                                   need_db)
                 db = gb if need_db else None
-        return (dx, (dw if need_dw else None), db, None, None, None, None, None, None, None, None) + norm_grads + (None,)
+        return (dx, (dw if need_dw else None), db, None, None, None, None, None, None, None, None) + norm_grads + \
+            (None, None)
+
+
+def _accumulate_wgrad(ctx, operands: tuple, need_db: bool):
+    """fuse_wgrad_accumulation: main_grad += the weight gradient (the wgrad GEMM, NT, accumulates
+    into it) -> (what the weight's .grad receives, the bias gradient or None). With split weights
+    (parameters_split) the gradient is made once and added into each one's main_grad rows.
+
+    .grad (Megatron's contract, which TE follows): a weight carrying `grad_added_to_main_grad` gets
+    that flag set and a zero gradient (so its gradient hooks still run, and adding it changes
+    nothing); otherwise None (nothing reaches .grad)."""
+    params = ctx.wgrad_to
+    mains = [p.main_grad for p in params]
+    if len(mains) == 1:
+        gb = ops.gemm_accumulate(*operands, mains[0], False, True, need_db, dbias_dtype(ctx.weight_dtype, mains[0]))
+    else:
+        mg = mains[0]
+        dw, gb = ops.gemm(*operands, mg.dtype, False, True, None, False, need_db)
+        start = 0
+        for m in mains:
+            m.add_(dw[start:start + m.shape[0]])
+            start += m.shape[0]
+    db = gb.to(ctx.weight_dtype) if need_db else None
+    flagged = [p for p in params if hasattr(p, "grad_added_to_main_grad")]
+    for p in flagged:
+        p.grad_added_to_main_grad = True
+    out, inp = ctx.features[1], ctx.features[0]
+    dw = torch.zeros(out, inp, dtype=ctx.weight_dtype, device=mains[0].device) if flagged else None
+    return dw, db
+
+
+def dbias_dtype(weight_dtype: torch.dtype, main_grad: torch.Tensor) -> torch.dtype:
+    """The dtype the accumulating wgrad GEMM's bias gradient is made in: the parameters' own where
+    the GEMM takes it (main_grad's dtype, float32 or bfloat16: gemm.h), else float32."""
+    return weight_dtype if weight_dtype in (main_grad.dtype, torch.float32, torch.bfloat16) else torch.float32
 
 
 def high_precision(weight: torch.Tensor) -> torch.Tensor:
@@ -215,12 +257,15 @@ def high_precision(weight: torch.Tensor) -> torch.Tensor:
 def linear_fn(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LinearCfg,
               qweight: Optional[QuantizedWeight] = None, meta=(None, None, None, None),
               norm_weight: Optional[torch.Tensor] = None, norm_bias: Optional[torch.Tensor] = None,
-              rows: int = 0) -> torch.Tensor:
+              rows: int = 0, wgrad_to: tuple = ()) -> torch.Tensor:
     """y = act(x2 W^T + b), or act(norm(x2) W^T + b) with cfg.norm (delayed scaling; norm_weight /
     norm_bias: the norm's parameters). qweight: the FP8 weight (FP8 modes); meta: the module's
     (fwd scale, fwd amax history, bwd scale, bwd amax history) for delayed scaling / calibration.
     cfg.fp8_input: x2 is the FP8 hand-off of a [rows, in] input; cfg.fp8_output: y is returned as
-    the FP8 hand-off of [tokens, out] (fp8_handoff.py)."""
+    the FP8 hand-off of [tokens, out] (fp8_handoff.py). wgrad_to: with cfg.fuse_wgrad, the
+    Parameters (rows of weight, in order) whose main_grad receives the weight gradient."""
+    if cfg.fuse_wgrad and not wgrad_to:
+        raise RuntimeError("linear_fn: fuse_wgrad needs the Parameters whose main_grad receives the gradient")
     if cfg.fp8 and qweight is None:
         raise RuntimeError("linear_fn: an FP8 forward needs the quantized weight")
     if cfg.norm and not (cfg.scaling == "delayed" and norm_weight is not None):
@@ -228,7 +273,7 @@ def linear_fn(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if (cfg.fp8_input or cfg.fp8_output) and (cfg.scaling != "delayed" or cfg.gelu):
         raise RuntimeError("linear_fn: FP8 hand-offs need delayed scaling and no GELU epilogue")
     w = (qweight.data, qweight.transpose, qweight.scale_inv) if qweight is not None else (None, None, None)
-    return ops.run_function(_LinearFn, x2, weight, bias, *w, *meta, cfg, norm_weight, norm_bias, rows)
+    return ops.run_function(_LinearFn, x2, weight, bias, *w, *meta, cfg, norm_weight, norm_bias, rows, wgrad_to)
 
 
 def grad_needs(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):

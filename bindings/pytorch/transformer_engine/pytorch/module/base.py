@@ -148,13 +148,14 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _linear_cfg(self, scaling: str, fwd_slot: int = 0, bwd_slot: int = 0, update_bwd: bool = True,
                     gelu: bool = False, need_dgrad: bool = True, need_wgrad: bool = True,
-                    norm: tuple = (), handoff: tuple = (), seed_bwd: bool = False) -> LinearCfg:
+                    norm: tuple = (), handoff: tuple = (), seed_bwd: bool = False,
+                    fuse_wgrad: bool = False) -> LinearCfg:
         """The constant configuration of one linear layer's autograd function for this forward;
         norm: () or (kind, eps, zero_centered_gamma) of a fused norm; handoff: () or (fp8_input,
         fp8_output). Kept per distinct configuration and recipe settings (building the frozen
         dataclass every forward costs microseconds)."""
         key = (scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm, handoff, seed_bwd,
-               self._recipe_settings(scaling))
+               fuse_wgrad, self._recipe_settings(scaling))
         if torch.compiler.is_compiling():  # no cache updates inside a traced graph
             return self._new_linear_cfg(*key)
         cfg = self._linear_cfgs.get(key)
@@ -176,8 +177,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     @staticmethod
     def _new_linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm, handoff,
-                        seed_bwd, settings) -> LinearCfg:
-        flags = dict(gelu=gelu, need_dgrad=need_dgrad, need_wgrad=need_wgrad)
+                        seed_bwd, fuse_wgrad, settings) -> LinearCfg:
+        flags = dict(gelu=gelu, need_dgrad=need_dgrad, need_wgrad=need_wgrad, fuse_wgrad=fuse_wgrad)
         if norm:
             flags.update(norm=norm[0], norm_eps=float(norm[1]), norm_zero_centered=bool(norm[2]))
         if handoff:
@@ -249,7 +250,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def _linear(self, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], scaling: str,
                 is_first_microbatch: Optional[bool], fwd_slot: int = 0, bwd_slot: int = 0, update_bwd: bool = True,
                 gelu: bool = False, norm=None, fp8_input: bool = False, fp8_output: bool = False,
-                rows: int = 0) -> torch.Tensor:
+                rows: int = 0, wgrad_to: Optional[tuple] = None) -> torch.Tensor:
         """act(x2 W^T + b) through the shared linear autograd function, in this forward's scaling mode.
         Delayed-scaling slots: input fwd_slot, weight fwd_slot + 1, output gradient bwd_slot.
         norm = (kind, weight, bias, eps, zero_centered_gamma): x2 is the input of that norm, which
@@ -257,10 +258,16 @@ class TransformerEngineBaseModule(torch.nn.Module):
         (delayed scaling only; callers pass the norm's output and no norm otherwise).
         fp8_input: x2 is the FP8 hand-off of a [rows, in] input; fp8_output: the output is returned
         as an FP8 hand-off (fp8_handoff.py; delayed scaling only: output slot fwd_slot + 2, input
-        gradient slot bwd_slot + 1)."""
+        gradient slot bwd_slot + 1). wgrad_to: the Parameters (rows of `weight` in order) whose
+        main_grad receives the weight gradient (fuse_wgrad_accumulation); None -> _wgrad_params()."""
         if (fp8_input or fp8_output) and scaling != "delayed":
             raise RuntimeError(f"FP8 hand-offs between modules need delayed scaling, got scaling mode {scaling!r}")
         need_dgrad, need_wgrad = grad_needs(x2, weight, bias)
+        if wgrad_to is None:
+            wgrad_to = self._wgrad_params() if hasattr(self, "_wgrad_params") else ()
+        fuse_wgrad = bool(wgrad_to) and need_wgrad and weight.requires_grad
+        if fuse_wgrad:
+            check_main_grads(wgrad_to, type(self).__name__)
         if norm is not None:
             need_dgrad = need_dgrad or (torch.is_grad_enabled() and any(
                 p is not None and p.requires_grad for p in norm[1:3]))
@@ -272,9 +279,19 @@ class TransformerEngineBaseModule(torch.nn.Module):
         handoff = (fp8_input, fp8_output) if (fp8_input or fp8_output) else ()
         seed = not fp8_output and self._take_bwd_seed(scaling, bwd_slot, need_dgrad or need_wgrad)
         cfg = self._linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm_cfg,
-                               handoff, seed)
+                               handoff, seed, fuse_wgrad)
         qweight = self._quantized_weight(weight, cfg, fwd_slot + 1, is_first_microbatch)
-        return linear_fn(x2, weight, bias, cfg, qweight, self._meta_tensors(scaling), norm_w, norm_b, rows)
+        return linear_fn(x2, weight, bias, cfg, qweight, self._meta_tensors(scaling), norm_w, norm_b, rows,
+                         wgrad_to if fuse_wgrad else ())
+
+    def reset_fp8_meta_tensors(self) -> None:
+        """TE's: zero the amax histories and set the scales to 1 (the FP8 state of a fresh module)."""
+        self.fp8_meta.reset_tensors()
+        self._fp8_weight_cache.clear()
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """TE's: the tensor-parallel group. Only a group of one rank (or None) is implemented."""
+        self.tp_group = check_tp_group(tp_group, type(self).__name__)
 
     def get_extra_state(self):
         return self.fp8_meta.state()
@@ -293,6 +310,49 @@ def check_input(inp: torch.Tensor, features: int, name: str) -> None:
         raise ValueError(f"{name}: input's last dimension must be {features}, got shape {tuple(inp.shape)}")
     if inp.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: input must be on the CPU or a CUDA device, got {inp.device}")
+
+
+def check_tp_group(tp_group, name: str):
+    """tp_group, if it has one rank (or is None); tensor parallelism over more is not implemented."""
+    if tp_group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        size = torch.distributed.get_world_size(tp_group)
+        if size != 1:
+            raise NotImplementedError(f"{name}: tensor parallelism over a group of {size} ranks is not implemented")
+    return tp_group
+
+
+def reset_fp8_meta_tensors(module: torch.nn.Module) -> None:
+    """reset_fp8_meta_tensors() of every TE module inside `module` (MultiheadAttention,
+    TransformerLayer: containers of them)."""
+    for m in module.modules():
+        if m is not module and isinstance(getattr(m, "fp8_meta", None), FP8Meta):  # (attention's too)
+            m.fp8_meta.reset_tensors()
+            getattr(m, "_fp8_weight_cache", {}).clear()
+
+
+def set_tensor_parallel_group(module: torch.nn.Module, tp_group) -> None:
+    """set_tensor_parallel_group(tp_group) of every TE module inside `module`."""
+    check_tp_group(tp_group, type(module).__name__)
+    module.tp_group = tp_group
+    for m in module.modules():
+        if m is not module and hasattr(m, "set_tensor_parallel_group"):
+            m.tp_group = tp_group
+
+
+def check_main_grads(params, name: str) -> None:
+    """fuse_wgrad_accumulation: every weight carries a `main_grad` buffer of its shape on its device
+    (TE: "a pre-allocated buffer of the correct size to accumulate gradients in")."""
+    for p in params:
+        g = getattr(p, "main_grad", None)
+        if not isinstance(g, torch.Tensor):
+            raise RuntimeError(f"{name}: fuse_wgrad_accumulation=True needs each weight's `main_grad` (a buffer of "
+                               f"the weight's shape the weight gradient is accumulated into); a weight of shape "
+                               f"{tuple(p.shape)} has none")
+        if tuple(g.shape) != tuple(p.shape) or g.device != p.device or \
+                g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name}: a weight's main_grad must have the weight's shape {tuple(p.shape)} and device "
+                             f"{p.device} and be float32 / bfloat16 / float16, got {tuple(g.shape)} {g.dtype} on "
+                             f"{g.device}")
 
 
 def check_same_device(inp: torch.Tensor, params, name: str) -> None:
@@ -323,4 +383,5 @@ def as_2d(inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 __all__ = ["TransformerEngineBaseModule", "default_device", "resolve_device", "resolve_dtype",
-           "default_init_method", "check_input", "check_same_device", "autocast_params", "as_2d", "_ops"]
+           "default_init_method", "check_input", "check_same_device", "check_main_grads", "check_tp_group",
+           "reset_fp8_meta_tensors", "set_tensor_parallel_group", "autocast_params", "as_2d", "_ops"]

@@ -12,9 +12,9 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import custom_ops as ops
-from ._linear_fn import LinearCfg, high_precision
-from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_same_device,
-                   default_init_method)
+from ._linear_fn import LinearCfg, dbias_dtype, high_precision
+from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_main_grads,
+                   check_same_device, default_init_method)
 from .linear import check_unsupported
 
 __all__ = ["GroupedLinear"]
@@ -29,13 +29,13 @@ def _hp_operands(ts):
 
 
 class _GroupedLinearFn(torch.autograd.Function):
-    """Arguments: x2, the row splits (a tuple of ints), the LinearCfg, the bias count, then a flat run
-    of tensors: the n weights, the biases (n or none), the FP8 weights as (data, transpose,
+    """Arguments: x2, the row splits (a tuple of ints), the LinearCfg, the bias count, the
+    fuse_wgrad_accumulation targets (a MainGrads or None), then a flat run of tensors: the n weights, the biases (n or none), the FP8 weights as (data, transpose,
     scale_inv) triples (FP8 modes only) and the 4 meta tensors (or Nones). Only tensors and
     constants cross apply(), no containers of tensors, so torch.compile sees every tensor input."""
 
     @staticmethod
-    def forward(ctx, x2, splits, cfg: LinearCfg, n_bias: int, *tensors):
+    def forward(ctx, x2, splits, cfg: LinearCfg, n_bias: int, main_grads, *tensors):
         n = len(splits)
         weights, biases = tensors[:n], tensors[n:n + n_bias]
         qflat = tensors[n + n_bias:len(tensors) - 4]
@@ -63,7 +63,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                                        False)
             saved = xl + ws
         ctx.save_for_backward(*saved)
-        ctx.live, ctx.splits, ctx.cfg = live, tuple(splits), cfg
+        ctx.live, ctx.splits, ctx.cfg, ctx.main_grads = live, tuple(splits), cfg, main_grads
         ctx.bwd_scale, ctx.bwd_hist = bwd_scale, bwd_hist
         ctx.has_bias, ctx.weight_dtype = n_bias > 0, weights[0].dtype  # n_bias, not bool(tuple): traceable on torch 2.11 too
         ctx.weight_shapes = [tuple(w.shape) for w in weights]
@@ -80,8 +80,9 @@ class _GroupedLinearFn(torch.autograd.Function):
         g = grad_out.contiguous()
         gs = torch.split(g, list(splits))
         need_dx = ctx.needs_input_grad[0]
-        need_dw = any(ctx.needs_input_grad[4:4 + n])
-        need_db = ctx.has_bias and any(ctx.needs_input_grad[4 + n:4 + 2 * n])
+        need_dw = any(ctx.needs_input_grad[5:5 + n])
+        need_db = ctx.has_bias and any(ctx.needs_input_grad[5 + n:5 + 2 * n])
+        fuse = need_dw and ctx.main_grads is not None
         saved = ctx.saved_tensors
         dbs = None
         if cfg.fp8:
@@ -99,16 +100,25 @@ class _GroupedLinearFn(torch.autograd.Function):
             dxs = ops.grouped_gemm(none, list(w_t), list(w_si), cfg.fwd_dtype, [q[0] for q in gq], none,
                                    [q[2] for q in gq], cfg.bwd_dtype, g.dtype, False, False, [], False)[0] \
                 if need_dx else None
+            if fuse:  # main_grad += x^T g, one accumulating GEMM per weight
+                for j, i in enumerate(live):
+                    ops.gemm_accumulate(none[j], xt[j], x_si[j], cfg.fwd_dtype, none[j], gq[j][1], gq[j][2],
+                                        cfg.bwd_dtype, ctx.main_grads.params[i].main_grad, False, True, False)
             dws = ops.grouped_gemm(none, list(xt), list(x_si), cfg.fwd_dtype, none, [q[1] for q in gq],
                                    [q[2] for q in gq], cfg.bwd_dtype, ctx.weight_dtype, False, True, [], False)[0] \
-                if need_dw else None
+                if need_dw and not fuse else None
             dbs = [q[3] for q in gq] if need_db else None
         else:
             xl, ws = saved[:k], saved[k:]
             gl = [gs[i] for i in live]
             dxs = ops.grouped_gemm(*_hp_operands(ws), HP, *_hp_operands(gl), HP, g.dtype, False, False, [],
                                    False)[0] if need_dx else None
-            if need_dw or need_db:
+            if fuse:
+                mains = [ctx.main_grads.params[i].main_grad for i in live]
+                dbs = [ops.gemm_accumulate(xl[j], None, None, HP, gl[j], None, None, HP, mg, False, True, need_db,
+                                           dbias_dtype(ctx.weight_dtype, mg)) for j, mg in enumerate(mains)]
+                dbs = dbs if need_db else None
+            elif need_dw or need_db:
                 dws, dbs = ops.grouped_gemm(*_hp_operands(xl), HP, *_hp_operands(gl), HP, ctx.weight_dtype, False,
                                             True, [], need_db)
                 dbs = dbs if need_db else None
@@ -120,7 +130,9 @@ class _GroupedLinearFn(torch.autograd.Function):
                 dx[start:start + splits[i]] = d
         dw_all = [None] * n
         db_all = [None] * n if ctx.has_bias else []
-        if need_dw:
+        if fuse:
+            dw_all = ctx.main_grads.grads(ctx.weight_shapes, ctx.weight_dtype)
+        elif need_dw:
             for i in range(n):
                 dw_all[i] = torch.zeros(ctx.weight_shapes[i], dtype=ctx.weight_dtype, device=g.device)
             for i, d in zip(live, dws):
@@ -131,7 +143,27 @@ class _GroupedLinearFn(torch.autograd.Function):
             for i, d in zip(live, dbs):
                 db_all[i] = d.to(ctx.weight_dtype)
         rest = ctx.n_tensors - n - len(db_all)
-        return (dx, None, None, None, *dw_all, *db_all, *([None] * rest))
+        return (dx, None, None, None, None, *dw_all, *db_all, *([None] * rest))
+
+
+class MainGrads:
+    """The weights of a GroupedLinear with fuse_wgrad_accumulation: their main_grad buffers receive
+    the weight gradients (_linear_fn._accumulate_wgrad says what .grad gets)."""
+
+    def __init__(self, params):
+        self.params = tuple(params)
+
+    def grads(self, shapes, dtype):
+        """What each weight's .grad receives: zeros for a weight flagged grad_added_to_main_grad (the
+        flag is set), else None."""
+        out = []
+        for p, shape in zip(self.params, shapes):
+            if hasattr(p, "grad_added_to_main_grad"):
+                p.grad_added_to_main_grad = True
+                out.append(torch.zeros(shape, dtype=dtype, device=p.main_grad.device))
+            else:
+                out.append(None)
+        return out
 
 
 class GroupedLinear(TransformerEngineBaseModule):
@@ -146,7 +178,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                  params_dtype: Optional[torch.dtype] = None, parallel_mode: Optional[str] = None, device=None,
                  ub_overlap_rs: bool = False, ub_overlap_ag: bool = False, ub_name: Optional[str] = None,
                  delay_wgrad_compute: bool = False, save_original_input: bool = False, name: Optional[str] = None):
-        check_unsupported("GroupedLinear", tp_size, fuse_wgrad_accumulation, ub_overlap_rs=ub_overlap_rs,
+        check_unsupported("GroupedLinear", tp_size, ub_overlap_rs=ub_overlap_rs,
                           ub_overlap_ag=ub_overlap_ag, delay_wgrad_compute=delay_wgrad_compute)
         if num_gemms <= 0 or in_features <= 0 or out_features <= 0:
             raise ValueError(f"GroupedLinear: num_gemms, in_features and out_features must be positive, got "
@@ -160,6 +192,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.use_bias, self.return_bias = bool(bias), bool(return_bias)
         self.init_method = init_method if init_method is not None else default_init_method()
         self.sequence_parallel, self.parallel_mode, self.name = sequence_parallel, parallel_mode, name
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)  # main_grad += wgrad (Linear's)
         for i in range(self.num_gemms):
             setattr(self, f"weight{i}", self._new_param(self.out_features, self.in_features))
             if self.use_bias:
@@ -203,8 +236,13 @@ class GroupedLinear(TransformerEngineBaseModule):
                     for i, w in enumerate(weights)]
         fwd_biases = [] if self.return_bias else biases
         qflat = [t for q in qweights if q is not None for t in (q.data, q.transpose, q.scale_inv)]
-        out = _GroupedLinearFn.apply(x2, tuple(splits), cfg, len(fwd_biases), *weights, *fwd_biases, *qflat,
-                                     *self._meta_tensors(scaling))
+        main_grads = None
+        if self.fuse_wgrad_accumulation and need_wgrad and weights[0].requires_grad:
+            params = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+            check_main_grads(params, "GroupedLinear")
+            main_grads = MainGrads(params)
+        out = _GroupedLinearFn.apply(x2, tuple(splits), cfg, len(fwd_biases), main_grads, *weights, *fwd_biases,
+                                     *qflat, *self._meta_tensors(scaling))
         out = out.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return out, biases

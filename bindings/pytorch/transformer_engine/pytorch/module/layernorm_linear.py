@@ -9,14 +9,16 @@ from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_in
                    default_init_method)
 from .layernorm import check_normalization, norm_fn, norm_writes_fp8
 from .linear import check_unsupported
+from .split_params import SplitParams, parse_parameters_split
 
 __all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinear(TransformerEngineBaseModule):
+class LayerNormLinear(SplitParams, TransformerEngineBaseModule):
     """Parameters `layer_norm_weight`, `layer_norm_bias` (LayerNorm only) [in_features],
-    `weight` [out_features, in_features], `bias` [out_features]. The norm runs in high
-    precision; the linear part follows te.Linear (FP8 under fp8_autocast)."""
+    `weight` [out_features, in_features], `bias` [out_features] (with parameters_split:
+    `<name>_weight` / `<name>_bias`). The norm runs in high precision; the linear part follows
+    te.Linear (FP8 under fp8_autocast; fuse_wgrad_accumulation as there)."""
 
     _num_fp8_fwd = 3
     _num_fp8_bwd = 2
@@ -29,9 +31,11 @@ class LayerNormLinear(TransformerEngineBaseModule):
                  return_layernorm_output: bool = False, return_layernorm_output_gathered: bool = False,
                  parameters_split=None, zero_centered_gamma: bool = False, device=None,
                  name: Optional[str] = None, **kwargs):
-        check_unsupported("LayerNormLinear", tp_size, fuse_wgrad_accumulation, parameters_split=parameters_split,
-                          **kwargs)
+        check_unsupported("LayerNormLinear", tp_size, **kwargs)
+        splits = parse_parameters_split(parameters_split, out_features, "LayerNormLinear")
         super().__init__(device, params_dtype)
+        self._splits = None if splits else []
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self._init_rng = (get_rng_state_tracker, None)  # weights drawn in the tracker's stream (TE)
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"LayerNormLinear: features must be positive, got {in_features}, {out_features}")
@@ -54,21 +58,8 @@ class LayerNormLinear(TransformerEngineBaseModule):
             self.register_parameter("bias", None)
         if self._device_arg.type != "meta":
             self.reset_parameters()
-
-    def _init_parameters(self) -> None:
-        self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-        if self.layer_norm_bias is not None:
-            self.layer_norm_bias.zero_()
-        self.init_method(self.weight)
-        if self.bias is not None:
-            self.bias.zero_()
-
-    def _fp8_weight_slots(self):
-        return {"weight": 1}
-
-    def _weight_and_bias(self):
-        """The weight and bias this forward uses (split-parameter subclasses concatenate theirs)."""
-        return self.weight, self.bias
+        if splits:
+            self._split(splits)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False):
         """is_first_microbatch: as in Linear.forward (FP8 weight caching over micro-batches)."""

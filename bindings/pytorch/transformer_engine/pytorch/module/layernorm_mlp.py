@@ -66,8 +66,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
                  return_layernorm_output_gathered: bool = False, seq_length: Optional[int] = None,
                  micro_batch_size: Optional[int] = None, set_parallel_mode: bool = False,
                  zero_centered_gamma: bool = False, device=None, name: Optional[str] = None, **kwargs):
-        check_unsupported("LayerNormMLP", tp_size, fuse_wgrad_accumulation, set_parallel_mode=set_parallel_mode,
-                          **kwargs)
+        # set_parallel_mode picks column / row-parallel GEMMs: nothing to pick with tp_size 1
+        check_unsupported("LayerNormMLP", tp_size, **kwargs)
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP: activation {activation!r} is not supported; "
                              f"expected one of {list(ACTIVATIONS)}")
@@ -83,6 +83,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.init_method = init_method if init_method is not None else default_init_method()
         self.output_layer_init_method = output_layer_init_method or self.init_method
         self.sequence_parallel, self.name = sequence_parallel, name
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)  # (_linear_fn.py: weight.main_grad)
         h, f = self.hidden_size, self.ffn_hidden_size
         self.layer_norm_weight = self._new_param(h)
         if self.normalization == "LayerNorm":
@@ -131,12 +132,15 @@ class LayerNormMLP(TransformerEngineBaseModule):
         else:
             ln = norm_fn(self.normalization, x2, ln_w, ln_b, self.eps, self.zero_centered_gamma)
         # fc2's backward runs first: it performs the backward delayed-scaling step for the module
+        fuse = self.fuse_wgrad_accumulation
         act = self._linear(ln, w1, b1, scaling, is_first_microbatch, fwd_slot=0, bwd_slot=0,
-                           update_bwd=False, gelu=self.activation == "gelu", norm=norm)
+                           update_bwd=False, gelu=self.activation == "gelu", norm=norm,
+                           wgrad_to=(self.fc1_weight,) if fuse else ())
         if self.activation != "gelu":
             act = activation_fn(act, self.activation)
         out = self._linear(act, w2, None if self.return_bias else b2, scaling,
-                           is_first_microbatch, fwd_slot=3, bwd_slot=2, update_bwd=True)
+                           is_first_microbatch, fwd_slot=3, bwd_slot=2, update_bwd=True,
+                           wgrad_to=(self.fc2_weight,) if fuse else ())
         out = out.view(inp.shape)
         res = [out]
         if self.return_bias:

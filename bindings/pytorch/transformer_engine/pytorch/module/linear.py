@@ -7,27 +7,32 @@ import torch
 
 from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_same_device,
                    default_init_method)
+from .split_params import SplitParams, parse_parameters_split
 
 __all__ = ["Linear"]
 
 
-def check_unsupported(name: str, tp_size: int = 1, fuse_wgrad_accumulation: bool = False, **flags) -> None:
-    """Reject TE options this adapter does not implement, when set to non-default values."""
+def check_unsupported(name: str, tp_size: int = 1, **flags) -> None:
+    """Reject TE options this adapter does not implement, when set to non-default values. TE's
+    userbuffer overlaps (ub_*) act only on tensor-parallel communication: with tp_size 1 (the only
+    size here) they change nothing, in TE too, and are accepted."""
     if tp_size != 1:
         raise NotImplementedError(f"{name}: tensor parallelism (tp_size={tp_size}) is not implemented")
-    if fuse_wgrad_accumulation:
-        raise NotImplementedError(f"{name}: fuse_wgrad_accumulation is not implemented")
-    on = [k for k, v in flags.items() if v]
+    on = [k for k, v in flags.items() if v and not k.startswith("ub_")]
     if on:
         raise NotImplementedError(f"{name}: options not implemented in this adapter: {on}")
 
 
-class Linear(TransformerEngineBaseModule):
-    """Applies y = x W^T + b. Parameters: `weight` [out_features, in_features], `bias` [out_features].
+class Linear(SplitParams, TransformerEngineBaseModule):
+    """Applies y = x W^T + b. Parameters: `weight` [out_features, in_features], `bias` [out_features]
+    (with parameters_split: `<name>_weight` / `<name>_bias`, rows of those in order).
 
     device: None -> CUDA when available, else the CPU; 'meta' defers allocation until
     reset_parameters(). Under fp8_autocast the GEMMs run in FP8 with delayed scaling.
-    return_bias=True returns (y without bias, bias) for the caller to fuse the addition."""
+    return_bias=True returns (y without bias, bias) for the caller to fuse the addition.
+    fuse_wgrad_accumulation=True: the weight gradient is accumulated into `weight.main_grad` (a
+    buffer the caller allocates, e.g. Megatron's float32 gradient buffer) by the wgrad GEMM
+    (_linear_fn.py says what `.grad` then receives)."""
 
     _num_fp8_fwd = 3  # input, weight, output
     _num_fp8_bwd = 2  # grad_output, grad_input
@@ -38,8 +43,11 @@ class Linear(TransformerEngineBaseModule):
                  init_method: Optional[Callable] = None, bias: bool = True, return_bias: bool = False,
                  params_dtype: Optional[torch.dtype] = None, parallel_mode: Optional[str] = None,
                  parameters_split=None, device=None, name: Optional[str] = None, **kwargs):
-        check_unsupported("Linear", tp_size, fuse_wgrad_accumulation, parameters_split=parameters_split, **kwargs)
+        check_unsupported("Linear", tp_size, **kwargs)
+        splits = parse_parameters_split(parameters_split, out_features, "Linear")
         super().__init__(device, params_dtype)
+        self._splits = None if splits else []
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self._init_rng = (get_rng_state_tracker, rng_tracker_name)  # weights drawn in the tracker's stream (TE)
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"Linear: in_features and out_features must be positive, got {in_features}, {out_features}")
@@ -55,18 +63,8 @@ class Linear(TransformerEngineBaseModule):
             self.register_parameter("bias", None)
         if self._device_arg.type != "meta":
             self.reset_parameters()
-
-    def _init_parameters(self) -> None:
-        self.init_method(self.weight)
-        if self.bias is not None:
-            self.bias.zero_()
-
-    def _fp8_weight_slots(self):
-        return {"weight": 1}
-
-    def _weight_and_bias(self):
-        """The weight and bias this forward uses (split-parameter subclasses concatenate theirs)."""
-        return self.weight, self.bias
+        if splits:
+            self._split(splits)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
                 fp8_grad: bool = False):
