@@ -382,3 +382,42 @@ def test_thd_as_padded_bshd_checks_max_seqlen(monkeypatch):
     dpa = DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding_causal")
     with pytest.raises(ValueError, match=r"longer than max_seqlen_q \(5 > 4\)"):
         dpa(q, k, v, cu_seqlens_q=dev(cu_of([3, 5])), max_seqlen_q=4, max_seqlen_kv=5)
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_every_query_sequence_empty(monkeypatch, mode):
+    """cu_seqlens_q all zero with THD tokens present (they lie after every sequence): zeros, through
+    the native THD route and its padded bshd form alike, and zero gradients."""
+    monkeypatch.setattr(dpa_fused, "THD_AS_PADDED", mode)
+    h, d = 2, D
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, h, d, generator=g).to(DT).requires_grad_()
+    kv = torch.randn(3, h, d, generator=g).to(DT).requires_grad_()
+    cu_q, cu_kv = torch.tensor([0, 0], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+    dpa = DotProductAttention(h, d, qkv_format="thd", attn_mask_type="padding")
+    o = dpa(dev(q), dev(kv), dev(kv), cu_seqlens_q=dev(cu_q), cu_seqlens_kv=dev(cu_kv))
+    assert tuple(o.shape) == (2, h * d) and not o.detach().cpu().any()
+    o.float().sum().backward()
+    assert q.grad is None or not q.grad.any()
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_padding_mask_needs_a_description(monkeypatch, fmt, fused):
+    """A padding mask type with neither attention_mask nor cu_seqlens raises on both paths (TE
+    asserts); before, the fused path ran it as full-length sequences."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
+    x = dev(torch.randn(2, 4, 2, D).to(DT))
+    dpa = DotProductAttention(2, D, qkv_format=fmt, attn_mask_type="padding")
+    with pytest.raises(ValueError, match="needs attention_mask|need attention_mask"):
+        dpa(x, x, x)
+
+
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_bshd_cu_seqlens_longer_than_the_tensor_raise(monkeypatch, fused):
+    monkeypatch.setenv("NVTE_FUSED_ATTN", fused)
+    x = dev(torch.randn(2, 4, 2, D).to(DT))
+    cu = dev(torch.tensor([0, 5, 7], dtype=torch.int32))
+    dpa = DotProductAttention(2, D, qkv_format="bshd", attn_mask_type="padding")
+    with pytest.raises(Exception, match=r"each must be in \[0, 4\]|more than max_seqlen 4"):
+        dpa(x, x, x, cu_seqlens_q=cu, cu_seqlens_kv=cu)

@@ -162,6 +162,8 @@ def _unpad_thd(o: torch.Tensor, tokens: int, starts: torch.Tensor, lens: torch.T
     p = r - starts[seq_c]
     valid = (seq >= 0) & (p < lens[seq_c])
     slot = torch.where(valid, seq_c * s + p, 0)
+    if o.shape[0] == 0:  # every sequence empty: one zero row to gather from (no row is valid)
+        o = torch.cat([o, o.new_zeros((1, *o.shape[1:]))])
     x = o.index_select(0, slot)
     return torch.where(valid.view(-1, *([1] * (o.dim() - 1))), x, x.new_zeros(()))
 
@@ -187,13 +189,17 @@ def _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_
                       force_fused=True)
     except NotImplementedError as e:
         raise NotImplementedError(f"{head}: {e}") from None
-    return _unpad_thd(o.reshape(b * seq.max_sq, -1), q.shape[0], starts_q, lens_q, seq.max_sq)
+    return _unpad_thd(o.reshape(b * seq.max_sq, q.shape[-2] * v.shape[-1]), q.shape[0], starts_q, lens_q,
+                      seq.max_sq)
 
 
 def padding_masks(seq: Seq):
     """(q_mask [b, 1, 1, sq], kv_mask [b, 1, 1, skv]), True = padded, for the unfused path."""
     def one(cu, s):
         lens = (cu[1:] - cu[:-1]).to(torch.int64)
+        if bool(((lens < 0) | (lens > s)).any()):  # (the fused path's library call checks the same)
+            raise ValueError(f"DotProductAttention: cu_seqlens give sequence lengths {lens.tolist()}; each must be "
+                             f"in [0, {s}] (the tensors' sequence dimension)")
         return (torch.arange(s, device=cu.device)[None, :] >= lens[:, None]).view(-1, 1, 1, s)
     return one(seq.cu_q, seq.max_sq), one(seq.cu_kv, seq.max_skv)
 
@@ -316,9 +322,9 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
             b = q.shape[1] if fmt == "sbhd" else q.shape[0]
             sq, sk = (q.shape[0], k.shape[0]) if fmt == "sbhd" else (q.shape[1], k.shape[1])
             if "padding" in mask_type:
-                if attention_mask is None:
-                    cu = (torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq,
-                          torch.arange(b + 1, dtype=torch.int32, device=q.device) * sk, None, None)
+                if attention_mask is None:  # (as the unfused path, and TE: a padding mask needs one)
+                    raise ValueError(f"DotProductAttention: attn_mask_type {mask_type!r} needs attention_mask "
+                                     f"([b, 1, 1, s] bool, True = padded) or cu_seqlens_q / cu_seqlens_kv")
                 else:
                     qm, km = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,) * 2
                     cu = (_fa.padding_to_cu_seqlens_cached(qm, q.device, b, sq, "query"),
@@ -387,4 +393,4 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
         cfg = (sq, sk, is_training, float(dpa.softmax_scale), float(dropout), layout, _fa.BIAS_INT[bias_type],
                mask, int(wl), int(wr), br, softmax)
         o = _fa.FusedAttnFunc.apply(q, k, v, bias_t, *cu, rng, dpa.fused_softmax_offset(), cfg)
-    return o.reshape(*o.shape[:-2], -1)
+    return o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])  # (explicit: o may be empty)
