@@ -89,5 +89,140 @@ def test_checkpoint_kwargs_rng_tracker_and_unsupported(rng):
     y.sum().backward()
     assert tr.sets == [0, 7]
     torch.testing.assert_close(x.grad, 2 * m.weight.detach().cpu().sum(0).expand(3, 8))
-    with pytest.raises(NotImplementedError, match="distribute_saved_activations"):
-        te.distributed.checkpoint(m, dev(x), distribute_saved_activations=True)
+
+
+def _linear_grads(m, x0, fn, dy=None):
+    """(output, dx, {name: grad}) of fn(x) for a fresh leaf x = x0, the module's grads cleared first."""
+    m.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    y = fn(x)
+    y.float().backward(dy if dy is not None else torch.ones_like(y, dtype=torch.float32))
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def _assert_same(a, b):
+    assert torch.equal(a[0], b[0]) and a[0].dtype == b[0].dtype
+    assert torch.equal(a[1], b[1])
+    assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][n], b[2][n]) for n in a[2]), "parameter grads"
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("module", ["te", "torch"])
+def test_checkpoint_recomputes_under_the_forwards_torch_autocast(rng, module, use_reentrant):
+    """Forward inside torch.autocast(bfloat16), backward outside it: the recompute re-enters the
+    forward's autocast, so its GEMMs run in bfloat16 as the forward's did and the gradients are
+    bit-identical to the plain run's (a float32 recompute gives other gradients)."""
+    g = seeded(rng)
+    torch.manual_seed(0)
+    m = (te.Linear(32, 32, params_dtype=torch.float32, device=DEVICE) if module == "te"
+         else torch.nn.Linear(32, 32, device=DEVICE))
+    x0 = dev(torch.randn(16, 32, generator=g))
+    dy = dev(torch.randn(16, 32, generator=g))
+
+    def under_autocast(body):
+        def fn(x):
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+                return body(x)
+        return fn
+    plain = _linear_grads(m, x0, under_autocast(m), dy)
+    assert plain[0].dtype == torch.bfloat16
+    ck = _linear_grads(m, x0, under_autocast(lambda x: te.checkpoint(m, x, use_reentrant=use_reentrant)), dy)
+    _assert_same(ck, plain)
+
+    # the autocast state is the forward's, not the backward's: a float32 forward recomputes in float32
+    def backward_under_autocast(fn):
+        m.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        y = fn(x)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            y.backward(dy)
+        return y.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters()}
+    _assert_same(backward_under_autocast(lambda x: te.checkpoint(m, x, use_reentrant=use_reentrant)),
+                 backward_under_autocast(m))
+
+
+def test_reentrant_checkpoint_refuses_autograd_grad(rng):
+    """torch.autograd.grad (or backward(inputs=...)) through the reentrant checkpoint raises instead
+    of running the recompute's backward into the parameters' .grad behind the caller's back."""
+    g = seeded(rng)
+    m = te.Linear(8, 8, params_dtype=torch.float32, device=DEVICE)
+    x = dev(torch.randn(4, 8, generator=g)).requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"not compatible with \.grad\(\).*\.backward\(\)"):
+        torch.autograd.grad(te.checkpoint(m, x, use_reentrant=True).sum(), x)
+    with pytest.raises(RuntimeError, match=r"not compatible with \.grad\(\)"):
+        te.checkpoint(m, x, use_reentrant=True).sum().backward(inputs=[x])
+    assert m.weight.grad is None and x.grad is None
+    # the non-reentrant form supports it
+    (dx,) = torch.autograd.grad(te.checkpoint(m, x, use_reentrant=False).sum(), x)
+    assert torch.equal(dx, torch.autograd.grad(m(x).sum(), x)[0]) and m.weight.grad is None
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_distribute_saved_activations_without_tensor_parallelism(rng, monkeypatch, use_reentrant):
+    """distribute_saved_activations is a memory saving over the tensor-parallel group: without a
+    group of more than one rank (or with use_reentrant=False, where TE documents it has no effect)
+    it is accepted and changes nothing; over a real group (reentrant) it is not implemented."""
+    g = seeded(rng)
+    m = te.Linear(8, 8, params_dtype=torch.float32, device=DEVICE)
+    x0 = dev(torch.randn(4, 8, generator=g))
+    plain = _linear_grads(m, x0, m)
+    ck = _linear_grads(m, x0, lambda x: te.checkpoint(m, x, distribute_saved_activations=True,
+                                                      use_reentrant=use_reentrant))
+    _assert_same(ck, plain)
+    tp_group = object()  # a group of two ranks (torch.distributed's answers below)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2 if group is tp_group else 1)
+    if use_reentrant:
+        with pytest.raises(NotImplementedError, match="distribute_saved_activations"):
+            te.distributed.checkpoint(m, x0, distribute_saved_activations=True, tp_group=tp_group)
+    else:
+        ck = _linear_grads(m, x0, lambda x: te.checkpoint(m, x, distribute_saved_activations=True,
+                                                          tp_group=tp_group, use_reentrant=False))
+        _assert_same(ck, plain)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_drops_torch_checkpoint_keywords(rng, use_reentrant):
+    """context_fn, determinism_check and debug are checkpoint's keywords, not the function's."""
+    g = seeded(rng)
+    m = te.Linear(8, 8, params_dtype=torch.float32, device=DEVICE)
+    x0 = dev(torch.randn(4, 8, generator=g))
+    seen = []
+
+    def body(x, **kw):
+        seen.append(kw)
+        return m(x)
+    plain = _linear_grads(m, x0, m)
+    ck = _linear_grads(m, x0, lambda x: te.checkpoint(body, x, use_reentrant=use_reentrant, context_fn=None,
+                                                      determinism_check="default", debug=False))
+    _assert_same(ck, plain)
+    assert seen == [{}, {}]  # forward and recompute, neither given the dropped keywords
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_legacy_positional_form(rng, use_reentrant):
+    """TE's deprecated checkpoint(function, distribute_saved_activations, get_rng_state_tracker,
+    tp_group, *args): a DeprecationWarning, then the options are used as such (the tracker's states
+    are restored for the recompute) and the remaining arguments go to the function."""
+    g = seeded(rng)
+    m = te.Linear(8, 8, params_dtype=torch.float32, device=DEVICE)
+    x0 = dev(torch.randn(4, 8, generator=g))
+    tr = te.CudaRNGStatesTracker()
+    tr.add("model-parallel-rng", 3)
+    calls = []
+
+    def body(x, scale):
+        calls.append(1)
+        with tr.fork():
+            keep = (torch.rand(x.shape, device=x.device) > 0.5).to(x.dtype)
+        return m(x) * keep * scale
+    before = tr.get_states()
+    plain = _linear_grads(m, x0, lambda x: body(x, 2.0))
+    tr.set_states(before)
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        ck = _linear_grads(m, x0, lambda x: te.checkpoint(body, False, lambda: tr, None, x, 2.0,
+                                                          use_reentrant=use_reentrant))
+    assert len(calls) == 3  # plain, checkpointed forward, recompute
+    _assert_same(ck, plain)
+    with pytest.raises(TypeError, match="both positionally"):
+        te.checkpoint(body, False, lambda: tr, None, x0, 2.0, get_rng_state_tracker=lambda: tr)

@@ -11,11 +11,12 @@ from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 from . import transformer
 from .transformer import TransformerLayer
 from . import distributed
-from .distributed import checkpoint
+from .distributed import CudaRNGStatesTracker, checkpoint
 from .graph import make_graphed_callables
 
 __all__ = ["Linear", "GroupedLinear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "TransformerEngineBaseModule",
            "TransformerLayer", "DotProductAttention", "MultiheadAttention", "InferenceParams",
            "RotaryPositionEmbedding", "apply_rotary_pos_emb",
            "fp8_autocast", "autocast", "is_fp8_available", "fp8_model_init", "quantized_model_init", "checkpoint",
+           "CudaRNGStatesTracker",
            "distributed", "make_graphed_callables"]

@@ -8,18 +8,21 @@ second time. The checkpointed forward therefore stashes a copy of each module's 
 casts with the stashed scales and records amaxes into scratch buffers
 (FP8GlobalState.recompute_stash). RNG states (CPU, CUDA, and an optional RNG tracker) are
 restored so dropout draws the same masks.
+
+CudaRNGStatesTracker: TE's (Megatron's) tracker of named RNG streams, for get_rng_state_tracker.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from .fp8 import FP8GlobalState
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "CudaRNGStatesTracker"]
 
 
 class _RecomputeState:
@@ -64,6 +67,25 @@ def _cuda_devices():
     return []
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_state():
+    """torch.autocast's state per device type ({device: (enabled, dtype, cache_enabled)}): the
+    recompute runs after the forward's autocast region has been left, so it must re-enter it."""
+    cache = torch.is_autocast_cache_enabled()
+    return {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d), cache) for d in _AUTOCAST_DEVICES}
+
+
+def _autocast_context(state) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for d, (enabled, dtype, cache) in state.items():
+        if d == "cuda" and not enabled and not torch.cuda.is_available():
+            continue  # (nothing to turn off; torch.autocast("cuda") warns without CUDA)
+        stack.enter_context(torch.autocast(d, dtype=dtype, enabled=enabled, cache_enabled=cache))
+    return stack
+
+
 class _ReentrantCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function, state: _RecomputeState, *args):
@@ -71,6 +93,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         ctx.devices = _cuda_devices()
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.devices]
+        ctx.autocast = _autocast_state()
         ctx.is_tensor = [isinstance(a, torch.Tensor) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
         ctx.save_for_backward(*[a for a, t in zip(args, ctx.is_tensor) if t])
@@ -79,6 +102,12 @@ class _ReentrantCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        # The recompute runs its own backward into the inputs' and parameters' .grad: under
+        # torch.autograd.grad that would write .grad behind the caller's back (and return nothing
+        # for the parameters), so it is refused, as torch's reentrant checkpoint does.
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("te.checkpoint(use_reentrant=True) is not compatible with .grad() or the inputs "
+                               "argument of .backward(); use .backward() without inputs, or use_reentrant=False")
         tensors = iter(ctx.saved_tensors)
         inputs = []
         for is_t, other in zip(ctx.is_tensor, ctx.others):
@@ -91,13 +120,23 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             for d, s in zip(ctx.devices, ctx.cuda_rng):
                 torch.cuda.set_rng_state(s, d)
-            with torch.enable_grad(), ctx.state.recompute():
+            with torch.enable_grad(), _autocast_context(ctx.autocast), ctx.state.recompute():
                 outputs = ctx.run_function(*inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None) + tuple(i.grad if isinstance(i, torch.Tensor) else None for i in inputs)
+
+
+# torch.utils.checkpoint keywords TE's checkpoint accepts and drops (they are not the function's)
+_IGNORED_KWARGS = ("context_fn", "determinism_check", "debug")
+
+
+def _group_size(group) -> int:
+    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1
+    return torch.distributed.get_world_size(group)
 
 
 def checkpoint(function: Callable, *args: Any, distribute_saved_activations: bool = False,
@@ -107,16 +146,115 @@ def checkpoint(function: Callable, *args: Any, distribute_saved_activations: boo
 
     Under fp8_autocast the recompute reuses the FP8 scales of the original forward and leaves the
     amax histories alone, so outputs, gradients and recipe state equal those of a run without
-    checkpointing. get_rng_state_tracker: a callable returning an object with get_states() /
-    set_states() (Megatron's RNG tracker) whose states are restored for the recompute too.
-    distribute_saved_activations (tensor-parallel sharding of the saved inputs) is not
-    implemented: this adapter has no tensor parallelism."""
-    if distribute_saved_activations:
-        raise NotImplementedError("checkpoint: distribute_saved_activations needs tensor parallelism, which this "
-                                  "adapter does not implement")
+    checkpointing; torch.autocast's state of the forward is restored for the recompute too.
+    get_rng_state_tracker: a callable returning an object with get_states() / set_states() (a
+    CudaRNGStatesTracker, or Megatron's) whose states are restored for the recompute.
+    distribute_saved_activations (sharding the saved inputs over tp_group, a memory saving only)
+    has no effect with use_reentrant=False or without a tensor-parallel group of more than one
+    rank; with one, it is not implemented (this adapter has no tensor parallelism). The keywords
+    context_fn, determinism_check and debug (torch.utils.checkpoint's) are accepted and ignored, as
+    in TE. TE's older positional form checkpoint(function, distribute_saved_activations,
+    get_rng_state_tracker, tp_group, *args) is accepted with a DeprecationWarning."""
+    if len(args) >= 3 and isinstance(args[0], bool) and (args[1] is None or callable(args[1])):
+        # TE's deprecated positional form (Megatron-LM's call): the three options lead the arguments
+        if distribute_saved_activations or get_rng_state_tracker is not None or tp_group is not None:
+            raise TypeError("checkpoint: distribute_saved_activations, get_rng_state_tracker and tp_group given "
+                            "both positionally (the deprecated form) and as keywords")
+        warnings.warn("checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group, *args) "
+                      "is deprecated: pass these three as keyword arguments", DeprecationWarning, stacklevel=2)
+        distribute_saved_activations, get_rng_state_tracker, tp_group = args[:3]
+        args = args[3:]
+    for k in _IGNORED_KWARGS:
+        kwargs.pop(k, None)
+    if distribute_saved_activations and use_reentrant and _group_size(tp_group) > 1:
+        raise NotImplementedError("checkpoint: distribute_saved_activations over a tensor-parallel group of more "
+                                  "than one rank is not implemented in this adapter")
     fn = functools.partial(function, **kwargs) if kwargs else function
     state = _RecomputeState(get_rng_state_tracker)
     if use_reentrant:
         return _ReentrantCheckpoint.apply(fn, state, *args)
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
                                              context_fn=lambda: (state.forward(), state.recompute()))
+
+
+# ------------------------------------------------------------- RNG tracker
+def _tracked_devices():
+    """The generators a tracker stream covers: the CPU's always, and the current CUDA device's when
+    CUDA is available, so that dropout draws in the stream on whichever device its tensors are."""
+    devs = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devs.append(torch.device("cuda", torch.cuda.current_device()))
+    return devs
+
+
+def _default_generator(dev: torch.device) -> torch.Generator:
+    if dev.type == "cpu":
+        return torch.default_generator
+    return torch.cuda.default_generators[dev.index]
+
+
+class CudaRNGStatesTracker:
+    """Named RNG streams (TE's / Megatron's tracker, e.g. "model-parallel-rng"), for
+    get_rng_state_tracker of the modules and of checkpoint.
+
+    add(name, seed) starts a stream; fork(name) runs a block with the stream's state in torch's
+    default generators (the CPU's and, when CUDA is available, the current CUDA device's: this
+    adapter runs on either), then saves the advanced state back into the stream and restores the
+    generators' previous states. get_states() / set_states() copy and replace all streams (what
+    checkpoint restores for its recompute). A state is {device type: generator state tensor}."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every stream and seed."""
+        self.states_: Dict[str, Dict[str, torch.Tensor]] = {}
+        self.seeds_ = set()
+
+    def get_states(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """A copy of the streams' states (name -> state): later draws do not change it."""
+        return {name: {d: t.clone() for d, t in st.items()} for name, st in self.states_.items()}
+
+    def set_states(self, states: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        """Replace the streams' states by `states` (as get_states() returned them)."""
+        if not isinstance(states, dict):
+            raise TypeError(f"CudaRNGStatesTracker.set_states: expected a dict name -> state, got {type(states).__name__}")
+        bad = [name for name, st in states.items() if not isinstance(st, dict)]
+        if bad:
+            raise TypeError(f"CudaRNGStatesTracker.set_states: the states of {bad} are not this tracker's "
+                            f"({{device type: generator state}}, as get_states() returns them)")
+        self.states_ = {name: {d: t.clone() for d, t in st.items()} for name, st in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        """Start the stream `name` from `seed`; a name or a seed may be added only once."""
+        seed = int(seed)
+        if seed in self.seeds_:
+            raise ValueError(f"CudaRNGStatesTracker: seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"CudaRNGStatesTracker: RNG state {name!r} already exists")
+        st = {}
+        for dev in _tracked_devices():
+            st[dev.type] = torch.Generator(device=dev).manual_seed(seed).get_state()
+        self.seeds_.add(seed)
+        self.states_[name] = st
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        """Draw in the stream `name` inside the block (see the class)."""
+        if name not in self.states_:
+            raise KeyError(f"CudaRNGStatesTracker: RNG state {name!r} has not been added (known: "
+                           f"{sorted(self.states_)})")
+        st = self.states_[name]
+        gens = {d.type: _default_generator(d) for d in _tracked_devices()}
+        missing = sorted(set(gens) - set(st))
+        if missing:  # (added before CUDA came up, say: the CUDA draws would not be in the stream)
+            raise RuntimeError(f"CudaRNGStatesTracker: RNG state {name!r} has no state for {missing}")
+        previous = {d: g.get_state() for d, g in gens.items()}
+        for d, g in gens.items():
+            g.set_state(st[d])
+        try:
+            yield
+        finally:
+            self.states_[name] = {d: g.get_state() for d, g in gens.items()}
+            for d, g in gens.items():
+                g.set_state(previous[d])

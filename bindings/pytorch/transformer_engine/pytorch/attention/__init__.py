@@ -22,7 +22,6 @@ import numbers
 from typing import Callable, Optional, Tuple, Union
 
 import torch
-import torch.utils.checkpoint
 
 from .. import _ops, custom_ops
 from .. import attn_bias as _ab
@@ -32,6 +31,7 @@ from .. import dpa_fused as _df
 from .. import fused_attention as _fa
 from .. import fused_attention_fp8 as _fa8
 from .. import kv_cache_attention as _kv
+from ..distributed import checkpoint as _checkpoint
 from ..fp8 import FP8Meta, fp8_autocast
 from ..inference import InferenceParams  # noqa: F401  (TE's te.attention.InferenceParams)
 from ..rope import RotaryPositionEmbedding, apply_rotary_pos_emb  # noqa: F401  (also te.attention.*)
@@ -185,6 +185,8 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"DotProductAttention: num_attention_heads ({self.num_attention_heads}) must be a "
                              f"multiple of num_gqa_groups ({self.num_gqa_groups})")
         self.attention_dropout = float(attention_dropout)
+        if not 0.0 <= self.attention_dropout <= 1.0:  # (TE's torch.nn.Dropout raises for these; NaN too)
+            raise ValueError(f"DotProductAttention: attention_dropout must be in [0, 1], got {attention_dropout}")
         self.qkv_format = self._check_format(qkv_format)
         self.attn_mask_type = self._check_mask_type(attn_mask_type)
         self.window_size = _check_window(window_size)
@@ -251,8 +253,9 @@ class DotProductAttention(torch.nn.Module):
         if checkpoint_core_attention and self._checkpointable(query_layer, key_layer, value_layer, core_attention_bias,
                                                               inference_params, _fp8_handoff, _cp_local):
             # TE's recompute of the core attention in backward: only the inputs are kept (the unfused
-            # path's [b, h, sq, skv] probabilities are not); torch's RNG state is replayed, so dropout
-            # (torch's on the unfused path, the library's seed drawn from torch on the fused one) repeats
+            # path's [b, h, sq, skv] probabilities are not); torch's RNG state and the states of the
+            # module's RNG tracker are replayed (te.checkpoint), so dropout (torch's on the unfused
+            # path, the library's seed drawn from torch on the fused one) repeats
             def run(q, k, v, bias):
                 with fp8_autocast(enabled=False):  # (as the forward ran: outside FP8 attention)
                     return self.forward(q, k, v, attention_mask=attention_mask, qkv_format=qkv_format,
@@ -262,8 +265,8 @@ class DotProductAttention(torch.nn.Module):
                                         attn_mask_type=attn_mask_type, window_size=window_size,
                                         core_attention_bias_type=core_attention_bias_type, core_attention_bias=bias,
                                         alibi_slopes=alibi_slopes, pad_between_seqs=pad_between_seqs)
-            return torch.utils.checkpoint.checkpoint(run, query_layer, key_layer, value_layer, core_attention_bias,
-                                                     use_reentrant=False)
+            return _checkpoint(run, query_layer, key_layer, value_layer, core_attention_bias,
+                               get_rng_state_tracker=self.get_rng_state_tracker, use_reentrant=False)
         fmt = self._check_format(qkv_format or self.qkv_format)
         mask_type = self._check_mask_type(attn_mask_type or self.attn_mask_type)
         if core_attention_bias_type not in _fa.BIASES:
@@ -352,8 +355,6 @@ class DotProductAttention(torch.nn.Module):
         FP8 attention (whose recipe state a second forward would advance), context parallelism and
         K/V-cache inference; elsewhere the flag changes memory only, so it is then left unused."""
         grads = _df.needs_grad(self, q, k, v, bias)
-        if self.get_rng_state_tracker is not None and self.training and self.attention_dropout > 0.0:
-            return False  # (torch's checkpoint replays torch's RNG, not the tracker's: the mask would change)
         return (grads and inference_params is None and handoff is None and not cp_local and self.cp is None
                 and not _df.fp8_attention_on())
 
