@@ -261,6 +261,7 @@ AttnParams describe(const AttnScalars &s, const Tensor &q, const Tensor &k, cons
   p.is_training = s.is_training;
   p.dropout = s.is_training ? s.dropout : 0.0f;
   p.return_max_logit = s.return_max_logit;
+  p.deterministic = s.deterministic;
   const bool q_thd = l.q_format == NVTE_THD, kv_thd = l.kv_format == NVTE_THD;
   p.padding = is_padding(s.mask_type);
   p.rule = mask_rule(s);

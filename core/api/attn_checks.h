@@ -23,6 +23,7 @@ struct AttnScalars {
   NVTE_Softmax_Type softmax_type = NVTE_VANILLA_SOFTMAX;
   int64_t window_left = -1, window_right = -1;
   bool bottom_right_diagonal = false;
+  bool deterministic = false;  // backward: a deterministic algorithm only (TE's flag)
 };
 
 // Sizes and dtypes that tensors imply (or a backend query states).

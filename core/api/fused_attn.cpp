@@ -52,9 +52,10 @@ AttnScalars scalars(size_t max_sq, size_t max_skv, bool is_training, bool return
   s.bias_type = bias;
   s.mask_type = mask;
   s.softmax_type = softmax;
-  // A window of 2^40 or more reaches every key of any sequence a tensor can hold: it is read as
-  // unbounded (-1), which also keeps the band arithmetic (i + diagonal +- window) from overflowing.
-  constexpr int64_t kReachesAll = int64_t(1) << 40;
+  // A window of 2^31 - 1 or more reaches every key of any sequence (lengths and offsets are int32,
+  // cu_seqlens): it is read as unbounded (-1), which also keeps the band arithmetic (i + diagonal
+  // +- window) from overflowing and cuDNN's int band bounds from truncating.
+  constexpr int64_t kReachesAll = INT32_MAX;
   s.window_left = window_left >= kReachesAll ? -1 : window_left;
   s.window_right = window_right >= kReachesAll ? -1 : window_right;
   s.bottom_right_diagonal = bottom_right;
@@ -484,6 +485,7 @@ NVTE_Fused_Attn_Backend nvte_get_fused_attn_backend(
       p.is_training = is_training;
       p.dropout = is_training ? dropout : 0.0f;
       p.return_max_logit = return_max_logit;
+      p.deterministic = is_training && deterministic;
       p.rule = api::mask_rule(s);
       std::string why;
       NVTE_CHECK_SUPPORTED(cuda::fused_attn_supported(p, &why), "CUDA fused attention: ", why);
@@ -532,8 +534,10 @@ NVTEStatus nvte_fused_attn_bwd(
     const AttnScalars s = scalars(max_seqlen_q, max_seqlen_kv, true, false, attn_scale, dropout, qkv_layout,
                                   bias_type, attn_mask_type, softmax_type, window_size_left, window_size_right,
                                   bottom_right_diagonal);
+    AttnScalars sd = s;
+    sd.deterministic = deterministic;
     run_bwd(op, Q, K, V, O, dO, S, dP, Aux_CTX_Tensors, dQ, dK, dV, dBias, dSoftmaxOffset, cu_seqlens_q,
-            cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, s, workspace, stream);
+            cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, sd, workspace, stream);
   });
 }
 
@@ -562,9 +566,9 @@ NVTEStatus nvte_fused_attn_bwd_workspace_size(
   const char *op = "nvte_fused_attn_bwd_workspace_size";
   return api_call(op, [&] {
     NVTE_CHECK(bytes != nullptr, "bytes is NULL");
-    const AttnScalars s = scalars(max_seqlen_q, max_seqlen_kv, true, false, 1.0f, dropout, qkv_layout, bias_type,
-                                  attn_mask_type, softmax_type, window_size_left, window_size_right,
-                                  bottom_right_diagonal);
+    AttnScalars s = scalars(max_seqlen_q, max_seqlen_kv, true, false, 1.0f, dropout, qkv_layout, bias_type,
+                            attn_mask_type, softmax_type, window_size_left, window_size_right, bottom_right_diagonal);
+    s.deterministic = deterministic;
     *bytes = workspace_bytes(op, Q, K, V, dBias, s, true);
   });
 }

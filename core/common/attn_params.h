@@ -32,6 +32,7 @@ struct AttnParams {
   float dropout = 0.0f;   // effective probability (0 in inference forward calls)
   bool is_training = false;
   bool return_max_logit = false;
+  bool deterministic = false;     // backward: cuDNN's deterministic algorithm only
   size_t bias_b = 0, bias_h = 0;  // PRE/POST_SCALE_BIAS: broadcast dims (1 or b, 1 or h_q)
   size_t slopes_b = 0;            // ALIBI slopes: 0 default, 1 for [h_q], b for [b, h_q]
   // Paged layouts: K and V are caches of num_pages pages of page_size token rows ([num_pages,

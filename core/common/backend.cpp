@@ -9,7 +9,13 @@
 
 namespace nvte {
 
-Backend pointer_backend(const void *ptr) {
+namespace {
+thread_local int t_call_depth = 0;       // nesting of api_call on this thread
+thread_local int t_restore_device = -1;  // the caller's device while a call runs on another one
+
+// Where a pointer lives; *device: its CUDA device (-1 for host memory).
+Backend locate(const void *ptr, int *device) {
+  *device = -1;
 #ifdef NVTE_WITH_CUDA
   if (ptr == nullptr) return Backend::CPU;
   cudaPointerAttributes attr;
@@ -17,18 +23,51 @@ Backend pointer_backend(const void *ptr) {
     cudaGetLastError();  // clear the sticky-free error state for unregistered host memory
     return Backend::CPU;
   }
-  return (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) ? Backend::CUDA
-                                                                                    : Backend::CPU;
+  if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) {
+    *device = attr.device;
+    return Backend::CUDA;
+  }
 #else
   (void)ptr;
-  return Backend::CPU;
 #endif
+  return Backend::CPU;
+}
+
+// Makes `device` current for the rest of the call, remembering the caller's.
+void use_device(int device) {
+#ifdef NVTE_WITH_CUDA
+  int current = -1;
+  NVTE_CHECK(cudaGetDevice(&current) == cudaSuccess, "cudaGetDevice failed");
+  if (current == device || device < 0) return;
+  if (t_restore_device < 0) t_restore_device = current;
+  const cudaError_t e = cudaSetDevice(device);
+  NVTE_CHECK(e == cudaSuccess, "cudaSetDevice(", device, ") for the tensors' device failed: ", cudaGetErrorString(e));
+#else
+  (void)device;
+#endif
+}
+}  // namespace
+
+void begin_api_call() noexcept { ++t_call_depth; }
+
+void end_api_call() noexcept {
+  if (--t_call_depth > 0 || t_restore_device < 0) return;
+#ifdef NVTE_WITH_CUDA
+  cudaSetDevice(t_restore_device);
+#endif
+  t_restore_device = -1;
+}
+
+Backend pointer_backend(const void *ptr) {
+  int device;
+  return locate(ptr, &device);
 }
 
 Backend backend_of(const NamedTensor *tensors, size_t n) {
   const char *first_name = nullptr;
   const char *first_param = nullptr;
   Backend first = Backend::CPU;
+  int first_device = -1;
   static const char *kParamNames[kNVTENumTensorParams] = {
       "data", "columnwise data", "scale", "amax", "scale_inv", "columnwise scale_inv", "columnwise amax"};
   for (size_t i = 0; i < n; ++i) {
@@ -37,9 +76,11 @@ Backend backend_of(const NamedTensor *tensors, size_t n) {
     for (int p = 0; p < kNVTENumTensorParams; ++p) {
       const void *ptr = t->params[p].data_ptr;
       if (ptr == nullptr) continue;
-      const Backend b = pointer_backend(ptr);
+      int device;
+      const Backend b = locate(ptr, &device);
       if (first_name == nullptr) {
         first = b;
+        first_device = device;
         first_name = tensors[i].first;
         first_param = kParamNames[p];
       } else {
@@ -47,9 +88,13 @@ Backend backend_of(const NamedTensor *tensors, size_t n) {
                    " is in ", first == Backend::CUDA ? "CUDA device" : "host", " memory but ",
                    tensors[i].first, " ", kParamNames[p], " is in ",
                    b == Backend::CUDA ? "CUDA device" : "host", " memory");
+        NVTE_CHECK(device == first_device, "tensors live on different CUDA devices: ", first_name, " ",
+                   first_param, " is on device ", first_device, " but ", tensors[i].first, " ", kParamNames[p],
+                   " is on device ", device);
       }
     }
   }
+  if (first == Backend::CUDA) use_device(first_device);
   return first;
 }
 

@@ -20,7 +20,9 @@ Backend pointer_backend(const void *ptr);
 // A named tensor for backend_of's messages; null handles are skipped.
 using NamedTensor = std::pair<const char *, const NVTETensor>;
 
-// Backend of all buffers of all listed tensors; throws on a host/device mix.
+// Backend of all buffers of all listed tensors; throws on a host/device mix or on CUDA buffers
+// of several devices. For CUDA it also makes the buffers' device current for the rest of the call
+// (the caller's device is restored when the entry point returns: error.h's api_call).
 Backend backend_of(std::initializer_list<NamedTensor> tensors);
 Backend backend_of(const NamedTensor *tensors, size_t n);
 

@@ -39,9 +39,18 @@ std::string concat(const Args &...args) {
 // Stores "op: message" as this thread's last error.
 void set_last_error(const char *op, const char *msg);
 
+// A call on CUDA tensors runs with their device current (backend_of makes it so); the caller's
+// device comes back when the outermost entry point returns (backend.cpp).
+void begin_api_call() noexcept;
+void end_api_call() noexcept;
+
 // Runs f; converts any exception into a status + last-error message naming op.
 template <class F>
 NVTEStatus api_call(const char *op, F &&f) noexcept {
+  struct Scope {
+    Scope() { begin_api_call(); }
+    ~Scope() { end_api_call(); }
+  } scope;
   try {
     f();
     return NVTE_SUCCESS;

@@ -277,7 +277,8 @@ NVTE_API NVTE_Fused_Attn_Backend nvte_get_fused_attn_backend(
  *  \param[in]  cuda_graph     TE flag, ignored on the CPU.
  *  \param[in]  attn_scale     scale of Q K^T (typically 1/sqrt(d_qk)).
  *  \param[in]  dropout        probability of dropping, in [0, 1).
- *  \param[in]  window_size_left, window_size_right  >= -1; -1 = unbounded.
+ *  \param[in]  window_size_left, window_size_right  >= -1; -1 = unbounded (so is any window of
+ *              2^31 - 1 or more: it reaches every key of an int32-indexed sequence).
  *  \param[in]  bottom_right_diagonal  align windows and ALiBi to the bottom-right diagonal for the
  *                             non-causal masks; the causal types fix the alignment themselves.
  *  \param[in,out] workspace   scratch (see nvte_fused_attn_fwd_workspace_size); may be NULL on CPU.
@@ -312,7 +313,8 @@ NVTE_API NVTEStatus nvte_fused_attn_fwd(
  *  \param[out] dBias          PRE/POST_SCALE_BIAS: the bias shape (broadcast dims summed);
  *                             NULL skips it. Ignored for other bias types.
  *  \param[out] dSoftmaxOffset LEARNABLE_SOFTMAX: float32 [1, h_q, 1, 1]; NULL skips it.
- *  \param[in]  deterministic  the CPU backend is always deterministic.
+ *  \param[in]  deterministic  the CUDA backend runs cuDNN's deterministic backward (no atomics in dQ;
+ *              the workspace query must be asked with the same value); the CPU backend always is.
  *  \param[in,out] workspace   scratch (see nvte_fused_attn_bwd_workspace_size); may be NULL on CPU. */
 NVTE_API NVTEStatus nvte_fused_attn_bwd(
     const NVTETensor Q, const NVTETensor K, const NVTETensor V, const NVTETensor O,
@@ -338,7 +340,9 @@ NVTE_API NVTEStatus nvte_fused_attn_fwd_workspace_size(
     int64_t window_size_right, bool bottom_right_diagonal, size_t *bytes);
 
 /** \brief Bytes of workspace nvte_fused_attn_bwd needs for these arguments. 0 on the CPU.
- *  \param[in] dBias  the dBias the backward will get (NULL: none); only its shape is read. */
+ *  \param[in] dBias  the dBias the backward will get; for PRE/POST_SCALE_BIAS without a bias
+ *             gradient, the forward's Bias (its shape describes the bias; the size covers the
+ *             backward with and without dBias); NULL only without a bias. Only its shape is read. */
 NVTE_API NVTEStatus nvte_fused_attn_bwd_workspace_size(
     const NVTETensor Q, const NVTETensor K, const NVTETensor V, const NVTETensor dBias,
     size_t max_seqlen_q, size_t max_seqlen_kv, float dropout, NVTE_QKV_Layout qkv_layout,

@@ -88,7 +88,8 @@ def scalars(c):
                 window_size_right=c.wr, bottom_right_diagonal=c.br)
 
 
-def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, training=True, offset=None):
+def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, training=True, offset=None,
+        bias_dtype=None):
     """Forward (+ backward) on one backend. Returns canonical float64 O, dQ, dK, dV (CPU), the
     described aux pack ("described": [(shape, dtype)]) and its buffers after the forward ("aux",
     CPU copies). max_logit: return_max_logit, with the pack's float32 buffers poisoned with NaN
@@ -98,7 +99,7 @@ def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, tr
     padded, lq, lkv, cuq, cukv = lengths(c)
     o_shape = (c.b, c.sq, c.hq, c.dv) if c.fmt == "bshd" else (c.sq, c.b, c.hq, c.dv)
     o = torch.full(o_shape, float("nan"), dtype=DTYPES[c.dtype], device=dev)
-    bias_t = bias.to(DTYPES[c.dtype]).to(dev).contiguous() if bias is not None else None
+    bias_t = bias.to(bias_dtype or DTYPES[c.dtype]).to(dev).contiguous() if bias is not None else None
     side = dict(Bias=T(bias_t).t if bias_t is not None else None,
                 cu_seqlens_q=T(cuq.to(dev)).t if padded else None, cu_seqlens_kv=T(cukv.to(dev)).t if padded else None)
     rng = T(rng_state.to(dev)).t

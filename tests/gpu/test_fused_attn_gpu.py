@@ -72,9 +72,11 @@ def test_head_dim_v_differs(d, dv):
     check(Case(d=d, dv=dv, hq=4, hkv=2, sq=72, skv=72, mask="causal"))
 
 
-@pytest.mark.parametrize("mask,wl", [("causal", 20), ("no_mask", 33), ("padding_causal", 9)])
+@pytest.mark.parametrize("mask,wl", [("causal", 20), ("no_mask", 33), ("padding_causal", 9), ("causal", 2**32 + 3),
+                                     ("no_mask", 2**31 + 5)])
 def test_sliding_window(mask, wl):
-    """Left (sliding) windows, top-left aligned (cuDNN's diagonal band)."""
+    """Left (sliding) windows, top-left aligned (cuDNN's diagonal band). Windows of 2^31 - 1 or more
+    reach every key (unbounded, as on the CPU): cuDNN's int band bound had truncated them."""
     padded = mask.startswith("padding")
     check(Case(mask=mask, wl=wl, sq=96, skv=96, lens_q=[96, 41] if padded else None,
                lens_kv=[96, 41] if padded else None))
@@ -165,6 +167,14 @@ def test_rows_and_keys_outside_the_mask(mask, sq, skv, lens_q, lens_kv, wl):
 
 def test_post_scale_bias():
     check(Case(bias=True, sq=64, skv=64))
+
+
+def test_bias_of_another_dtype_is_refused():
+    """cuDNN's graph reads Bias in Q's dtype: a float32 bias with bfloat16 Q would be misread."""
+    c = Case(bias=True, sq=64, skv=64)
+    q, k, v, do, bias = inputs(c)
+    with pytest.raises(nvte.Error, match="takes Bias in Q's dtype bfloat16, got float32"):
+        run(c, "cuda", q, k, v, do, bias, torch.tensor([1, 0], dtype=torch.int64), bias_dtype=torch.float32)
 
 
 def test_inference_forward_only():

@@ -341,3 +341,44 @@ def test_rng_state_copy_only_with_dropout(dropout):
                                8 ** -0.5, dropout, fa.LAYOUTS["bshd"], fa.BIAS_INT["no_bias"],
                                fa.MASK_INT["no_mask"], -1, -1, False, False)[0] for _ in range(2)]
     assert torch.isfinite(grads[0]).all() and torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("env,want", [(None, False), ("1", False), ("0", True)])
+def test_deterministic_flag_follows_the_env(monkeypatch, env, want):
+    """NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (TE's variable, default 1) asks the library for its
+    deterministic backward (nvte_fused_attn_bwd's `deterministic`, 4th from last)."""
+    seen = {"bwd": []}
+    real = fa._nvte
+
+    class Rec(Spy):
+        def __getattr__(self, name):
+            attr = getattr(real, name)
+            if name == "fused_attn_bwd":
+                return lambda *a: (seen["bwd"].append(a[-4]), attr(*a))[1]
+            return attr
+
+    monkeypatch.setattr(fa, "_nvte", Rec(real))
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+    if env is None:
+        monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)
+    else:
+        monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", env)
+    q, k, v = make_qkv("bshd", 2, 5, 5, 2, 2, 8, seed=7, dtype=DT)
+    dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal")
+    dpa(dev(q), dev(k), dev(v)).float().sum().backward()
+    assert seen["bwd"] == [want]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN's deterministic backward (NVTE_TEST_DEVICE=cuda only; the CPU "
+                    "backend has no atomics: the flag's plumbing is test_deterministic_flag_follows_the_env)")
+def test_deterministic_backward_repeats_bitwise(monkeypatch):
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+    q, k, v = make_qkv("bshd", 2, 512, 512, 8, 2, 64, seed=8, dtype=DT)  # GQA: dK/dV sum over heads
+    dpa = DotProductAttention(8, 64, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="no_mask")
+    grads = []
+    for _ in range(3):
+        qd, kd, vd = (dev(t.detach()).requires_grad_() for t in (q, k, v))
+        dpa(qd, kd, vd).float().square().sum().backward()
+        grads.append(torch.cat([t.grad.flatten() for t in (qd, kd, vd)]))
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])

@@ -167,7 +167,8 @@ Key key_of(const AttnParams &p, bool bwd, bool has_dbias, const Fp8Types *fp8) {
        (int64_t)p.max_sq, (int64_t)p.max_skv, (int64_t)p.bias_type, (int64_t)p.padding, (int64_t)p.rule.causal,
        (int64_t)p.rule.bottom_right, p.rule.window_left, p.rule.window_right, (int64_t)(p.dropout > 0.0f),
        (int64_t)p.is_training, (int64_t)p.return_max_logit, (int64_t)p.bias_b, (int64_t)p.bias_h,
-       (int64_t)has_dbias, (int64_t)p.page_size, (int64_t)p.num_pages, (int64_t)p.softmax_type});
+       (int64_t)has_dbias, (int64_t)p.page_size, (int64_t)p.num_pages, (int64_t)p.softmax_type,
+       (int64_t)(bwd && p.deterministic)});
   for (const auto &t : p.qkv.t) add({(int64_t)t.format, (int64_t)t.row_stride, (int64_t)t.head_stride});
   add({(int64_t)p.out.format, (int64_t)p.out.row_stride, (int64_t)p.out.head_stride});
   int32_t sb;  // the scale and dropout probability are baked into the graph
@@ -306,6 +307,7 @@ std::string build_bwd(const AttnParams &p, bool has_dbias, cudnnHandle_t h, Buil
   auto stats = input_tensor(g, "stats", kUStats, stats_dim(p), stats_stride(p), fe::DataType_t::FLOAT);
   fe::graph::SDPA_backward_attributes a;
   a.set_name("nvte_sdpa_bwd");
+  a.set_deterministic_algorithm(p.deterministic);  // (cuDNN's default: dQ accumulated by atomics)
   common_options(g, p, a, has_dbias);
   auto [dq, dk, dv] = g.sdpa_backward(q, k, v, o, dout, stats, a);
   // Gradients have the layout (and, for packed layouts, the pack) of Q, K, V.
@@ -390,7 +392,16 @@ SinkRows sink_rows(const AttnParams &p, void *o, const void *d_o, const float *s
   return r;
 }
 
+// The graph's Bias / dBias take Q's dtype (cuDNN's default for an untyped tensor): a bias of
+// another dtype would be read (written) as Q's.
+void check_bias_dtype(const AttnParams &p, const Tensor *t, const char *what) {
+  if (p.bias_type != NVTE_POST_SCALE_BIAS || t == nullptr || data(t) == nullptr) return;
+  NVTE_CHECK_SUPPORTED(logical_dtype(*t) == p.dtype, "CUDA fused attention takes ", what, " in Q's dtype ",
+                       dtype_name(p.dtype), ", got ", dtype_name(logical_dtype(*t)));
+}
+
 void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+  check_bias_dtype(p, t.bias, "Bias");
   auto b = graph_for(p, false, false, stream);
   char *ws = workspace_ptr(workspace, total_bytes(p, *b));
   VariantPack pack{{kUQ, data(t.q)}, {kUK, data(t.k)}, {kUV, data(t.v)}, {kUO, data(t.o)}};
@@ -437,6 +448,8 @@ void fwd_f16(const AttnParams &p, const attn::AttnFwdTensors &t, Tensor *workspa
 }
 
 void bwd_f16(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+  check_bias_dtype(p, t.bias, "Bias");
+  check_bias_dtype(p, t.dbias, "dBias");
   const bool db = p.bias_type == NVTE_POST_SCALE_BIAS && t.dbias != nullptr && data(t.dbias) != nullptr;
   auto b = graph_for(p, true, db, stream);
   char *ws = workspace_ptr(workspace, total_bytes(p, *b));

@@ -116,6 +116,7 @@ std::string build_fp8_bwd(const AttnParams &p, const Fp8Types &ty, cudnnHandle_t
   auto scale_dp = scalar_tensor(g, kUScaledP, "scale_dP", kF32);
   fe::graph::SDPA_fp8_backward_attributes a;
   a.set_name("nvte_sdpa_fp8_bwd");
+  a.set_deterministic_algorithm(p.deterministic);
   fp8_options(g, p, a);
   auto [dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp] =
       g.sdpa_fp8_backward(q, k, v, o, dout, stats, c.descale_q, c.descale_k, c.descale_v, descale_o, descale_do,

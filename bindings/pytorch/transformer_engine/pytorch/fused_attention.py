@@ -110,14 +110,15 @@ def attn_workspace(bwd: bool, c: AttnCfg, qkv, H, bias: Optional[Tensor], is_tra
     """The workspace of one forward / backward call (handles H of q, k, v; bias: the bias, or for the
     backward the bias gradient, or None). Its size is asked of the library once per configuration."""
     q, k, v = qkv
+    det = bwd and deterministic()
     key = ("attn", bwd, q.device, q.dtype, q.shape, k.shape, v.shape,
-           None if bias is None else (bias.shape, bias.dtype), is_training, c)
+           None if bias is None else (bias.shape, bias.dtype), is_training, c, det)
 
     def query():
         enums = _enums(c.layout, c.bias_type, c.mask, c.softmax)
         if bwd:
             return _nvte.fused_attn_bwd_workspace_size(*H, _handle(bias), c.max_sq, c.max_skv, c.dropout, *enums,
-                                                       c.wl, c.wr, c.br)
+                                                       c.wl, c.wr, c.br, det)
         return _nvte.fused_attn_fwd_workspace_size(*H, _handle(bias), c.max_sq, c.max_skv, is_training, False,
                                                    c.dropout, *enums, c.wl, c.wr, c.br)
     return _workspace(_ops._workspace_bytes(key, query), q.device)
@@ -149,7 +150,7 @@ def call_bwd(c: AttnCfg, qkv, H, o_h, do_h, s_h, dp_h, aux, grads, dbias, cu, bi
     # max_seqlen (q, kv), the _tail scalars, deterministic, cuda_graph, workspace, stream
     _nvte.fused_attn_bwd(*H, o_h, do_h, s_h, dp_h, aux, *grads, _handle(dbias), _handle(doffset),
                          *[_handle(t) for t in cu],
-                         c.max_sq, c.max_skv, *_tail(c), True, False, ws, _stream(qkv[0]))
+                         c.max_sq, c.max_skv, *_tail(c), deterministic(), False, ws, _stream(qkv[0]))
 
 
 def stats_shape(q: Tensor, layout: int, max_sq: int, cu_q: Optional[Tensor]) -> List[int]:
@@ -268,6 +269,12 @@ class FusedAttnFunc(torch.autograd.Function):
 def _env(name: str) -> Optional[str]:
     v = os.environ.get(name)
     return None if v is None or v == "" else v
+
+
+def deterministic() -> bool:
+    """NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (TE's variable; default 1): the backward runs deterministic
+    algorithms only (cuDNN's deterministic SDPA backward; the CPU backend always is)."""
+    return _env("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0"
 
 
 def unfused_allowed() -> bool:
