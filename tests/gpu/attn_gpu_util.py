@@ -23,7 +23,8 @@ def mask_enum(name):
 class Case:
     def __init__(self, layout="NVTE_BSHD_BSHD_BSHD", dtype="bfloat16", b=2, sq=64, skv=64, hq=4, hkv=4, d=64,
                  dv=None, mask="no_mask", bias=False, dropout=0.0, lens_q=None, lens_kv=None, seed=0, alibi=False,
-                 wl=-1, softmax="vanilla", wr=-1, br=False):
+                 wl=-1, softmax="vanilla", wr=-1, br=False, deterministic=False):
+        self.deterministic = deterministic  # the backward's flag (its workspace query gets the same)
         self.softmax = softmax  # "vanilla", "off-by-one" or "learnable" (offsets from inputs())
         self.layout, self.dtype, self.b, self.sq, self.skv, self.alibi = layout, dtype, b, sq, skv, alibi
         self.wl = wl  # left window (keys i + diag - wl .. of query i; diag: the mask's alignment), -1: unbounded
@@ -136,12 +137,13 @@ def run(c, dev, q, k, v, do, bias, rng_state, backward=True, max_logit=False, tr
         ws_b = nvte.fused_attn_bwd_workspace_size(*H, T(db).t if db is not None else None, c.sq, c.skv, c.dropout,
                                                    sc["qkv_layout"], sc["bias_type"], sc["attn_mask_type"],
                                                    sc["softmax_type"], sc["window_size_left"],
-                                                   sc["window_size_right"], sc["bottom_right_diagonal"])
+                                                   sc["window_size_right"], sc["bottom_right_diagonal"],
+                                                   c.deterministic)
         wsb = torch.empty(max(ws_b, 1), dtype=torch.uint8, device=dev)
         doff = torch.full((1, c.hq, 1, 1), float("nan"), device=dev) if c.softmax == "learnable" else None
         nvte.fused_attn_bwd(*H, ot, handle(dO, nd), None, None, aux, *G, T(db).t if db is not None else None,
                             T(doff).t if doff is not None else None, side["cu_seqlens_q"], side["cu_seqlens_kv"], None,
-                            None, deterministic=True, cuda_graph=False, workspace=T(wsb).t, **sc)
+                            None, deterministic=c.deterministic, cuda_graph=False, workspace=T(wsb).t, **sc)
         res.update(dq=canon(gq), dk=canon(gk), dv=canon(gv), dbias=db.double().cpu() if db is not None else None,
                    doffset=doff.view(-1).double().cpu() if doff is not None else None)
     if dev == "cuda":

@@ -169,6 +169,22 @@ def test_post_scale_bias():
     check(Case(bias=True, sq=64, skv=64))
 
 
+@pytest.mark.parametrize("mask,bias", [("no_mask", False), ("causal", True), ("padding_causal", False)])
+def test_deterministic_backward(mask, bias):
+    """deterministic=True (cuDNN's deterministic SDPA backward, which needs a larger workspace: the
+    query is asked with the flag): within the bound, and bitwise the same over repeated calls
+    (GQA: dK / dV sum over heads; the default backward accumulates dQ with atomics)."""
+    padded = mask.startswith("padding")
+    c = Case(mask=mask, bias=bias, hq=8, hkv=2, sq=256, skv=256, deterministic=True,
+             lens_q=[256, 101] if padded else None, lens_kv=[256, 77] if padded else None)
+    check(c)
+    q, k, v, do, b = inputs(c)
+    rng = torch.tensor([1, 0], dtype=torch.int64)
+    runs = [run(c, "cuda", q, k, v, do, b, rng) for _ in range(3)]
+    for key in ("dq", "dk", "dv"):
+        assert all(torch.equal(runs[0][key], r[key]) for r in runs[1:]), key
+
+
 def test_bias_of_another_dtype_is_refused():
     """cuDNN's graph reads Bias in Q's dtype: a float32 bias with bfloat16 Q would be misread."""
     c = Case(bias=True, sq=64, skv=64)

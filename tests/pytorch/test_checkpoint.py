@@ -2,6 +2,7 @@
 and FP8 recipe state of a run without checkpointing (the recompute casts with the forward's scales
 and records no amax a second time). The modules run on NVTE_TEST_DEVICE (default the CPU backend);
 inputs are drawn on the CPU and moved with dev()."""
+import contextlib
 import copy
 
 import pytest
@@ -226,3 +227,38 @@ def test_checkpoint_legacy_positional_form(rng, use_reentrant):
     _assert_same(ck, plain)
     with pytest.raises(TypeError, match="both positionally"):
         te.checkpoint(body, False, lambda: tr, None, x0, 2.0, get_rng_state_tracker=lambda: tr)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_context_fn_wraps_forward_and_recompute(rng, use_reentrant):
+    """context_fn (torch's keyword, used by TE): its first context wraps the forward, its second the
+    recompute."""
+    g = seeded(rng)
+    m = te.Linear(8, 8, params_dtype=torch.float32, device=DEVICE)
+    x0 = dev(torch.randn(4, 8, generator=g))
+    entered = []
+
+    @contextlib.contextmanager
+    def tag(name):
+        entered.append(name)
+        yield
+
+    plain = _linear_grads(m, x0, m)
+    ck = _linear_grads(m, x0, lambda x: te.checkpoint(m, x, use_reentrant=use_reentrant,
+                                                      context_fn=lambda: (tag("forward"), tag("recompute"))))
+    _assert_same(ck, plain)
+    assert entered == ["forward", "recompute"]
+
+
+def test_checkpoint_args_that_only_look_like_the_legacy_form(rng):
+    """A function whose own first arguments are (bool, None, tensor) is not the legacy form (TE's
+    test wants a callable tracker and more than three arguments)."""
+    g = seeded(rng)
+    m = te.Linear(8, 8, params_dtype=torch.float32, device=DEVICE)
+    x0 = dev(torch.randn(4, 8, generator=g))
+
+    def f(use_m, unused, x):
+        return m(x) if use_m else x
+    plain = _linear_grads(m, x0, lambda x: f(True, None, x))
+    ck = _linear_grads(m, x0, lambda x: te.checkpoint(f, True, None, x))
+    _assert_same(ck, plain)

@@ -54,8 +54,24 @@ def test_fork_unknown_name_and_bad_states():
             pass
     with pytest.raises(TypeError):
         tr.set_states([1, 2])
-    with pytest.raises(TypeError, match="not this tracker's"):
-        tr.set_states({NAME: torch.get_rng_state()})
+    with pytest.raises(TypeError, match="name -> generator state tensor"):
+        tr.set_states({NAME: {"cpu": torch.get_rng_state()}})
+
+
+def test_states_in_te_format():
+    """get_states() / set_states() take TE's {name: generator state tensor} (what Megatron-LM keeps
+    in its checkpoints): a state taken from the device's default generator is accepted and used."""
+    tr = _tracker(7)
+    assert all(isinstance(t, torch.Tensor) for t in tr.get_states().values())
+    gen = torch.cuda.default_generators[torch.cuda.current_device()] if torch.cuda.is_available() \
+        else torch.default_generator
+    gen.manual_seed(1234)
+    state = gen.get_state()
+    want = torch.rand(6, device="cuda" if torch.cuda.is_available() else "cpu")
+    tr.set_states({NAME: state})
+    with tr.fork():
+        got = torch.rand(6, device=want.device)
+    assert torch.equal(got, want)
 
 
 def test_fork_reproducible_and_leaves_default_generator_alone():
@@ -102,7 +118,7 @@ def test_get_set_states_round_trip():
         a2 = torch.rand(8, device=DEVICE)
     # get_states() is a copy: the draws above did not change it
     again = tr.get_states()
-    assert not all(torch.equal(x, y) for x, y in zip(saved[NAME].values(), again[NAME].values()))
+    assert not torch.equal(saved[NAME], again[NAME])
     tr.set_states(saved)
     with tr.fork():
         b = torch.rand(8, device=DEVICE)

@@ -175,3 +175,47 @@ def test_missing_or_wrong_main_grad_raises(rng):
 def test_deepcopy_keeps_option():
     m = te.Linear(8, 6, fuse_wgrad_accumulation=True, device=DEVICE)
     assert copy.deepcopy(m).fuse_wgrad_accumulation
+
+
+def test_overwrite_main_grad(rng):
+    """A weight with `overwrite_main_grad` = True (TE's attribute) gets the gradient written into
+    main_grad instead of added; for split weights too."""
+    g = seeded(rng)
+    for split in (None, ("a", "b")):
+        m = te.Linear(16, 12, parameters_split=split, fuse_wgrad_accumulation=True, device=DEVICE)
+        init = _main_grads(m, g)
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.main_grad.fill_(100.0)
+                p.overwrite_main_grad = True
+        x, dy = torch.randn(6, 16, generator=g), torch.randn(6, 12, generator=g)
+        m(dev(x)).backward(dev(dy))
+        got = torch.cat([cpu64(p.main_grad) for p in m.parameters() if p.dim() == 2])
+        assert len(init) == (1 if split is None else 2)
+        assert rel_err(got, dy.double().t() @ x.double()) < 1e-6
+
+
+def test_frozen_split_gets_nothing(rng):
+    g = seeded(rng)
+    m = te.Linear(16, 12, parameters_split={"a": 4, "b": 8}, fuse_wgrad_accumulation=True, device=DEVICE)
+    m.a_weight.requires_grad_(False)  # (Megatron allocates main_grad for trainable weights only)
+    m.b_weight.main_grad = dev(torch.zeros(8, 16))
+    x, dy = torch.randn(6, 16, generator=g), torch.randn(6, 12, generator=g)
+    m(dev(x)).backward(dev(dy))
+    assert rel_err(m.b_weight.main_grad, (dy.double().t() @ x.double())[4:]) < 1e-6
+
+
+def test_main_grad_made_before_backward(rng):
+    """Megatron-FSDP parameters (`__fsdp_param__`) make main_grad on demand: get_main_grad() is read
+    in backward (as TE does), none is needed at forward."""
+    g = seeded(rng)
+    m = te.Linear(16, 12, fuse_wgrad_accumulation=True, device=DEVICE)
+    buf = dev(torch.zeros(12, 16))
+    calls = []
+    m.weight.__fsdp_param__ = True
+    m.weight.get_main_grad = lambda: (calls.append(1), buf)[1]
+    x, dy = torch.randn(6, 16, generator=g), torch.randn(6, 12, generator=g)
+    y = m(dev(x))
+    assert not calls
+    y.backward(dev(dy))
+    assert calls and rel_err(buf, dy.double().t() @ x.double()) < 1e-6

@@ -500,7 +500,14 @@ bool fused_attn_supported(const AttnParams &p, std::string *why) {
   return r.empty();
 }
 
+// cuDNN takes no empty problem (a zero length reached an integer division by zero: SIGFPE).
+void check_nonempty(const AttnParams &p) {
+  NVTE_CHECK_SUPPORTED(p.max_sq > 0 && p.max_skv > 0, "CUDA fused attention needs max_seqlen_q and max_seqlen_kv "
+                       "above 0, got ", p.max_sq, " and ", p.max_skv);
+}
+
 size_t fused_attn_fwd_workspace_bytes(const AttnParams &p) {
+  check_nonempty(p);
   if (thd_decode(p)) return thd_decode_fwd_workspace_bytes(p);
   const Fp8Types *fp8 = is_fp8(p.dtype) ? &kQueryFp8Types : nullptr;
   size_t bytes = total_bytes(p, *graph_for(p, false, false, nullptr, fp8));
@@ -514,6 +521,7 @@ size_t fused_attn_fwd_workspace_bytes(const AttnParams &p) {
 }
 
 size_t fused_attn_bwd_workspace_bytes(const AttnParams &p) {
+  check_nonempty(p);
   // dBias is only known at the call; size for the larger graph.
   const bool db = p.bias_type == NVTE_POST_SCALE_BIAS;
   const Fp8Types *fp8 = is_fp8(p.dtype) ? &kQueryFp8Types : nullptr;
@@ -522,6 +530,7 @@ size_t fused_attn_bwd_workspace_bytes(const AttnParams &p) {
 
 void fused_attn_fwd(const AttnParams &call, const attn::AttnFwdTensors &t, Tensor *workspace, cudaStream_t stream) {
   // Without an aux pack there is no max-logit buffer: the plain graph runs (as on the CPU).
+  check_nonempty(call);
   AttnParams p = call;
   p.return_max_logit = call.return_max_logit && t.max_logit != nullptr;
   if (is_fp8(p.dtype)) {
@@ -546,6 +555,7 @@ void fused_attn_fwd(const AttnParams &call, const attn::AttnFwdTensors &t, Tenso
 }
 
 void fused_attn_bwd(const AttnParams &p, const attn::AttnBwdTensors &t, Tensor *workspace, cudaStream_t stream) {
+  check_nonempty(p);
   if (is_fp8(p.dtype)) return fp8_bwd(p, t, workspace, stream);
   bwd_f16(p, t, workspace, stream);
 }

@@ -189,8 +189,9 @@ def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_f
 def gemm_accumulate(A: Tensor, A_transpose: Optional[Tensor], A_scale_inv: Optional[Tensor], A_fp8_dtype: int,
                     B: Tensor, B_transpose: Optional[Tensor], B_scale_inv: Optional[Tensor], B_fp8_dtype: int,
                     out: Tensor, transa: bool, transb: bool, dbias: bool,
-                    dbias_dtype: Optional[torch.dtype] = None) -> Tensor:
-    """out += op(B) @ op(A) in one GEMM (C = D = out: fuse_wgrad_accumulation's main_grad) -> the
+                    dbias_dtype: Optional[torch.dtype] = None, accumulate: bool = True) -> Tensor:
+    """out += op(B) @ op(A) in one GEMM (C = D = out: fuse_wgrad_accumulation's main_grad; out =
+    with accumulate=False) -> the
     bias gradient of op(B) with dbias (the backward epilogue; dtype dbias_dtype: out's, float32 or
     bfloat16 (gemm.h), default out's), else an empty tensor."""
     a = _operand(A, A_transpose, A_scale_inv, A_fp8_dtype)
@@ -199,13 +200,13 @@ def gemm_accumulate(A: Tensor, A_transpose: Optional[Tensor], A_scale_inv: Optio
     if dbias:
         n = _logical_shape(B, B_transpose, B_fp8_dtype)[1 if transb else 0]
         db = torch.empty(n, dtype=dbias_dtype or out.dtype, device=out.device)
-    _ops.gemm(a, b, out.dtype, transa, transb, bias=db, grad=dbias, out=out, accumulate=True)
+    _ops.gemm(a, b, out.dtype, transa, transb, bias=db, grad=dbias, out=out, accumulate=accumulate)
     return db if dbias else out.new_empty(0)
 
 
 @gemm_accumulate.register_fake
 def _(A, A_transpose, A_scale_inv, A_fp8_dtype, B, B_transpose, B_scale_inv, B_fp8_dtype, out, transa, transb,
-      dbias, dbias_dtype=None):
+      dbias, dbias_dtype=None, accumulate=True):
     bshape = _logical_shape(B, B_transpose, B_fp8_dtype)
     return out.new_empty((bshape[1] if transb else bshape[0]) if dbias else 0,
                          dtype=(dbias_dtype or out.dtype) if dbias else out.dtype)

@@ -33,6 +33,7 @@ class _RecomputeState:
         self.stash = {}
         self.tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
         self.tracker_states = self.tracker.get_states() if self.tracker is not None else None
+        self.user_contexts = None  # checkpoint's context_fn (reentrant form)
 
     @contextlib.contextmanager
     def forward(self):
@@ -97,7 +98,9 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         ctx.is_tensor = [isinstance(a, torch.Tensor) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
         ctx.save_for_backward(*[a for a, t in zip(args, ctx.is_tensor) if t])
-        with torch.no_grad(), state.forward():
+        fwd_ctx, ctx.recompute_ctx = (state.user_contexts() if state.user_contexts is not None else
+                                      (contextlib.nullcontext(), contextlib.nullcontext()))
+        with torch.no_grad(), state.forward(), fwd_ctx:
             return run_function(*args)
 
     @staticmethod
@@ -120,7 +123,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             for d, s in zip(ctx.devices, ctx.cuda_rng):
                 torch.cuda.set_rng_state(s, d)
-            with torch.enable_grad(), _autocast_context(ctx.autocast), ctx.state.recompute():
+            with torch.enable_grad(), _autocast_context(ctx.autocast), ctx.state.recompute(), ctx.recompute_ctx:
                 outputs = ctx.run_function(*inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -130,7 +133,24 @@ class _ReentrantCheckpoint(torch.autograd.Function):
 
 
 # torch.utils.checkpoint keywords TE's checkpoint accepts and drops (they are not the function's)
-_IGNORED_KWARGS = ("context_fn", "determinism_check", "debug")
+_IGNORED_KWARGS = ("determinism_check", "debug")
+
+
+@contextlib.contextmanager
+def _within(*contexts):
+    """Inside every context of `contexts`, in order."""
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
+
+
+def _legacy_positional(args) -> bool:
+    """TE's deprecated checkpoint(function, distribute_saved_activations, get_rng_state_tracker,
+    tp_group, *args): TE's own test of it (a bool, a callable, a process group or None, then args)."""
+    group = getattr(torch.distributed, "ProcessGroup", None) if torch.distributed.is_available() else None
+    return (len(args) > 3 and isinstance(args[0], bool) and callable(args[1]) and
+            (args[2] is None or (group is not None and isinstance(args[2], group))))
 
 
 def _group_size(group) -> int:
@@ -151,11 +171,12 @@ def checkpoint(function: Callable, *args: Any, distribute_saved_activations: boo
     CudaRNGStatesTracker, or Megatron's) whose states are restored for the recompute.
     distribute_saved_activations (sharding the saved inputs over tp_group, a memory saving only)
     has no effect with use_reentrant=False or without a tensor-parallel group of more than one
-    rank; with one, it is not implemented (this adapter has no tensor parallelism). The keywords
-    context_fn, determinism_check and debug (torch.utils.checkpoint's) are accepted and ignored, as
-    in TE. TE's older positional form checkpoint(function, distribute_saved_activations,
-    get_rng_state_tracker, tp_group, *args) is accepted with a DeprecationWarning."""
-    if len(args) >= 3 and isinstance(args[0], bool) and (args[1] is None or callable(args[1])):
+    rank; with one, it is not implemented (this adapter has no tensor parallelism). context_fn (torch's:
+    a callable returning (forward context, recompute context)) wraps the forward and the recompute, as
+    in TE; determinism_check and debug are accepted and ignored, as in TE. TE's older positional form
+    checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group, *args) is
+    accepted with a DeprecationWarning."""
+    if _legacy_positional(args):
         # TE's deprecated positional form (Megatron-LM's call): the three options lead the arguments
         if distribute_saved_activations or get_rng_state_tracker is not None or tp_group is not None:
             raise TypeError("checkpoint: distribute_saved_activations, get_rng_state_tracker and tp_group given "
@@ -166,25 +187,32 @@ def checkpoint(function: Callable, *args: Any, distribute_saved_activations: boo
         args = args[3:]
     for k in _IGNORED_KWARGS:
         kwargs.pop(k, None)
+    user_contexts = kwargs.pop("context_fn", None)
     if distribute_saved_activations and use_reentrant and _group_size(tp_group) > 1:
         raise NotImplementedError("checkpoint: distribute_saved_activations over a tensor-parallel group of more "
                                   "than one rank is not implemented in this adapter")
     fn = functools.partial(function, **kwargs) if kwargs else function
     state = _RecomputeState(get_rng_state_tracker)
     if use_reentrant:
+        state.user_contexts = user_contexts
         return _ReentrantCheckpoint.apply(fn, state, *args)
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
-                                             context_fn=lambda: (state.forward(), state.recompute()))
+    if user_contexts is None:
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+                                                 context_fn=lambda: (state.forward(), state.recompute()))
+
+    def contexts():
+        fwd, rec = user_contexts()
+        return _within(state.forward(), fwd), _within(state.recompute(), rec)
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)
 
 
 # ------------------------------------------------------------- RNG tracker
-def _tracked_devices():
-    """The generators a tracker stream covers: the CPU's always, and the current CUDA device's when
-    CUDA is available, so that dropout draws in the stream on whichever device its tensors are."""
-    devs = [torch.device("cpu")]
+def _tracked_device() -> torch.device:
+    """The generator a tracker stream stands for: the current CUDA device's (TE's), or the CPU's on
+    a machine without CUDA (this adapter runs there too)."""
     if torch.cuda.is_available():
-        devs.append(torch.device("cuda", torch.cuda.current_device()))
-    return devs
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _default_generator(dev: torch.device) -> torch.Generator:
@@ -197,33 +225,30 @@ class CudaRNGStatesTracker:
     """Named RNG streams (TE's / Megatron's tracker, e.g. "model-parallel-rng"), for
     get_rng_state_tracker of the modules and of checkpoint.
 
-    add(name, seed) starts a stream; fork(name) runs a block with the stream's state in torch's
-    default generators (the CPU's and, when CUDA is available, the current CUDA device's: this
-    adapter runs on either), then saves the advanced state back into the stream and restores the
-    generators' previous states. get_states() / set_states() copy and replace all streams (what
-    checkpoint restores for its recompute). A state is {device type: generator state tensor}."""
+    add(name, seed) starts a stream; fork(name) runs a block with the stream's state in the default
+    generator of the current CUDA device (of the CPU on a machine without CUDA), then saves the
+    advanced state back into the stream and restores the generator's previous state.
+    get_states() / set_states() copy and replace all streams as {name: generator state tensor},
+    TE's format (what Megatron-LM saves in its checkpoints, and what checkpoint() restores)."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
         """Forget every stream and seed."""
-        self.states_: Dict[str, Dict[str, torch.Tensor]] = {}
+        self.states_: Dict[str, torch.Tensor] = {}
         self.seeds_ = set()
 
-    def get_states(self) -> Dict[str, Dict[str, torch.Tensor]]:
+    def get_states(self) -> Dict[str, torch.Tensor]:
         """A copy of the streams' states (name -> state): later draws do not change it."""
-        return {name: {d: t.clone() for d, t in st.items()} for name, st in self.states_.items()}
+        return {name: st.clone() for name, st in self.states_.items()}
 
-    def set_states(self, states: Dict[str, Dict[str, torch.Tensor]]) -> None:
-        """Replace the streams' states by `states` (as get_states() returned them)."""
-        if not isinstance(states, dict):
-            raise TypeError(f"CudaRNGStatesTracker.set_states: expected a dict name -> state, got {type(states).__name__}")
-        bad = [name for name, st in states.items() if not isinstance(st, dict)]
-        if bad:
-            raise TypeError(f"CudaRNGStatesTracker.set_states: the states of {bad} are not this tracker's "
-                            f"({{device type: generator state}}, as get_states() returns them)")
-        self.states_ = {name: {d: t.clone() for d, t in st.items()} for name, st in states.items()}
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        """Replace the streams' states by `states` (as get_states() returns them)."""
+        if not isinstance(states, dict) or not all(isinstance(t, torch.Tensor) for t in states.values()):
+            raise TypeError("CudaRNGStatesTracker.set_states: expected a dict name -> generator state tensor "
+                            "(as get_states() returns)")
+        self.states_ = {name: st.clone() for name, st in states.items()}
 
     def add(self, name: str, seed: int) -> None:
         """Start the stream `name` from `seed`; a name or a seed may be added only once."""
@@ -232,11 +257,8 @@ class CudaRNGStatesTracker:
             raise ValueError(f"CudaRNGStatesTracker: seed {seed} already exists")
         if name in self.states_:
             raise ValueError(f"CudaRNGStatesTracker: RNG state {name!r} already exists")
-        st = {}
-        for dev in _tracked_devices():
-            st[dev.type] = torch.Generator(device=dev).manual_seed(seed).get_state()
         self.seeds_.add(seed)
-        self.states_[name] = st
+        self.states_[name] = torch.Generator(device=_tracked_device()).manual_seed(seed).get_state()
 
     @contextlib.contextmanager
     def fork(self, name: str = "model-parallel-rng"):
@@ -244,17 +266,11 @@ class CudaRNGStatesTracker:
         if name not in self.states_:
             raise KeyError(f"CudaRNGStatesTracker: RNG state {name!r} has not been added (known: "
                            f"{sorted(self.states_)})")
-        st = self.states_[name]
-        gens = {d.type: _default_generator(d) for d in _tracked_devices()}
-        missing = sorted(set(gens) - set(st))
-        if missing:  # (added before CUDA came up, say: the CUDA draws would not be in the stream)
-            raise RuntimeError(f"CudaRNGStatesTracker: RNG state {name!r} has no state for {missing}")
-        previous = {d: g.get_state() for d, g in gens.items()}
-        for d, g in gens.items():
-            g.set_state(st[d])
+        gen = _default_generator(_tracked_device())
+        previous = gen.get_state()
+        gen.set_state(self.states_[name])
         try:
             yield
         finally:
-            self.states_[name] = {d: g.get_state() for d, g in gens.items()}
-            for d, g in gens.items():
-                g.set_state(previous[d])
+            self.states_[name] = gen.get_state()
+            gen.set_state(previous)

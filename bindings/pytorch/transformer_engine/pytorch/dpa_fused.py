@@ -152,6 +152,20 @@ def _pad_thd(t: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, b: int, s
     return x.view(b, s, *t.shape[1:])
 
 
+class _NoKeysSeen(torch.autograd.Function):
+    """THD attention where every query or every key sequence is empty: no query sees a key, so the
+    output [t, h * d_v] and the gradients are zeros."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.like = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
+        return q.new_zeros(q.shape[0], q.shape[-2] * v.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(torch.zeros(shape, dtype=dt, device=dev) for shape, dt, dev in ctx.like)
+
+
 def _unpad_thd(o: torch.Tensor, tokens: int, starts: torch.Tensor, lens: torch.Tensor, s: int) -> torch.Tensor:
     """[b * s, ...] -> THD [tokens, ...]: each THD row gathered from its slot; rows between or after
     the sequences are zeros. The sequences' starts are non-decreasing (cu_seqlens or their padded
@@ -293,6 +307,8 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
     needs_fused = force_fused or fmt == "thd" or fp8 is not None  # (the unfused path takes biases: attn_bias.py)
     if bias_type in ("pre_scale_bias", "post_scale_bias") and bias is None:
         raise ValueError(f"core_attention_bias_type {bias_type!r} needs core_attention_bias")
+    if fmt == "thd" and handoff is None and seq is not None and (seq.max_sq == 0 or seq.max_skv == 0):
+        return _NoKeysSeen.apply(q, k, v)  # (the GPU's kernels take no empty problem)
     why = ""
     softmax = _fa.SOFTMAX_INT[dpa.softmax_type]
     if not _fa.want_fused(q.device, needs_fused or bias_type != "no_bias"):  # (biases: fused first on the CPU too)

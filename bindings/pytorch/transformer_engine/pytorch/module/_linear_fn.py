@@ -214,31 +214,51 @@ class _LinearFn(torch.autograd.Function):
 
 
 def _accumulate_wgrad(ctx, operands: tuple, need_db: bool):
-    """fuse_wgrad_accumulation: main_grad += the weight gradient (the wgrad GEMM, NT, accumulates
-    into it) -> (what the weight's .grad receives, the bias gradient or None). With split weights
-    (parameters_split) the gradient is made once and added into each one's main_grad rows.
+    """fuse_wgrad_accumulation: main_grad += the weight gradient -> (what the weight's .grad
+    receives, the bias gradient or None); add_wgrad and wgrad_placeholder say how."""
+    gb = add_wgrad(operands, ctx.wgrad_to, ctx.cfg.fp8, ctx.act_dtype, ctx.weight_dtype, need_db)
+    out, inp = ctx.features[1], ctx.features[0]
+    return wgrad_placeholder(ctx.wgrad_to, (out, inp), ctx.weight_dtype), gb
 
-    .grad (Megatron's contract, which TE follows): a weight carrying `grad_added_to_main_grad` gets
-    that flag set and a zero gradient (so its gradient hooks still run, and adding it changes
-    nothing); otherwise None (nothing reaches .grad)."""
-    params = ctx.wgrad_to
-    mains = [p.main_grad for p in params]
-    if len(mains) == 1:
-        gb = ops.gemm_accumulate(*operands, mains[0], False, True, need_db, dbias_dtype(ctx.weight_dtype, mains[0]))
+
+def main_grad_of(p: torch.Tensor) -> torch.Tensor:
+    """A weight's main_grad; Megatron-FSDP parameters (`__fsdp_param__`) make theirs on demand
+    (get_main_grad(), as TE reads it)."""
+    return p.get_main_grad() if hasattr(p, "__fsdp_param__") else p.main_grad
+
+
+def add_wgrad(operands: tuple, params, fp8: bool, act_dtype: torch.dtype, weight_dtype: torch.dtype,
+              need_db: bool) -> Optional[torch.Tensor]:
+    """The wgrad GEMM (NT) of `operands` into the main_grad of `params` (the weight's rows in order:
+    one weight, or the splits of parameters_split) -> the bias gradient in weight_dtype, or None.
+    A weight flagged `overwrite_main_grad` (TE's attribute) gets the gradient written, not added;
+    a frozen split gets nothing. One weight whose main_grad the GEMM can write from these operands
+    (float32, or the operands' dtype; any with FP8 operands) takes it as the GEMM's C = D;
+    otherwise the gradient is made once in float32 and added to (copied into) each main_grad."""
+    mains = [main_grad_of(p) if p.requires_grad else None for p in params]
+    overwrite = [bool(getattr(p, "overwrite_main_grad", False)) for p in params]
+    m0 = mains[0]
+    if len(params) == 1 and m0 is not None and m0.is_contiguous() and (fp8 or m0.dtype in (torch.float32, act_dtype)):
+        gb = ops.gemm_accumulate(*operands, m0, False, True, need_db, dbias_dtype(weight_dtype, m0), not overwrite[0])
     else:
-        mg = mains[0]
-        dw, gb = ops.gemm(*operands, mg.dtype, False, True, None, False, need_db)
+        dw, gb = ops.gemm(*operands, torch.float32, False, True, None, False, need_db)
         start = 0
-        for m in mains:
-            m.add_(dw[start:start + m.shape[0]])
-            start += m.shape[0]
-    db = gb.to(ctx.weight_dtype) if need_db else None
+        for p, m, ow in zip(params, mains, overwrite):
+            rows = p.shape[0]
+            if m is not None:
+                (m.copy_ if ow else m.add_)(dw[start:start + rows])
+            start += rows
+    return gb.to(weight_dtype) if need_db else None
+
+
+def wgrad_placeholder(params, shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """What .grad receives under fuse_wgrad_accumulation (Megatron's contract, which TE follows): a
+    weight carrying `grad_added_to_main_grad` gets that flag set and a zero gradient (its gradient
+    hooks still run, and adding zeros changes nothing); otherwise None (nothing reaches .grad)."""
     flagged = [p for p in params if hasattr(p, "grad_added_to_main_grad")]
     for p in flagged:
         p.grad_added_to_main_grad = True
-    out, inp = ctx.features[1], ctx.features[0]
-    dw = torch.zeros(out, inp, dtype=ctx.weight_dtype, device=mains[0].device) if flagged else None
-    return dw, db
+    return torch.zeros(shape, dtype=dtype, device=params[0].device) if flagged else None
 
 
 def dbias_dtype(weight_dtype: torch.dtype, main_grad: torch.Tensor) -> torch.dtype:

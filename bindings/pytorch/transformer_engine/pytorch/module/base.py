@@ -343,6 +343,8 @@ def check_main_grads(params, name: str) -> None:
     """fuse_wgrad_accumulation: every weight carries a `main_grad` buffer of its shape on its device
     (TE: "a pre-allocated buffer of the correct size to accumulate gradients in")."""
     for p in params:
+        if not p.requires_grad or hasattr(p, "__fsdp_param__"):
+            continue  # (a frozen split takes no gradient; Megatron-FSDP makes main_grad before backward)
         g = getattr(p, "main_grad", None)
         if not isinstance(g, torch.Tensor):
             raise RuntimeError(f"{name}: fuse_wgrad_accumulation=True needs each weight's `main_grad` (a buffer of "

@@ -12,7 +12,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import custom_ops as ops
-from ._linear_fn import LinearCfg, dbias_dtype, high_precision
+from ._linear_fn import LinearCfg, add_wgrad, high_precision, wgrad_placeholder
 from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_main_grads,
                    check_same_device, default_init_method)
 from .linear import check_unsupported
@@ -102,8 +102,8 @@ class _GroupedLinearFn(torch.autograd.Function):
                 if need_dx else None
             if fuse:  # main_grad += x^T g, one accumulating GEMM per weight
                 for j, i in enumerate(live):
-                    ops.gemm_accumulate(none[j], xt[j], x_si[j], cfg.fwd_dtype, none[j], gq[j][1], gq[j][2],
-                                        cfg.bwd_dtype, ctx.main_grads.params[i].main_grad, False, True, False)
+                    add_wgrad((none[j], xt[j], x_si[j], cfg.fwd_dtype, none[j], gq[j][1], gq[j][2], cfg.bwd_dtype),
+                              (ctx.main_grads.params[i],), True, g.dtype, ctx.weight_dtype, False)
             dws = ops.grouped_gemm(none, list(xt), list(x_si), cfg.fwd_dtype, none, [q[1] for q in gq],
                                    [q[2] for q in gq], cfg.bwd_dtype, ctx.weight_dtype, False, True, [], False)[0] \
                 if need_dw and not fuse else None
@@ -114,9 +114,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             dxs = ops.grouped_gemm(*_hp_operands(ws), HP, *_hp_operands(gl), HP, g.dtype, False, False, [],
                                    False)[0] if need_dx else None
             if fuse:
-                mains = [ctx.main_grads.params[i].main_grad for i in live]
-                dbs = [ops.gemm_accumulate(xl[j], None, None, HP, gl[j], None, None, HP, mg, False, True, need_db,
-                                           dbias_dtype(ctx.weight_dtype, mg)) for j, mg in enumerate(mains)]
+                dbs = [add_wgrad((xl[j], None, None, HP, gl[j], None, None, HP), (ctx.main_grads.params[i],),
+                                 False, xl[j].dtype, ctx.weight_dtype, need_db) for j, i in enumerate(live)]
                 dbs = dbs if need_db else None
             elif need_dw or need_db:
                 dws, dbs = ops.grouped_gemm(*_hp_operands(xl), HP, *_hp_operands(gl), HP, ctx.weight_dtype, False,
@@ -154,16 +153,8 @@ class MainGrads:
         self.params = tuple(params)
 
     def grads(self, shapes, dtype):
-        """What each weight's .grad receives: zeros for a weight flagged grad_added_to_main_grad (the
-        flag is set), else None."""
-        out = []
-        for p, shape in zip(self.params, shapes):
-            if hasattr(p, "grad_added_to_main_grad"):
-                p.grad_added_to_main_grad = True
-                out.append(torch.zeros(shape, dtype=dtype, device=p.main_grad.device))
-            else:
-                out.append(None)
-        return out
+        """What each weight's .grad receives (_linear_fn.wgrad_placeholder)."""
+        return [wgrad_placeholder((p,), shape, dtype) for p, shape in zip(self.params, shapes)]
 
 
 class GroupedLinear(TransformerEngineBaseModule):
