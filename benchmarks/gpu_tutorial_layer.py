@@ -131,7 +131,7 @@ def build(variant, te_layer, ref, te, recipe):
     if variant == "d":
         return te_layer, ""
     if variant in "efg":
-        ok, reason = te.is_fp8_available()
+        ok, reason = te.is_fp8_available(return_reason=True)
         if not ok:
             return None, f"FP8 unavailable: {reason}"
         r = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",

@@ -379,7 +379,7 @@ def test_fp8_dpa_cuda_forward_matches_the_cpu_backend(mask):
     """cuDNN accumulates in float32 in its own order, so some FP8 roundings of the exponentials and
     of O land on the other side of a boundary: the backends are compared by relative error
     against how far FP8 attention is from the same attention in high precision."""
-    ok, why = te.is_fp8_available()
+    ok, why = te.is_fp8_available(return_reason=True)
     if not ok:
         pytest.skip(why)
     for name, step, e, fp8_effect in _cuda_vs_cpu_errors(_cuda_vs_cpu_steps(mask), mask, ("out",)):
@@ -397,7 +397,7 @@ def test_fp8_dpa_cuda_forward_matches_the_cpu_backend(mask):
                                        "causal dV gap, 15%, was the lost dV amax fold.)")
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
 def test_fp8_dpa_cuda_gradients_match_the_cpu_backend(mask):
-    ok, why = te.is_fp8_available()
+    ok, why = te.is_fp8_available(return_reason=True)
     if not ok:
         pytest.skip(why)
     for name, step, e, fp8_effect in _cuda_vs_cpu_errors(_cuda_vs_cpu_steps(mask), mask, ("dq", "dk", "dv")):
@@ -413,7 +413,7 @@ def test_fp8_dpa_cuda_as_accurate_as_the_cpu_backend(mask, fp8_bwd, monkeypatch)
     Unlike a direct CUDA-vs-CPU comparison this does not require both backends to pick the same
     FP8 roundings (their step-1 scales come from each one's own amaxes). fp8_bwd "0":
     NVTE_FP8_DPA_BWD=0 (FP8 forward, cuDNN's BF16 backward)."""
-    ok, why = te.is_fp8_available()
+    ok, why = te.is_fp8_available(return_reason=True)
     if not ok:
         pytest.skip(why)
     monkeypatch.setenv("NVTE_FP8_DPA_BWD", fp8_bwd)

@@ -228,10 +228,16 @@ def test_copy_requantizes(rng, kind):
 
 
 @pytest.mark.parametrize("opt_cls,kw", [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
-                                        (torch.optim.Adam, dict(lr=0.01))], ids=["SGD_momentum_wd", "Adam"])
+                                        (torch.optim.Adam, dict(lr=0.01)),
+                                        (torch.optim.SGD, dict(lr=0.1, momentum=0.9, foreach=True)),
+                                        (torch.optim.Adam, dict(lr=0.01, foreach=True)),
+                                        (torch.optim.AdamW, dict(lr=0.01, fused=True))],
+                         ids=["SGD_momentum_wd", "Adam", "SGD_foreach", "Adam_foreach", "AdamW_fused"])
 def test_optimizers_update_fp8_params(rng, opt_cls, kw):
     """An optimizer step on an FP8 parameter equals the same step on a high-precision copy of its
-    value, cast back to FP8 (current scaling: scale from the new value)."""
+    value, cast back to FP8 (current scaling: scale from the new value). foreach / fused steps
+    update whole lists in place (torch's _foreach_* / _fused_* ops): they had left FP8 parameters
+    unchanged."""
     g = seeded(rng)
     with te.quantized_model_init(recipe=recipe.Float8CurrentScaling()):
         m = te.Linear(16, 8, bias=False, device=DEVICE)
@@ -366,3 +372,26 @@ def test_deepcopy_and_clone(rng):
     torch.save(m.weight.detach(), buf)
     buf.seek(0)
     assert torch.equal(torch.load(buf).dequantize(), m.weight.dequantize())
+
+
+def test_data_assignment_and_conversions(rng):
+    """param.data = t casts t into the parameter's bytes (TE's setter); .float() / .bfloat16() /
+    .cpu() are dequantized copies (writing to them leaves the parameter alone)."""
+    with te.quantized_model_init(recipe=recipe.Float8CurrentScaling()):
+        m = te.Linear(8, 4, bias=False, device=DEVICE)
+    w = m.weight
+    w.data = dev(torch.full((4, 8), 0.5))
+    assert isinstance(m.weight, Float8Tensor) and torch.equal(w.dequantize().cpu(), torch.full((4, 8), 0.5))
+    with pytest.raises(ValueError, match=r"shape \(2, 8\) to one of shape \(4, 8\)"):
+        w.data = dev(torch.zeros(2, 8))
+    for conv, dt in ((w.float, torch.float32), (w.bfloat16, torch.bfloat16), (w.cpu, w.dtype)):
+        c = conv()
+        assert type(c) is torch.Tensor and c.dtype == dt
+        c.mul_(0)
+    assert torch.equal(w.dequantize().cpu(), torch.full((4, 8), 0.5))
+
+
+def test_is_fp8_available_signature():
+    assert isinstance(te.is_fp8_available(), bool)
+    ok, reason = te.is_fp8_available(return_reason=True)
+    assert isinstance(ok, bool) and isinstance(reason, str)

@@ -107,7 +107,7 @@ def test_calibration_records_amax_without_fp8(rng):
 
 
 def test_default_recipe_and_availability():
-    ok, reason = te.is_fp8_available()
+    ok, reason = te.is_fp8_available(return_reason=True)
     assert ok
     if not torch.cuda.is_available():
         assert "CPU" in reason

@@ -26,7 +26,7 @@ import contextlib
 import io
 import os
 import pickle
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -43,9 +43,15 @@ def get_default_recipe() -> DelayedScaling:
     return DelayedScaling()
 
 
-def is_fp8_available() -> Tuple[bool, str]:
-    """(available, reason). CUDA: the library's CUDA backend and a device of compute capability
-    >= 8.9. Without CUDA, FP8 is emulated by the library's CPU backend (always available)."""
+def is_fp8_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """Whether FP8 runs here (TE's signature: a bool, or (available, reason) with return_reason).
+    CUDA: the library's CUDA backend and a device of compute capability >= 8.9. Without CUDA, FP8
+    is emulated by the library's CPU backend (always available)."""
+    ok, reason = _fp8_support()
+    return (ok, reason) if return_reason else ok
+
+
+def _fp8_support() -> Tuple[bool, str]:
     if torch.cuda.is_available():
         if not _nvte.cuda_backend_available():
             return False, "this build of libtransformer_engine has no CUDA backend"
@@ -323,7 +329,7 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Op
     calibrating: modules run in high precision but record amaxes (so scales are ready when FP8
     is switched on). Forward scales are updated when the outermost region exits."""
     if enabled:
-        ok, reason = is_fp8_available()
+        ok, reason = _fp8_support()
         if not ok:
             raise RuntimeError(f"FP8 is not available: {reason}")
     if fp8_recipe is None:
@@ -383,7 +389,7 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     Under fp8_autocast the modules' FP8 GEMMs read the FP8 weights directly; outside it the
     weights are dequantized and the module runs in high precision."""
     if enabled:
-        ok, reason = is_fp8_available()
+        ok, reason = _fp8_support()
         if not ok:
             raise RuntimeError(f"FP8 is not available: {reason}")
         recipe = get_default_recipe() if recipe is None else recipe

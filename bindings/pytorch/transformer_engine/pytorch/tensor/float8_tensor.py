@@ -163,6 +163,33 @@ class Float8Tensor(torch.Tensor):
     def fp8_dtype(self) -> int:
         return self._fp8_dtype
 
+    # .data (TE's): reading gives an alias; assigning a tensor casts it into this tensor's bytes
+    # (a Float8Tensor of the same format is taken as it is), as `param.data = new` is used to load
+    # or reset weights. (torch.Tensor's own setter would swap in a plain tensor's storage.)
+    def _get_data(self) -> "Float8Tensor":
+        return self._alias()
+
+    def _set_data(self, value: torch.Tensor) -> None:
+        if tuple(value.shape) != tuple(self.shape):
+            raise ValueError(f"Float8Tensor.data: cannot assign a tensor of shape {tuple(value.shape)} to one of "
+                             f"shape {tuple(self.shape)}")
+        self._quantize_from(value)
+
+    data = property(_get_data, _set_data)
+
+    # Conversions to a plain tensor (TE's QuantizedTensor: always a dequantized copy, never self)
+    def float(self, memory_format=torch.preserve_format) -> torch.Tensor:
+        return self.dequantize(torch.float32)
+
+    def bfloat16(self, memory_format=torch.preserve_format) -> torch.Tensor:
+        return self.dequantize(torch.bfloat16)
+
+    def half(self, memory_format=torch.preserve_format) -> torch.Tensor:
+        return self.dequantize(torch.float16)
+
+    def cpu(self, memory_format=torch.preserve_format) -> torch.Tensor:
+        return self.dequantize().cpu()
+
     # ------------------------------------------------------------------ python protocol
     def __repr__(self, *, tensor_contents=None):
         return (f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scale_inv={float(self._scale_inv)}, "
@@ -250,10 +277,14 @@ class Float8Tensor(torch.Tensor):
             if a.alias_info is None or not a.alias_info.is_write:
                 continue
             orig = args[i] if i < len(args) else kwargs.get(a.name)
-            if isinstance(orig, Float8Tensor):
-                hp = pargs[i] if i < len(args) else pkwargs[a.name]
-                orig._quantize_from(hp)
-                written[id(hp)] = orig
+            hp = pargs[i] if i < len(args) else pkwargs.get(a.name)
+            # a list argument: the _foreach_* / _fused_* ops of torch's optimizers (foreach=True,
+            # fused=True) update every parameter of the list in place
+            pairs = zip(orig, hp) if isinstance(orig, (list, tuple)) else [(orig, hp)]
+            for o, h in pairs:
+                if isinstance(o, Float8Tensor):
+                    o._quantize_from(h)
+                    written[id(h)] = o
         if written:
             out = tree_map(lambda t: written.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         return out
