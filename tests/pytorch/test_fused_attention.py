@@ -382,3 +382,27 @@ def test_deterministic_backward_repeats_bitwise(monkeypatch):
         dpa(qd, kd, vd).float().square().sum().backward()
         grads.append(torch.cat([t.grad.flatten() for t in (qd, kd, vd)]))
     assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+
+
+def test_nvte_debug_logs_the_attention_path(monkeypatch, caplog):
+    """NVTE_DEBUG=1 with NVTE_DEBUG_LEVEL (TE's variables) logs which path runs and why; level 2 adds
+    the call's description; nothing without NVTE_DEBUG."""
+    import logging
+    monkeypatch.setattr(fa, "_DEBUG_SEEN", set())
+    q, k, v = make_qkv("bshd", 1, 4, 4, 2, 2, 8, seed=9, dtype=DT)
+    dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal")
+    with caplog.at_level(logging.INFO, logger="transformer_engine.pytorch.attention"):
+        monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+        dpa(dev(q), dev(k), dev(v))
+        assert not caplog.records
+        monkeypatch.setenv("NVTE_DEBUG", "1")
+        monkeypatch.setenv("NVTE_DEBUG_LEVEL", "1")
+        dpa(dev(q), dev(k), dev(v))
+        dpa(dev(q), dev(k), dev(v))  # (once per distinct message)
+        monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+        monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+        dpa(dev(q), dev(k), dev(v))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2, msgs
+    assert msgs[0] == "DotProductAttention: unfused attention (NVTE_FUSED_ATTN=0)"
+    assert msgs[1].startswith("DotProductAttention: fused attention (") and "bshd, mask causal" in msgs[1]

@@ -372,7 +372,12 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
             raise NotImplementedError(f"DotProductAttention: the fused attention path cannot run this call "
                                       f"({why}) and the unfused path "
                                       f"{'is disabled (NVTE_UNFUSED_ATTN=0)' if not needs_fused else 'runs no THD'}")
+        if _fa.debugging():
+            _fa.debug_log(f"DotProductAttention: unfused attention ({why})", q, fmt, mask_type, bias_type)
         return None
+    if _fa.debugging():
+        _fa.debug_log(f"DotProductAttention: fused attention ({'FP8, ' if fp8 is not None else ''}"
+                      f"{'cuDNN' if q.is_cuda else 'the CPU reference backend'})", q, fmt, mask_type, bias_type)
     if dropout > 0.0:
         with dpa.dropout_rng():
             rng = _fa.new_rng_state(q.device)

@@ -16,6 +16,7 @@ is the only path that can run the call (bias, ALiBi) or NVTE_FUSED_ATTN=1.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import weakref
 from typing import List, NamedTuple, Optional, Tuple
@@ -269,6 +270,30 @@ class FusedAttnFunc(torch.autograd.Function):
 def _env(name: str) -> Optional[str]:
     v = os.environ.get(name)
     return None if v is None or v == "" else v
+
+
+_DEBUG_SEEN = set()
+_DEBUG_LOG = logging.getLogger("transformer_engine.pytorch.attention")
+
+
+def debugging() -> bool:
+    """TE's NVTE_DEBUG=1 with NVTE_DEBUG_LEVEL >= 1: log which attention path runs (debug_log)."""
+    return _env("NVTE_DEBUG") == "1" and int(_env("NVTE_DEBUG_LEVEL") or 0) >= 1
+
+
+def debug_log(msg: str, q: Tensor, fmt: str, mask_type: str, bias_type: str) -> None:
+    """The attention path a call takes and why (NVTE_DEBUG_LEVEL >= 2: with the call's dtype, shape,
+    format, mask and bias type), on the logger "transformer_engine.pytorch.attention" (a stderr
+    handler is added when it has none), each distinct message once per process."""
+    if int(_env("NVTE_DEBUG_LEVEL") or 0) >= 2:
+        msg = f"{msg}; {q.dtype} {list(q.shape)} {fmt}, mask {mask_type}, bias {bias_type}, device {q.device}"
+    if msg in _DEBUG_SEEN:
+        return
+    _DEBUG_SEEN.add(msg)
+    if not _DEBUG_LOG.handlers:
+        _DEBUG_LOG.addHandler(logging.StreamHandler())
+        _DEBUG_LOG.setLevel(logging.INFO)
+    _DEBUG_LOG.info(msg)
 
 
 def deterministic() -> bool:
