@@ -471,7 +471,7 @@ def test_fp8_mha_unsupported_are_clear_errors(monkeypatch):
 def test_fp8_mha_cuda_sequence_length_limit_is_a_clear_error():
     """cuDNN's FP8 attention trains only at max_seqlen multiples of 128 (fused_attn.h): a length of 96
     is refused before anything runs, with the backend's reason, and no high-precision fallback."""
-    ok, why = te.is_fp8_available()
+    ok, why = te.is_fp8_available(return_reason=True)
     if not ok:
         pytest.skip(why)
     m = _mha("sbhd")
