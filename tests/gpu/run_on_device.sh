@@ -4,7 +4,7 @@
 # Logs and a results table go to $OUT (default /tmp/nvte_out).
 #   tests/gpu/run_on_device.sh [build|prebuilt] [test] [sanitize] [bench] [profile] [pytorch] [acceptance]
 #                              [tutorial] [quickstart] [host] [cpu] [gemmlog] [memcheck_all] [candidates] [ab]
-#                              [kvdecode] [cp] [pack]
+#                              [kvdecode] [cp] [wgrad] [pack]
 #                              (default: build test bench)
 # prebuilt: use the package staged by tests/gpu/prebuild_for_device.sh on the CPU machine
 # (.prebuilt/transformer_engine, carried: libtransformer_engine.so for sm_90 with static cudart
@@ -154,6 +154,12 @@ if [[ " $steps " == *" pytorch "* ]]; then
     | tee "$OUT/pytorch_cuda.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   took pytorch
+fi
+if [[ " $steps " == *" wgrad "* ]]; then
+  # wgrad: benchmarks/gpu_wgrad_accumulation.py (fuse_wgrad_accumulation vs .grad + main_grad.add_)
+  (cd benchmarks && $PY gpu_wgrad_accumulation.py) 2>&1 | tee "$OUT/wgrad.log" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  took wgrad
 fi
 if [[ " $steps " == *" kvdecode "* ]]; then
   # KVDECODE_ARGS: the benchmark's options (e.g. --diagnose). KVDECODE_BASE: a folder of adapter
