@@ -8,6 +8,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from _util import DEVICE, dev
+from test_attention import _saved_bytes
 
 NAME = "model-parallel-rng"
 
@@ -206,17 +207,6 @@ def test_checkpoint_restores_the_tracker_for_the_recompute(monkeypatch, fused, u
         assert torch.equal(a, b), what
     for d in res[False][4]:
         assert torch.equal(res[False][4][d], res[True][4][d]), d
-
-
-def _saved_bytes(fn):
-    total = [0]
-
-    def pack(t):
-        total[0] += t.numel() * t.element_size()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, total[0]
 
 
 @pytest.mark.parametrize("fused", ["0", "1"])
