@@ -240,3 +240,17 @@ def test_grouped_linear_fp8_params(rng, kind):
         assert rel_err(getattr(m, f"weight{i}").grad, dwr[i]) < fp8_gemm_tol(1e-5)
     torch.optim.SGD(m.parameters(), lr=0.1).step()
     assert all(isinstance(getattr(m, f"weight{i}"), Float8Tensor) for i in range(2))
+
+
+def test_m_splits_must_be_integers_and_parallel_mode_checked():
+    """m_splits of non-integers raise (2.5 rows had been truncated); a tensor of ints is taken;
+    parallel_mode is one of TE's values."""
+    m = te.GroupedLinear(2, 4, 4, device=DEVICE)
+    x = dev(torch.randn(9, 4, generator=torch.Generator().manual_seed(2)))
+    with pytest.raises(TypeError, match="m_splits must be integers"):
+        m(x, [2.5, 6.5])
+    assert torch.equal(m(x, torch.tensor([3, 6])), m(x, [3, 6]))
+    for cls, args in ((te.GroupedLinear, (2, 4, 4)), (te.Linear, (4, 4)), (te.LayerNormLinear, (4, 4))):
+        with pytest.raises(ValueError, match="parallel_mode must be None, 'column' or 'row'"):
+            cls(*args, parallel_mode="bogus", device=DEVICE)
+        cls(*args, parallel_mode="row", device=DEVICE)

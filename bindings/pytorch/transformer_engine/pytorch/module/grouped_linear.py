@@ -15,7 +15,7 @@ from .. import custom_ops as ops
 from ._linear_fn import LinearCfg, add_wgrad, high_precision, wgrad_placeholder
 from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_main_grads,
                    check_same_device, default_init_method)
-from .linear import check_unsupported
+from .linear import check_parallel_mode, check_unsupported
 
 __all__ = ["GroupedLinear"]
 
@@ -182,7 +182,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.use_bias, self.return_bias = bool(bias), bool(return_bias)
         self.init_method = init_method if init_method is not None else default_init_method()
-        self.sequence_parallel, self.parallel_mode, self.name = sequence_parallel, parallel_mode, name
+        self.sequence_parallel, self.name = sequence_parallel, name
+        self.parallel_mode = check_parallel_mode(parallel_mode, "GroupedLinear")
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)  # main_grad += wgrad (Linear's)
         for i in range(self.num_gemms):
             setattr(self, f"weight{i}", self._new_param(self.out_features, self.in_features))
@@ -206,6 +207,10 @@ class GroupedLinear(TransformerEngineBaseModule):
     def forward(self, inp: torch.Tensor, m_splits: List[int], is_first_microbatch: Optional[bool] = None):
         """inp [..., in_features] viewed as rows; m_splits: rows per GEMM (sums to the row count)."""
         check_input(inp, self.in_features, "GroupedLinear")
+        if isinstance(m_splits, torch.Tensor):
+            m_splits = m_splits.tolist()
+        if any(isinstance(s, bool) or int(s) != s for s in m_splits):  # (2.5 rows would be truncated)
+            raise TypeError(f"GroupedLinear: m_splits must be integers, got {list(m_splits)}")
         splits = [int(s) for s in m_splits]
         rows = inp.numel() // self.in_features
         if len(splits) != self.num_gemms or any(s < 0 for s in splits) or sum(splits) != rows:

@@ -8,7 +8,7 @@ import torch
 from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_same_device,
                    default_init_method)
 from .layernorm import check_normalization, norm_fn, norm_writes_fp8
-from .linear import check_unsupported
+from .linear import check_parallel_mode, check_unsupported
 from .split_params import SplitParams, parse_parameters_split
 
 __all__ = ["LayerNormLinear"]
@@ -45,7 +45,8 @@ class LayerNormLinear(SplitParams, TransformerEngineBaseModule):
         self.use_bias, self.return_bias = bool(bias), bool(return_bias)
         self.return_layernorm_output = bool(return_layernorm_output)
         self.init_method = init_method if init_method is not None else default_init_method()
-        self.sequence_parallel, self.parallel_mode, self.name = sequence_parallel, parallel_mode, name
+        self.sequence_parallel, self.name = sequence_parallel, name
+        self.parallel_mode = check_parallel_mode(parallel_mode, "LayerNormLinear")
         self.layer_norm_weight = self._new_param(self.in_features)
         if self.normalization == "LayerNorm":
             self.layer_norm_bias = self._new_param(self.in_features)

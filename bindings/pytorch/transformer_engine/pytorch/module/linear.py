@@ -12,6 +12,13 @@ from .split_params import SplitParams, parse_parameters_split
 __all__ = ["Linear"]
 
 
+def check_parallel_mode(parallel_mode: Optional[str], name: str) -> Optional[str]:
+    """TE's parallel_mode values (None, "column", "row"; with tp_size 1 they change nothing)."""
+    if parallel_mode not in (None, "column", "row"):
+        raise ValueError(f"{name}: parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
+    return parallel_mode
+
+
 def check_unsupported(name: str, tp_size: int = 1, **flags) -> None:
     """Reject TE options this adapter does not implement, when set to non-default values. TE's
     userbuffer overlaps (ub_*) act only on tensor-parallel communication: with tp_size 1 (the only
@@ -55,7 +62,7 @@ class Linear(SplitParams, TransformerEngineBaseModule):
         self.use_bias, self.return_bias = bool(bias), bool(return_bias)
         self.init_method = init_method if init_method is not None else default_init_method()
         self.sequence_parallel, self.parallel_mode, self.tp_group, self.name = (
-            sequence_parallel, parallel_mode, tp_group, name)
+            sequence_parallel, check_parallel_mode(parallel_mode, "Linear"), tp_group, name)
         self.weight = self._new_param(self.out_features, self.in_features)
         if self.use_bias:
             self.bias = self._new_param(self.out_features)
