@@ -353,7 +353,22 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Op
                     meta.update("fwd")
 
 
-autocast = fp8_autocast
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+             amax_reduction_group=None, _graph: bool = False, **deprecated):
+    """TE 2.8+'s name of fp8_autocast, with its argument names (recipe, amax_reduction_group); the
+    older fp8_recipe / fp8_group are taken too."""
+    bad = set(deprecated) - {"fp8_recipe", "fp8_group"}
+    if bad:
+        raise TypeError(f"autocast() got unexpected keyword arguments {sorted(bad)}")
+    if "fp8_recipe" in deprecated:
+        if recipe is not None:
+            raise TypeError("autocast(): give recipe or fp8_recipe, not both")
+        recipe = deprecated["fp8_recipe"]
+    if "fp8_group" in deprecated:
+        if amax_reduction_group is not None:
+            raise TypeError("autocast(): give amax_reduction_group or fp8_group, not both")
+        amax_reduction_group = deprecated["fp8_group"]
+    return fp8_autocast(enabled, calibrating, recipe, amax_reduction_group, _graph)
 
 
 class FP8ModelInitState:

@@ -45,12 +45,21 @@ def _register_on_call(fn: Callable, metas, fp8_enabled: bool) -> Callable:
 def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allow_unused_input: bool = False,
                            sample_kwargs=None, fp8_enabled: bool = False, fp8_calibrating: bool = False,
                            fp8_recipe=None, fp8_group=None, fp8_weight_caching: bool = False, _order=None,
-                           pool: Optional[Tuple[int, ...]] = None, retain_graph_in_backward: bool = False
+                           pool: Optional[Tuple[int, ...]] = None, retain_graph_in_backward: bool = False,
+                           enabled: Optional[bool] = None, calibrating: Optional[bool] = None, recipe=None,
+                           amax_reduction_group=None, cache_quantized_params: Optional[bool] = None
                            ) -> Union[Callable, Tuple[Callable, ...]]:
     """Graphed versions of `modules` (a callable / nn.Module or a tuple of them), as
-    torch.cuda.make_graphed_callables, with the FP8 autocast state (fp8_*) applied during warm-up
+    torch.cuda.make_graphed_callables, with the FP8 autocast state (fp8_*, or TE 2.8+'s enabled /
+    calibrating / recipe / amax_reduction_group / cache_quantized_params) applied during warm-up
     and capture. Not implemented here: sample_kwargs, fp8_weight_caching, _order (pipeline
     schedules), retain_graph_in_backward."""
+    # (TE 2.8+'s names, where given, stand for the older fp8_* ones)
+    fp8_enabled = fp8_enabled if enabled is None else enabled
+    fp8_calibrating = fp8_calibrating if calibrating is None else calibrating
+    fp8_recipe = fp8_recipe if recipe is None else recipe
+    fp8_group = fp8_group if amax_reduction_group is None else amax_reduction_group
+    fp8_weight_caching = fp8_weight_caching if cache_quantized_params is None else cache_quantized_params
     if not torch.cuda.is_available():
         raise RuntimeError(CUDA_GRAPHS_NEED_CUDA.format(what="torch.cuda.is_available() is False"))
     single = not isinstance(modules, tuple)

@@ -62,10 +62,11 @@ class LayerNormLinear(SplitParams, TransformerEngineBaseModule):
         if splits:
             self._split(splits)
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
+                fp8_grad: bool = False):
         """is_first_microbatch: as in Linear.forward (FP8 weight caching over micro-batches)."""
-        if fp8_output:
-            raise NotImplementedError("LayerNormLinear: fp8_output is not implemented")
+        if fp8_output or fp8_grad:
+            raise NotImplementedError("LayerNormLinear: fp8_output / fp8_grad are not implemented")
         check_input(inp, self.in_features, "LayerNormLinear")
         weight, bias = self._weight_and_bias()
         ln_w, ln_b = self.layer_norm_weight, self.layer_norm_bias  # read once: nn.Module's lookup is slow
