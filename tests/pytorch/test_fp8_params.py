@@ -48,11 +48,12 @@ def _plain_float_tensors(shapes):
     found = []
     for o in gc.get_objects():
         try:
+            # (tensors a torch.compile trace left alive have symbolic sizes: not ours, skipped)
             if type(o) in (torch.Tensor, torch.nn.Parameter) and o.dtype in HP_DTYPES and \
                     all(type(d) is int for d in o.shape) and tuple(o.shape) in shapes:
                 found.append(o)
         except ReferenceError:
-            pass  # (tensors a torch.compile trace left alive have symbolic sizes: not ours, skipped)
+            pass
     return found
 
 
