@@ -59,3 +59,15 @@ def test_layernorm_linear_fp8_grad_argument():
     assert torch.equal(m(x, fp8_grad=False), m(x))
     with pytest.raises(NotImplementedError, match="fp8_grad"):
         m(x, fp8_grad=True)
+
+
+def test_quantized_tensor_names():
+    """te.QuantizedTensor / te.Float8Tensor (TE's top-level names): FP8 parameters are instances,
+    high-precision ones are not."""
+    from transformer_engine.pytorch.tensor import QuantizedTensor
+    with te.quantized_model_init(recipe=recipe.Float8CurrentScaling()):
+        m = te.Linear(8, 8, device=DEVICE)
+    assert isinstance(m.weight, te.QuantizedTensor) and isinstance(m.weight, te.Float8Tensor)
+    assert QuantizedTensor is te.QuantizedTensor
+    assert not isinstance(m.bias, te.QuantizedTensor)
+    assert not isinstance(te.Linear(8, 8, device=DEVICE).weight, te.QuantizedTensor)

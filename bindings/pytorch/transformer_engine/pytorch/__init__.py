@@ -14,12 +14,13 @@ from .transformer import TransformerLayer
 from . import distributed
 from .distributed import CudaRNGStatesTracker, checkpoint
 from .graph import make_graphed_callables
+from .tensor import Float8Tensor, QuantizedTensor
 
 __all__ = ["Linear", "GroupedLinear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "TransformerEngineBaseModule",
            "TransformerLayer", "DotProductAttention", "MultiheadAttention", "InferenceParams",
            "RotaryPositionEmbedding", "apply_rotary_pos_emb",
            "fp8_autocast", "autocast", "is_fp8_available", "fp8_model_init", "quantized_model_init", "checkpoint",
            "get_default_recipe", "is_bf16_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
-           "is_nvfp4_available",
+           "is_nvfp4_available", "Float8Tensor", "QuantizedTensor",
            "CudaRNGStatesTracker",
            "distributed", "make_graphed_callables"]
