@@ -176,8 +176,6 @@ def _unpad_thd(o: torch.Tensor, tokens: int, starts: torch.Tensor, lens: torch.T
     p = r - starts[seq_c]
     valid = (seq >= 0) & (p < lens[seq_c])
     slot = torch.where(valid, seq_c * s + p, 0)
-    if o.shape[0] == 0:  # every sequence empty: one zero row to gather from (no row is valid)
-        o = torch.cat([o, o.new_zeros((1, *o.shape[1:]))])
     x = o.index_select(0, slot)
     return torch.where(valid.view(-1, *([1] * (o.dim() - 1))), x, x.new_zeros(()))
 
