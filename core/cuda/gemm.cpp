@@ -361,33 +361,51 @@ void adopt_tuned_choice(const CublasLtApi &lt, Plan &plan, const Problem &p) {
 // events, its outputs are hashed, the first choice (plan.algo while tuning) runs kRepeats times
 // over the same inputs between two more events, the outputs are hashed again, and the
 // candidate is flagged when the hashes differ. Returns the first choice's status: its outputs
-// are the call's result. Under plan.mu.
+// are the call's result. A call that reads D (beta != 0, e.g. a wgrad GEMM accumulating into
+// main_grad) cannot run twice in place, so its timed runs write a stream-ordered scratch D
+// (out of place: scratch = alpha op(A) op(B) + beta C, C untouched) and the call's result comes
+// from one more in-place run of the first choice. Under plan.mu.
 template <class Matmul>
 cublasStatus_t tuning_call(GemmTuner &t, const GemmTuner::Call &call, const Problem &p, const Matmul &matmul,
                            cudaStream_t stream) {
+  const bool reads_d = p.g->beta != 0.0f;
+  void *d = nullptr;  // where the timed runs write D: null = D itself
+  if (reads_d && cudaMallocAsync(&d, p.outputs[0].bytes, stream) != cudaSuccess) {
+    cudaGetLastError();  // no room for the scratch D: the tuner gives up, the first choice stays
+    t.finish(call, false);
+    return matmul(nullptr, nullptr);
+  }
+  auto done = [&](cublasStatus_t st) {  // the call's own result, then the scratch goes
+    if (reads_d) {
+      if (st == CUBLAS_STATUS_SUCCESS) st = matmul(nullptr, nullptr);
+      if (cudaFreeAsync(d, stream) != cudaSuccess) cudaGetLastError();
+    }
+    return st;
+  };
   auto hash_all = [&](unsigned long long *sum) {
     bool ok = true;
     for (int i = 0; i < 3; ++i)
-      if (p.outputs[i].p) ok = ok && launch_output_hash(p.outputs[i].p, p.outputs[i].bytes, 1 + i, sum, stream);
+      if (p.outputs[i].p)
+        ok = ok && launch_output_hash(i == 0 && d ? d : p.outputs[i].p, p.outputs[i].bytes, 1 + i, sum, stream);
     return ok;
   };
   bool ok = t.record(call, GemmTuner::kCandStart, stream);
   cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
-  for (int r = 0; r < GemmTuner::kRepeats && st == CUBLAS_STATUS_SUCCESS; ++r) st = matmul(&t.algo(call.cand));
+  for (int r = 0; r < GemmTuner::kRepeats && st == CUBLAS_STATUS_SUCCESS; ++r) st = matmul(&t.algo(call.cand), d);
   if (st != CUBLAS_STATUS_SUCCESS) {  // cuBLASLt refused the candidate
     t.refused(call);
-    return matmul(nullptr);
+    return done(reads_d ? CUBLAS_STATUS_SUCCESS : matmul(nullptr, nullptr));
   }
   ok = ok && t.record(call, GemmTuner::kCandStop, stream) &&
        cudaMemsetAsync(p.hash_sums, 0, 2 * sizeof(unsigned long long), stream) == cudaSuccess &&
        hash_all(p.hash_sums) && t.record(call, GemmTuner::kFirstStart, stream);
-  for (int r = 0; r < GemmTuner::kRepeats && st == CUBLAS_STATUS_SUCCESS; ++r) st = matmul(nullptr);
+  for (int r = 0; r < GemmTuner::kRepeats && st == CUBLAS_STATUS_SUCCESS; ++r) st = matmul(nullptr, d);
   ok = ok && st == CUBLAS_STATUS_SUCCESS && t.record(call, GemmTuner::kFirstStop, stream) &&
        hash_all(p.hash_sums + 1) && launch_hash_compare(p.hash_sums, t.check_flag(call.cand), stream) &&
        t.record(call, GemmTuner::kChecked, stream);
   if (!ok) cudaGetLastError();  // a failed check launch: the tuner gives up, the GEMM stands
   t.finish(call, ok);
-  return st;
+  return done(st);
 }
 
 // k = 0: the product is zero. Only the cases with an exact answer that needs no cuBLASLt run:
@@ -538,7 +556,8 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
   // Autotuning (gemm_autotune.h): a large call that can run twice over its inputs, with the
   // scratch for the check's hashes.
   const TuneMode mode = autotune_mode();
-  const bool rerunnable = g.beta == 0.0f && !p.d_fp8 && g.batch == 1;  // (batched calls are not tuned)
+  // (beta != 0 is tuned out of place: tuning_call; batched calls are not tuned)
+  const bool rerunnable = !p.d_fp8 && g.batch == 1;
   p.tune = rerunnable && ws_bytes >= kScratchBytes &&
            (mode == TuneMode::all || (mode == TuneMode::large && (double)g.m * g.n * g.k >= kTuneMinVolume));
   uintptr_t scratch = 0;
@@ -585,10 +604,11 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
       std::lock_guard<std::mutex> lk(plan.mu);
       set_pointers(lt, plan.desc, p);
       const float alpha = g.alpha, beta = g.beta;
-      auto matmul = [&](const cublasLtMatmulAlgo_t *algo) {  // null: the plan's algorithm
+      // algo null: the plan's algorithm; d null: D itself (else a scratch D of D's layout)
+      auto matmul = [&](const cublasLtMatmulAlgo_t *algo, void *d) {
         if (algo == nullptr) algo = &plan.algo;
-        return lt.Matmul(h, plan.desc, &alpha, g.a.data, plan.la, g.b.data, plan.lb, &beta, p.c_ptr, plan.lc, p.d_ptr,
-                         plan.ld, algo, p.ws, p.ws_bytes, stream);
+        return lt.Matmul(h, plan.desc, &alpha, g.a.data, plan.la, g.b.data, plan.lb, &beta, p.c_ptr, plan.lc,
+                         d ? d : p.d_ptr, plan.ld, algo, p.ws, p.ws_bytes, stream);
       };
       cublasStatus_t st;
       GemmTuner *t = plan.tuner.get();
@@ -598,7 +618,7 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
         st = tuning_call(*t, call, p, matmul, stream);
       } else {
         if (t && t->done()) adopt_tuned_choice(lt, plan, p);
-        st = matmul(nullptr);
+        st = matmul(nullptr, nullptr);
       }
       if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE)
         NVTE_FAIL(NVTE_ERROR_NOT_SUPPORTED, "cuBLASLt ", lt.version, " rejected this GEMM (", p.describe(), "): ",

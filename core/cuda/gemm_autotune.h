@@ -17,10 +17,11 @@ namespace nvte::cuda {
 //   unset (or any other value): plans with m * n * k >= kTuneMinVolume (default);
 //   1: every plan; 0: none (every call runs cuBLASLt's first choice, what cuBLAS and torch run,
 //   or the cache file's choice).
-// Only plans whose calls can run twice over the same inputs are tuned (beta = 0: D is not
-// read; D not FP8: cuBLASLt's amax and scale outputs stay the first choice's), since every
-// tuning call of a candidate is checked bit for bit against the first choice, and only with a
-// workspace (the check's hashes live in its scratch).
+// Only plans whose calls can run twice over the same inputs are tuned (D not FP8: cuBLASLt's
+// amax and scale outputs stay the first choice's; a D that is read, beta != 0, is timed on a
+// scratch copy, see gemm.cpp's tuning_call), since every tuning call of a candidate is checked
+// bit for bit against the first choice, and only with a workspace (the check's hashes live in
+// its scratch).
 enum class TuneMode { off, large, all };
 TuneMode autotune_mode();
 // 2^34, e.g. 4096 x 4096 x 1024: about 25 us of FP8 work on an H100. Below it a few percent

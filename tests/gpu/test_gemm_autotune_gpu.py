@@ -108,9 +108,64 @@ def test_autotune_every_call_matches_the_first_choice(case, dtype, monkeypatch, 
     print(capfd.readouterr().err)
 
 
-def test_autotune_leaves_small_accumulating_and_fp8_output_calls_alone(monkeypatch, capfd):
-    """Default mode: a small shape (below the threshold), an accumulating call (beta = 1: D is
-    read, so it cannot run twice) and an FP8-output call are not tuned (nothing logged)."""
+@pytest.mark.parametrize("kind", ["bfloat16", "e4m3"])
+def test_autotune_accumulating_call_keeps_one_accumulation_per_call(kind, monkeypatch, capfd):
+    """An accumulating call (beta = 1, C = D: a wgrad GEMM adding into a float32 main_grad) at a
+    large shape is tuned on a scratch D: the plan logs a choice, and after every call D holds
+    exactly one more product, bit-identical to the same calls with NVTE_GEMM_AUTOTUNE=0 (a timed
+    run that wrote D in place would add the product again)."""
+    g = torch.Generator(device=DEV)
+    g.manual_seed(47)
+    n, m, k = 4096, 4096, 8192
+    if kind == "e4m3":
+        a8 = (torch.randn(m, k, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn).view(torch.uint8)
+        b8 = (torch.randn(n, k, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn).view(torch.uint8)
+        si = torch.tensor([0.5], device=DEV)
+        ta, tb = T(a8, dtype=DT.kFloat8E4M3, scale_inv=si), T(b8, dtype=DT.kFloat8E4M3, scale_inv=si)
+        a64, b64 = (x.view(torch.float8_e4m3fn).double() * 0.5 for x in (a8, b8))
+    else:
+        a, b = (torch.randn(r, k, device=DEV, generator=g, dtype=torch.bfloat16) for r in (m, n))
+        ta, tb = T(a), T(b)
+        a64, b64 = a.double(), b.double()
+    ws = workspace()
+    start = torch.randn(n, m, device=DEV, generator=g)
+    calls = 8 * 10  # 16 warm-up calls, 7 candidates x 5 timed calls, calls after the choice
+
+    def run():
+        d = start.clone()
+        td = T(d)
+        for i in range(calls):
+            nvte.gemm(ta.t, tb.t, td.t, transa=True, transb=False, workspace=ws.t, accumulate=True)
+            if i % 8 == 7:
+                sync()
+                snaps.append(d.clone())
+        sync()
+        return d
+
+    monkeypatch.setenv("NVTE_GEMM_AUTOTUNE", "0")
+    snaps = []
+    ref_final = run()
+    ref_snaps, snaps = snaps, []
+    monkeypatch.delenv("NVTE_GEMM_AUTOTUNE")
+    monkeypatch.setenv("NVTE_GEMM_AUTOTUNE_LOG", "1")
+    got_final = run()
+    log = capfd.readouterr().err
+    print(log)
+    assert "[nvte gemm autotune]" in log and f"m={m} n={n} k={k}" in log, log
+    assert len(snaps) == len(ref_snaps) == calls // 8
+    for r, s_ in zip(ref_snaps, snaps):
+        assert_bits_equal(s_, r)
+    assert_bits_equal(got_final, ref_final)
+    # and the accumulation itself: start + calls x the product (float64 reference; the bound
+    # covers FP8's reduced-precision accumulation, far below one extra product, |x| ~ 100)
+    want = start.double() + calls * (b64 @ a64.T)
+    err = (got_final.double() - want).abs().max().item()
+    assert err <= 1e-3 * want.abs().max().item(), err
+
+
+def test_autotune_leaves_small_and_fp8_output_calls_alone(monkeypatch, capfd):
+    """Default mode: a small shape (below the threshold) and an FP8-output call are not tuned
+    (nothing logged)."""
     monkeypatch.delenv("NVTE_GEMM_AUTOTUNE", raising=False)
     monkeypatch.setenv("NVTE_GEMM_AUTOTUNE_LOG", "1")
     g = torch.Generator(device=DEV)
@@ -130,7 +185,6 @@ def test_autotune_leaves_small_accumulating_and_fp8_output_calls_alone(monkeypat
 
     def calls():
         nvte.gemm(T(small_a).t, T(small_a).t, T(small_d).t, transa=True, transb=False, workspace=ws.t)
-        nvte.gemm(T(big_a).t, T(big_b).t, T(big_d).t, transa=True, transb=False, workspace=ws.t, accumulate=True)
         nvte.gemm(T(a8, dtype=DT.kFloat8E4M3, scale_inv=si).t, T(b8, dtype=DT.kFloat8E4M3, scale_inv=si).t,
                   td8.t, transa=True, transb=False, workspace=ws.t)
 
