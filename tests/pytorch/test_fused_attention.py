@@ -369,6 +369,51 @@ def test_deterministic_flag_follows_the_env(monkeypatch, env, want):
     assert seen["bwd"] == [want]
 
 
+@pytest.mark.parametrize("det", [True, False])
+def test_deterministic_refusal_runs_the_unfused_path(monkeypatch, det):
+    """NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and a configuration whose deterministic backward the library
+    refuses (NOT_SUPPORTED from the backward's workspace query with deterministic set, as cuDNN
+    answers when it has no such graph; simulated here): the call runs the unfused path, forward
+    and backward, with the reference's values, instead of failing at the backward. Without the
+    variable the same call runs fused."""
+    real = fa._nvte
+    asked = []
+
+    class Refuse(Spy):
+        def __getattr__(self, name):
+            if name != "fused_attn_bwd_workspace_size":
+                return super().__getattr__(name)
+
+            def query(*a):
+                asked.append(a[-1])
+                if a[-1]:
+                    raise real.Error("no deterministic backward for this graph (simulated)",
+                                     int(real.Status.NOT_SUPPORTED))
+                return getattr(real, name)(*a)
+            return query
+
+    spy = Refuse(real)
+    monkeypatch.setattr(fa, "_nvte", spy)
+    monkeypatch.setattr(fa, "_WORKSPACE_ANSWERS", {})
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0" if det else "1")
+    b, s_, h, d = 2, 9, 2, 8
+    q, k, v = make_qkv("bshd", b, s_, s_, h, h, d, seed=12, dtype=DT)
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal")
+    out = dpa(dev(q), dev(k), dev(v))
+    assert (spy.fwd, asked) == ((0, [True]) if det else (1, []))
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref = ref_fused(q64, k64, v64, "bshd", d ** -0.5, ref_mask("causal", b, s_, s_, None, None))
+    naive = qn = kn = vn = None
+    if ON_GPU:
+        qn, kn, vn = (dev(t.detach()).requires_grad_(True) for t in (q, k, v))
+        naive = ref_fused(qn, kn, vn, "bshd", d ** -0.5, dev(ref_mask("causal", b, s_, s_, None, None)), dtype=DT)
+    check_out_and_backward(out, ref, naive)
+    assert spy.bwd == (0 if det else 1)
+    for name, t, r, n in (("dq", q, q64, qn), ("dk", k, k64, kn), ("dv", v, v64, vn)):
+        assert_close_fused(t.grad, r.grad, None if n is None else n.grad, 1e-4, name)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="cuDNN's deterministic backward (NVTE_TEST_DEVICE=cuda only; the CPU "
                     "backend has no atomics: the flag's plumbing is test_deterministic_flag_follows_the_env)")
 def test_deterministic_backward_repeats_bitwise(monkeypatch):

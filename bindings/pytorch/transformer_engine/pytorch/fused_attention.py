@@ -319,23 +319,31 @@ def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_ty
     workspace query, which sees them (and reports NOT_SUPPORTED as the call would)."""
     if q.dtype not in _DT or k.dtype not in _DT or v.dtype not in _DT:
         return False, f"dtype {q.dtype} is not supported by fused attention"
+    # With NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 a training call also asks the backward's workspace query
+    # with deterministic set: cuDNN decides when it builds that graph (which the backward then
+    # reuses), and a refusal must send the call to the unfused path before its forward runs, as
+    # TE's backend filter does. (The CPU reference is deterministic: its query accepts.)
+    det = is_training and deterministic()
     if q.device.type == "cpu":
-        return True, ""
-    qdt, kdt = (_nvte.DType.kFloat8E4M3,) * 2 if fp8 else (_DT[q.dtype], _DT[k.dtype])
-    ok, why = _backend_answer(q.device.index, is_training, qdt, kdt, layout, bias_type, mask, dropout, q.shape[-2],
-                              k.shape[-2], max_sq, max_skv, q.shape[-1], v.shape[-1], wl, wr, softmax)
+        if not det:
+            return True, ""
+        ok, why = True, ""
+    else:
+        qdt, kdt = (_nvte.DType.kFloat8E4M3,) * 2 if fp8 else (_DT[q.dtype], _DT[k.dtype])
+        ok, why = _backend_answer(q.device.index, is_training, qdt, kdt, layout, bias_type, mask, dropout,
+                                  q.shape[-2], k.shape[-2], max_sq, max_skv, q.shape[-1], v.shape[-1], wl, wr, softmax)
     # asked of the forward workspace query, which sees the tensors: a bottom-right window (TE's query
-    # has no alignment argument) and a paged cache (its page size)
-    if ok and not fp8 and ((br and wl >= 0 and mask in _NON_CAUSAL) or layout in _PAGED):
+    # has no alignment argument) and a paged cache (its page size); and the deterministic backward's
+    if ok and not fp8 and ((br and wl >= 0 and mask in _NON_CAUSAL) or layout in _PAGED or det):
         b4 = None if bias is None else (bias.shape if bias.dim() == 4 else (1, *bias.shape[-3:]))
         key = (q.device.index, q.dtype, *((tuple(x.shape), x.stride()) for x in (q, k, v)), b4, layout,
-               bias_type, mask, dropout, is_training, max_sq, max_skv, wl, wr, br, softmax)
+               bias_type, mask, dropout, is_training, max_sq, max_skv, wl, wr, br, softmax, det)
         answer = _WORKSPACE_ANSWERS.get(key)
         if answer is None:  # asked once per configuration (a forward asks every time)
             if len(_WORKSPACE_ANSWERS) >= _MAX_WORKSPACE_ANSWERS:  # (shapes that never repeat, e.g. THD steps)
                 _WORKSPACE_ANSWERS.clear()
             answer = _WORKSPACE_ANSWERS[key] = _workspace_answer(q, k, v, bias, b4, layout, bias_type, mask, dropout,
-                                                               is_training, max_sq, max_skv, wl, wr, br, softmax)
+                                                               is_training, max_sq, max_skv, wl, wr, br, softmax, det)
         return answer
     return ok, why
 
@@ -347,15 +355,18 @@ _MAX_WORKSPACE_ANSWERS = 1024
 
 
 def _workspace_answer(q, k, v, bias, b4, layout, bias_type, mask, dropout, is_training, max_sq, max_skv,
-                      wl, wr, br, softmax=0) -> Tuple[bool, str]:
+                      wl, wr, br, softmax=0, det=False) -> Tuple[bool, str]:
     """The forward workspace query's answer for a call (the bias in the call's form: [b or 1, h, sq,
-    skv] in q's dtype)."""
+    skv] in q's dtype); det: and the deterministic backward's (the bias standing for its gradient,
+    which has its shape)."""
     if bias is not None:
         bias = bias.reshape(b4).to(q.dtype)
+    H, enums = [_handle(x) for x in (q, k, v)], _enums(layout, bias_type, mask, softmax)
     try:
-        _nvte.fused_attn_fwd_workspace_size(*[_handle(x) for x in (q, k, v)], _handle(bias), max_sq, max_skv,
-                                            is_training, False, dropout, *_enums(layout, bias_type, mask, softmax), wl,
-                                            wr, br)
+        _nvte.fused_attn_fwd_workspace_size(*H, _handle(bias), max_sq, max_skv, is_training, False, dropout, *enums,
+                                            wl, wr, br)
+        if det:
+            _nvte.fused_attn_bwd_workspace_size(*H, _handle(bias), max_sq, max_skv, dropout, *enums, wl, wr, br, True)
     except _nvte.Error as e:  # (any other error: the call reports it)
         if len(e.args) > 1 and e.args[1] == int(_nvte.Status.NOT_SUPPORTED):
             return False, e.args[0]
