@@ -169,9 +169,22 @@ def test_dpa_softmax_scale(scale, mask_type):
 
 
 @pytest.mark.parametrize("mask_type,window", [("no_mask", (2, 1)), ("causal", (3, 0)),
-                                              ("causal_bottom_right", (2, 0)), ("no_mask", (-1, 0))])
+                                              ("causal_bottom_right", (2, 0)), ("no_mask", (0, 0))])
 def test_dpa_sliding_window(mask_type, window):
     check_dpa("bshd", mask_type, 2, 7, 9, 2, 1, 8, window=window)
+
+
+@pytest.mark.parametrize("mask_type", ["no_mask", "padding", "arbitrary"])
+def test_dpa_causal_window_on_a_non_causal_mask_is_no_window(mask_type):
+    """window_size (-1, 0) is TE's "causal": with a non-causal mask type TE replaces it by (-1, -1)
+    with a warning (check_set_window_size), so the result is the mask type's alone, not a causal one."""
+    qm, km = padding_masks(2, 7, 9)
+    mask = {"no_mask": None, "padding": (qm, km),
+            "arbitrary": torch.rand(2, 1, 7, 9, generator=torch.Generator().manual_seed(5)) < 0.3}[mask_type]
+    with pytest.warns(UserWarning, match=r"\(-1, 0\)"):
+        m = ref_mask(mask_type, 2, 7, 9, mask, None)
+        check_dpa("bshd", mask_type, 2, 7, 9, 2, 1, 8, attention_mask=mask, window=(-1, 0),
+                  ref_m=m if m is not None else torch.zeros(1, 1, 7, 9, dtype=torch.bool))
 
 
 def test_dpa_mask_type_override_and_kv_channels_tuple():
@@ -254,10 +267,11 @@ def test_unimplemented_arguments_raise_instead_of_being_ignored():
     dpa = DotProductAttention(2, 4, name="core")
     assert dpa.name == "core"
     ref = dpa(q, k, v)
-    for kw in (dict(fp8_output=True), dict(score_mod=lambda s: s), dict(bottom_right_diagonal=True),
-               dict(cu_seqlen_q=dev(torch.tensor([0, 4], dtype=torch.int32)))):  # (a misspelt name)
+    for kw in (dict(fp8_output=True), dict(score_mod=lambda s: s)):
         with pytest.raises(NotImplementedError, match=f"not implemented in this adapter: \\['{next(iter(kw))}'\\]"):
             dpa(q, k, v, **kw)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cu_seqlen_q'"):  # (a misspelt name)
+        dpa(q, k, v, cu_seqlen_q=dev(torch.tensor([0, 4], dtype=torch.int32)))
     out = dpa(q, k, v, fp8_output=False, score_mod=None, num_splits=2)
     assert torch.equal(out, ref)
     x = dev(torch.randn(4, 1, 8))

@@ -85,3 +85,43 @@ def test_attention_mask_must_be_bool(mask_type):
             dpa(dev(q), dev(k), dev(v), attention_mask=m if isinstance(m, tuple) else dev(m))
     out = dpa(dev(q), dev(k), dev(v), attention_mask=dev(~keep.bool()))
     assert out.shape == (2, 4, 16)
+
+
+def test_bottom_right_diagonal_values():
+    """TE's bottom_right_diagonal: None / True align a window (and ALiBi) bottom-right on the non-causal
+    mask types, as this adapter does; the causal types force their own corner whatever it says;
+    False on a non-causal type (top-left) is not implemented and raises where it would change the
+    result (a window, ALiBi), in the constructor's default and forward's argument alike, also
+    through MultiheadAttention and TransformerLayer; elsewhere it changes nothing and runs."""
+    from transformer_engine.pytorch import MultiheadAttention, TransformerLayer
+    b, sq, sk, h, d = 2, 5, 8, 2, 8
+    q, k, v = (dev(t.detach()) for t in make_qkv("bshd", b, sq, sk, h, h, d, seed=6))
+    q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
+    for mask_type, window in (("no_mask", (1, 1)), ("causal", (2, 0)), ("no_mask", None)):
+        ref = ref_attention(q64, k64, v64, "bshd", 1 / math.sqrt(d), ref_mask(mask_type, b, sq, sk, None, window))
+        for brd in (None, True, False):
+            dpa = DotProductAttention(h, d, attn_mask_type=mask_type, qkv_format="bshd", window_size=window)
+            if brd is False and mask_type == "no_mask" and window is not None:
+                with pytest.raises(NotImplementedError, match="bottom_right_diagonal=False"):
+                    dpa(q, k, v, bottom_right_diagonal=brd)
+                with pytest.raises(NotImplementedError, match="bottom_right_diagonal=False"):
+                    DotProductAttention(h, d, attn_mask_type=mask_type, qkv_format="bshd", window_size=window,
+                                        bottom_right_diagonal=False)(q, k, v)
+                continue
+            assert rel_err(dpa(q, k, v, bottom_right_diagonal=brd).cpu(), ref) < TOL, (mask_type, window, brd)
+    dpa = DotProductAttention(h, d, attn_mask_type="no_mask", qkv_format="bshd")
+    with pytest.raises(NotImplementedError, match="bottom_right_diagonal=False"):
+        dpa(q, k, v, core_attention_bias_type="alibi", bottom_right_diagonal=False)
+    x = dev(torch.randn(sq, 1, 16))
+    mha = MultiheadAttention(16, 2, attn_mask_type="no_mask", device=x.device)
+    mha(x, window_size=(1, 1), bottom_right_diagonal=True)
+    with pytest.raises(NotImplementedError, match="bottom_right_diagonal=False"):
+        mha(x, window_size=(1, 1), bottom_right_diagonal=False)
+    layer = TransformerLayer(16, 32, 2, self_attn_mask_type="no_mask", bottom_right_diagonal=False, device=x.device)
+    layer(x)  # (no window: the alignment changes nothing)
+    with pytest.raises(NotImplementedError, match="bottom_right_diagonal=False"):
+        layer(x, window_size=(1, 1))
+    dec = TransformerLayer(16, 32, 2, layer_type="decoder", enc_dec_bottom_right_diagonal=False, device=x.device)
+    dec(x, encoder_output=x, enc_dec_attn_mask_type="no_mask")
+    with pytest.raises(NotImplementedError, match="bottom_right_diagonal=False"):
+        dec(x, encoder_output=x, enc_dec_attn_mask_type="no_mask", enc_dec_window_size=(1, 1))

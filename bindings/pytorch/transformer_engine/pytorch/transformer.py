@@ -17,7 +17,7 @@ import torch
 
 from .module import LayerNorm, LayerNormMLP, RMSNorm
 from .module.base import default_init_method, reset_fp8_meta_tensors, set_tensor_parallel_group
-from .module.linear import check_unsupported
+from .module.linear import check_kwargs, check_unsupported
 
 try:  # written alongside this module; TransformerLayer needs it only when it is built
     from .attention import MultiheadAttention
@@ -64,6 +64,17 @@ def _split_ln_output(res):
 _MHA_ARGS = ("rotary_pos_interleaved", "qk_norm_type", "qk_norm_eps", "qk_norm_before_rope")
 # TE constructor arguments that cannot change a result here: a kernel-fusion choice
 _NOOP_ARGS = ("bias_dropout_fusion",)
+# the other TE 2.x constructor arguments outside the signature below (accepted when unset; ub_* at
+# tp_size 1, where TE's defaults of True change nothing)
+_TE_KWARGS = frozenset(_MHA_ARGS + _NOOP_ARGS + (
+    "bottom_right_diagonal", "enc_dec_bottom_right_diagonal", "activation_params", "ub_tp_comm_overlap",
+    "ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"))
+# TE 2.x forward arguments outside forward's signature (the attention ones go to self_attention, the
+# shared ones to the cross attention too)
+_TE_FORWARD_KWARGS = frozenset((
+    "bottom_right_diagonal", "enc_dec_bottom_right_diagonal", "checkpoint_core_attention", "alibi_slopes",
+    "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
+    "max_seqlen_kv", "fast_zero_fill", "pad_between_seqs"))
 
 
 class TransformerLayer(torch.nn.Module):
@@ -94,11 +105,15 @@ class TransformerLayer(torch.nn.Module):
                  name: Optional[str] = None, softmax_type: str = "vanilla", parallel_attention_mlp: bool = False,
                  **kwargs):
         super().__init__()
+        check_kwargs("TransformerLayer.__init__", _TE_KWARGS, kwargs)
         mha_extra = {k: kwargs.pop(k) for k in _MHA_ARGS if k in kwargs}
+        # the defaults of forward's arguments of the same names (checked by DotProductAttention)
+        self.bottom_right_diagonal = kwargs.pop("bottom_right_diagonal", None)
+        self.enc_dec_bottom_right_diagonal = kwargs.pop("enc_dec_bottom_right_diagonal", None)
         for k in _NOOP_ARGS:
             kwargs.pop(k, None)
-        # every other option (TE's userbuffer overlaps, activation_params, a misspelt name) raises
-        # when set: ignoring it would change the layer silently
+        # every other TE option (userbuffer overlaps aside: see check_unsupported) raises when set:
+        # ignoring it would change the layer silently
         # sequence_parallel and set_parallel_mode act with tensor parallelism only (TE: sequence
         # parallelism is on when tp_size > 1 and it is set): with tp_size 1 they change nothing
         check_unsupported("TransformerLayer", tp_size, **kwargs)
@@ -206,6 +221,11 @@ class TransformerLayer(torch.nn.Module):
                 is_first_microbatch: Optional[bool] = None, inference_params=None, rotary_pos_emb=None,
                 core_attention_bias_type: str = "no_bias", core_attention_bias: Optional[torch.Tensor] = None,
                 **kwargs) -> torch.Tensor:
+        check_kwargs("TransformerLayer.forward", _TE_FORWARD_KWARGS, kwargs)
+        brd = kwargs.pop("bottom_right_diagonal", None)
+        brd = self.bottom_right_diagonal if brd is None else brd
+        enc_dec_brd = kwargs.pop("enc_dec_bottom_right_diagonal", None)
+        enc_dec_brd = self.enc_dec_bottom_right_diagonal if enc_dec_brd is None else enc_dec_brd
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"TransformerLayer: hidden_states must be a torch.Tensor, "
                             f"got {type(hidden_states).__name__}")
@@ -220,7 +240,7 @@ class TransformerLayer(torch.nn.Module):
                                    core_attention_bias=core_attention_bias, is_first_microbatch=is_first_microbatch,
                                    **{k: kwargs[k] for k in self._SHARED_ATTN_ARGS if k in kwargs})
         extra = self._attn_kwargs(window_size=window_size, inference_params=inference_params,
-                                  rotary_pos_emb=rotary_pos_emb, **{**kwargs, **shared})
+                                  rotary_pos_emb=rotary_pos_emb, bottom_right_diagonal=brd, **{**kwargs, **shared})
 
         res = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=mask_type, **extra)
         attn_out, ln_out = _split_ln_output(res)
@@ -233,7 +253,7 @@ class TransformerLayer(torch.nn.Module):
 
         if self.layer_type == "decoder":
             cross_type = enc_dec_attn_mask_type if enc_dec_attn_mask_type is not None else self.enc_dec_attn_mask_type
-            extra_x = self._attn_kwargs(window_size=enc_dec_window_size, **shared)
+            extra_x = self._attn_kwargs(window_size=enc_dec_window_size, bottom_right_diagonal=enc_dec_brd, **shared)
             res = self.inter_attention(x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
                                        attn_mask_type=cross_type, **extra_x)
             cross_out, ln_out = _split_ln_output(res)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import warnings
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -36,6 +37,7 @@ from ..fp8 import FP8Meta, fp8_autocast
 from ..inference import InferenceParams  # noqa: F401  (TE's te.attention.InferenceParams)
 from ..rope import RotaryPositionEmbedding, apply_rotary_pos_emb  # noqa: F401  (also te.attention.*)
 from ..module.base import default_device
+from ..module.linear import check_kwargs
 
 __all__ = ["DotProductAttention", "MultiheadAttention"]
 
@@ -123,9 +125,15 @@ def _check_window(window_size) -> Optional[Tuple[int, int]]:
 
 
 def _normalize_window(window_size, mask_type: str) -> Optional[Tuple[int, int]]:
-    """None when no sliding window applies beyond the mask type itself."""
+    """None when no sliding window applies beyond the mask type itself. (-1, 0) is TE's spelling of
+    "causal": on a causal mask type it adds nothing, and on a non-causal one TE replaces it by (-1, -1)
+    with a warning (a causal window is asked for with a causal mask type), so no window applies."""
     w = _check_window(window_size)
     if w is None:
+        return None
+    if w == (-1, 0) and "causal" not in mask_type:
+        warnings.warn(f"DotProductAttention: window_size (-1, 0) with attn_mask_type {mask_type!r} is treated as "
+                      f"(-1, -1), as TE does: use a causal mask type for causal attention", stacklevel=3)
         return None
     if w == (-1, -1) or ("causal" in mask_type and w == (-1, 0)):
         return None
@@ -134,13 +142,35 @@ def _normalize_window(window_size, mask_type: str) -> Optional[Tuple[int, int]]:
 
 # forward arguments of TE's that cannot change a result here: flash-attention's split count (speed only)
 _FORWARD_NOOPS = ("num_splits",)
+# TE 2.x constructor / forward arguments of DotProductAttention outside the signatures below
+# (accepted when unset)
+_DPA_TE_KWARGS = frozenset(("name", "bottom_right_diagonal", "return_max_logit"))
+_DPA_TE_FORWARD_KWARGS = frozenset(_FORWARD_NOOPS + (
+    "bottom_right_diagonal", "fp8_output", "bf16_backward", "score_mod", "score_mod_bprop", "score_mod_tensors",
+    "score_mod_bprop_tensors"))
+
+
+def _check_diagonal(brd, mask_type: str, window_size, bias_type: str) -> None:
+    """TE's bottom_right_diagonal: the corner a sliding window's and ALiBi's diagonal is aligned to.
+    TE forces it for the causal mask types (top-left for causal / padding_causal, bottom-right for
+    *_bottom_right), and None means bottom-right for the others, as here. Top-left (False) on a
+    non-causal mask type is not implemented: it changes a windowed or ALiBi result, so it raises
+    there rather than run bottom-right silently (elsewhere the alignment changes nothing)."""
+    if brd is None or bool(brd) or "causal" in mask_type:
+        return
+    w = _check_window(window_size)
+    if (w is not None and w not in ((-1, -1), (-1, 0))) or bias_type == "alibi":
+        raise NotImplementedError(f"DotProductAttention: bottom_right_diagonal=False (a window / ALiBi aligned to "
+                                  f"the top-left corner with attn_mask_type {mask_type!r}) is not implemented in "
+                                  f"this adapter; None or True align them bottom-right")
 
 
 def _check_forward_kwargs(who: str, kwargs) -> None:
-    """Raises for forward arguments this adapter does not implement (TE's fp8_output, score_mod,
-    bottom_right_diagonal, ... or a misspelt name) unless they are left at None / False: ignoring
-    them would change results silently."""
-    on = sorted(k for k, v in kwargs.items() if k not in _FORWARD_NOOPS and v is not None and v is not False)
+    """Raises for TE forward arguments this adapter does not implement (fp8_output, score_mod,
+    bottom_right_diagonal, ...) unless they are left at None / False: ignoring them would change
+    results silently. (Names TE does not know are check_kwargs' TypeError before.)"""
+    on = sorted(k for k, v in kwargs.items()
+                if k not in _FORWARD_NOOPS + ("bottom_right_diagonal",) and v is not None and v is not False)
     if on:
         raise NotImplementedError(f"{who}.forward: arguments not implemented in this adapter: {on}")
 
@@ -168,9 +198,11 @@ class DotProductAttention(torch.nn.Module):
                  cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p",
                  softmax_scale: Optional[float] = None, softmax_type: str = "vanilla", **kwargs):
         super().__init__()
+        check_kwargs("DotProductAttention.__init__", _DPA_TE_KWARGS, kwargs)
         if tp_size != 1:
             raise NotImplementedError(f"DotProductAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
         self.name = kwargs.pop("name", None)  # (TE's debugging name)
+        self.bottom_right_diagonal = kwargs.pop("bottom_right_diagonal", None)  # (_check_diagonal)
         on = [k for k, v in kwargs.items() if v]
         if on:
             raise NotImplementedError(f"DotProductAttention: options not implemented in this adapter: {on}")
@@ -249,6 +281,10 @@ class DotProductAttention(torch.nn.Module):
         of fused_attention_fp8.FusedAttnFP8MHAFunc; query/key/value_layer are then uint8 views of the
         FP8 bytes (they give the shapes) and the result is O's FP8 hand-off. _cp_local: one rank's
         own attention inside context parallelism (context_parallel.attend)."""
+        check_kwargs("DotProductAttention.forward", _DPA_TE_FORWARD_KWARGS, kwargs)
+        brd = kwargs.pop("bottom_right_diagonal", None)
+        _check_diagonal(self.bottom_right_diagonal if brd is None else brd, attn_mask_type or self.attn_mask_type,
+                        window_size if window_size is not None else self.window_size, core_attention_bias_type)
         _check_forward_kwargs("DotProductAttention", kwargs)
         if checkpoint_core_attention and self._checkpointable(query_layer, key_layer, value_layer, core_attention_bias,
                                                               inference_params, _fp8_handoff, _cp_local):

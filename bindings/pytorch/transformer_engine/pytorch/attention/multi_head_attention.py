@@ -15,7 +15,7 @@ from .. import fused_attention_fp8 as _fa8
 from ..fp8_handoff import handoff_parts
 from ..module.base import reset_fp8_meta_tensors, set_tensor_parallel_group
 from ..module.layernorm_linear import LayerNormLinear
-from ..module.linear import Linear
+from ..module.linear import Linear, check_kwargs
 from ..rope import apply_rotary_pos_emb
 from . import DotProductAttention, _check_forward_kwargs
 
@@ -24,6 +24,12 @@ __all__ = ["MultiheadAttention"]
 
 # constructor arguments of TE's that cannot change a result: Megatron's JIT warm-up sizes
 _MHA_INIT_NOOPS = ("seq_length", "micro_batch_size")
+# TE 2.x constructor / forward arguments outside the signatures below (accepted when unset; ub_* at
+# tp_size 1)
+_TE_KWARGS = frozenset(_MHA_INIT_NOOPS + (
+    "qk_norm_type", "qk_norm_eps", "qk_norm_before_rope", "ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad",
+    "ub_bulk_dgrad", "ub_bulk_wgrad"))
+_TE_FORWARD_KWARGS = frozenset(("bottom_right_diagonal", "fp8_output"))
 
 
 # ------------------------------------------------------------- MultiheadAttention
@@ -74,6 +80,7 @@ class MultiheadAttention(torch.nn.Module):
                  softmax_scale: Optional[float] = None, rotary_pos_interleaved: bool = False,
                  softmax_type: str = "vanilla", **kwargs):
         super().__init__()
+        check_kwargs("MultiheadAttention.__init__", _TE_KWARGS, kwargs)
         if tp_size != 1:
             raise NotImplementedError(f"MultiheadAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
         for k in _MHA_INIT_NOOPS:
@@ -217,6 +224,7 @@ class MultiheadAttention(torch.nn.Module):
                 core_attention_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None,
                 max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill: bool = True, cu_seqlens_q_padded=None,
                 cu_seqlens_kv_padded=None, pad_between_seqs=None, **kwargs):
+        check_kwargs("MultiheadAttention.forward", _TE_FORWARD_KWARGS, kwargs)
         _check_forward_kwargs("MultiheadAttention", kwargs)
         if self.attention_type == "self" and cu_seqlens_kv is None and cu_seqlens_kv_padded is None:
             cu_seqlens_kv_padded = cu_seqlens_q_padded  # (one packed buffer: the keys' offsets are the queries')

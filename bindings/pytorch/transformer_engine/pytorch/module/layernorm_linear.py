@@ -8,10 +8,15 @@ import torch
 from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_same_device,
                    default_init_method)
 from .layernorm import check_normalization, norm_fn, norm_writes_fp8
-from .linear import check_parallel_mode, check_unsupported
+from .linear import check_kwargs, check_parallel_mode, check_unsupported
 from .split_params import SplitParams, parse_parameters_split
 
 __all__ = ["LayerNormLinear"]
+
+
+# TE 2.x parameters of LayerNormLinear outside the signature below (accepted when unset; ub_* at tp_size 1)
+_TE_KWARGS = frozenset({"ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad",
+                        "ub_name", "delay_wgrad_compute", "symmetric_ar_type"})
 
 
 class LayerNormLinear(SplitParams, TransformerEngineBaseModule):
@@ -31,6 +36,7 @@ class LayerNormLinear(SplitParams, TransformerEngineBaseModule):
                  return_layernorm_output: bool = False, return_layernorm_output_gathered: bool = False,
                  parameters_split=None, zero_centered_gamma: bool = False, device=None,
                  name: Optional[str] = None, **kwargs):
+        check_kwargs("LayerNormLinear.__init__", _TE_KWARGS, kwargs)
         check_unsupported("LayerNormLinear", tp_size, **kwargs)
         splits = parse_parameters_split(parameters_split, out_features, "LayerNormLinear")
         super().__init__(device, params_dtype)

@@ -13,7 +13,7 @@ from .. import _ops, custom_ops
 from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_same_device,
                    default_init_method)
 from .layernorm import check_normalization, norm_fn, norm_writes_fp8
-from .linear import check_unsupported
+from .linear import check_kwargs, check_unsupported
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS", "GATED_ACTIVATIONS"]
 
@@ -46,6 +46,11 @@ def activation_fn(x: torch.Tensor, name: str) -> torch.Tensor:
     return custom_ops.run_function(_ActFn, x, name)
 
 
+# TE 2.x parameters of LayerNormMLP outside the signature below (accepted when unset; ub_* at tp_size 1)
+_TE_KWARGS = frozenset({"ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad",
+                        "delay_wgrad_compute", "symmetric_ar_type", "activation_params", "checkpoint"})
+
+
 class LayerNormMLP(TransformerEngineBaseModule):
     """Parameters `layer_norm_weight`, `layer_norm_bias` (LayerNorm only) [hidden_size],
     `fc1_weight` [ffn_hidden_size, hidden_size], `fc1_bias`, `fc2_weight` [hidden_size,
@@ -67,6 +72,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                  micro_batch_size: Optional[int] = None, set_parallel_mode: bool = False,
                  zero_centered_gamma: bool = False, device=None, name: Optional[str] = None, **kwargs):
         # set_parallel_mode picks column / row-parallel GEMMs: nothing to pick with tp_size 1
+        check_kwargs("LayerNormMLP.__init__", _TE_KWARGS, kwargs)
         check_unsupported("LayerNormMLP", tp_size, **kwargs)
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP: activation {activation!r} is not supported; "

@@ -19,6 +19,15 @@ def check_parallel_mode(parallel_mode: Optional[str], name: str) -> Optional[str
     return parallel_mode
 
 
+def check_kwargs(who: str, known, kwargs) -> None:
+    """TypeError (as TE and Python raise) for keyword arguments of `who` ("Linear.__init__", ...)
+    whose names are not in `known`: the TE parameters of `who` that its signature takes through
+    **kwargs (their values are checked by the caller). A misspelt name must not pass silently."""
+    unknown = [k for k in kwargs if k not in known]
+    if unknown:
+        raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
+
+
 def check_unsupported(name: str, tp_size: int = 1, **flags) -> None:
     """Reject TE options this adapter does not implement, when set to non-default values. TE's
     userbuffer overlaps (ub_*) act only on tensor-parallel communication: with tp_size 1 (the only
@@ -28,6 +37,11 @@ def check_unsupported(name: str, tp_size: int = 1, **flags) -> None:
     on = [k for k, v in flags.items() if v and not k.startswith("ub_")]
     if on:
         raise NotImplementedError(f"{name}: options not implemented in this adapter: {on}")
+
+
+# TE 2.x parameters of Linear outside the signature below (accepted when unset; ub_* at tp_size 1)
+_TE_KWARGS = frozenset({"ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad",
+                        "ub_name", "delay_wgrad_compute", "symmetric_ar_type", "save_original_input"})
 
 
 class Linear(SplitParams, TransformerEngineBaseModule):
@@ -50,6 +64,7 @@ class Linear(SplitParams, TransformerEngineBaseModule):
                  init_method: Optional[Callable] = None, bias: bool = True, return_bias: bool = False,
                  params_dtype: Optional[torch.dtype] = None, parallel_mode: Optional[str] = None,
                  parameters_split=None, device=None, name: Optional[str] = None, **kwargs):
+        check_kwargs("Linear.__init__", _TE_KWARGS, kwargs)
         check_unsupported("Linear", tp_size, **kwargs)
         splits = parse_parameters_split(parameters_split, out_features, "Linear")
         super().__init__(device, params_dtype)
