@@ -147,6 +147,35 @@ def test_fp8_recipe_state_follows_the_library_recipe():
         assert torch.equal(fresh.fp8_meta.scale[key], meta.scale[key].cpu())
 
 
+def test_te_dpa_checkpoint_extra_state_loads():
+    """TE 2.x's DotProductAttention `_extra_state` (its pickled dict as uint8 bytes) keeps three GEMMs'
+    worth of slots, [len, 9] forward / [len, 6] backward, with Q/K/V at 2, O at 3, S at 8 and dQKV at
+    0, dO at 3, dP at 5: those columns land in this module's slots (every column distinct, so a
+    wrong mapping shows); a state of another width is refused with the shapes named."""
+    import pickle
+    hist_f = torch.arange(4 * 9, dtype=torch.float32).reshape(4, 9) + 1
+    hist_b = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6) + 100
+    scale_f, scale_b = torch.arange(9, dtype=torch.float32) + 1, torch.arange(6, dtype=torch.float32) + 20
+    state = {"recipe": _recipe(), "scale_fwd": scale_f, "amax_history_fwd": hist_f, "scale_bwd": scale_b,
+             "amax_history_bwd": hist_b, "extra_fp8_variables": {"num_gemms": 3}}
+    blob = torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+    dpa = DotProductAttention(2, 8, qkv_format="bshd")
+    sd = dpa.state_dict()
+    sd["_extra_state"] = blob
+    dpa.load_state_dict(sd)
+    meta = dpa.fp8_meta
+    from transformer_engine.pytorch import fused_attention_fp8 as fa8
+    for slot, col in ((fa8.SLOT_QKV, 2), (fa8.SLOT_O, 3), (fa8.SLOT_S, 8)):
+        assert torch.equal(meta.amax_history["fwd"][:, slot].cpu(), hist_f[:, col])
+        assert float(meta.scale["fwd"][slot]) == float(scale_f[col])
+    for slot, col in ((fa8.SLOT_DQKV, 0), (fa8.SLOT_DO, 3), (fa8.SLOT_DP, 5)):
+        assert torch.equal(meta.amax_history["bwd"][:, slot].cpu(), hist_b[:, col])
+        assert float(meta.scale["bwd"][slot]) == float(scale_b[col])
+    bad = dict(state, amax_history_fwd=hist_f[:, :7], scale_fwd=scale_f[:7])
+    with pytest.raises(ValueError, match=r"\(4, 7\)"):
+        dpa.set_extra_state(torch.frombuffer(bytearray(pickle.dumps(bad)), dtype=torch.uint8))
+
+
 @cpu_only
 def test_fp8_dpa_inference():
     case = Case("sbhd", h=2, g=2, d=8)

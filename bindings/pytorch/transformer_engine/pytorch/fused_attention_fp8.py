@@ -58,6 +58,25 @@ E4M3 = int(_nv.DType.kFloat8E4M3)
 SLOT_QKV, SLOT_S, SLOT_O = 0, 1, 2      # forward
 SLOT_DO, SLOT_DP, SLOT_DQKV = 0, 1, 2   # backward
 NUM_FWD, NUM_BWD = 3, 3
+# TE's DotProductAttention keeps three GEMMs' worth of slots (9 forward, 6 backward) with Q/K/V at
+# 2, O at 3, S at 8 and dQKV at 0, dO at 3, dP at 5: the columns of its checkpoints that are ours
+TE_SLOTS = {"fwd": (9, {SLOT_QKV: 2, SLOT_S: 8, SLOT_O: 3}), "bwd": (6, {SLOT_DO: 3, SLOT_DP: 5, SLOT_DQKV: 0})}
+
+
+def from_te_slots(state):
+    """A saved FP8 state in TE's DotProductAttention slot layout ([len, 9] / [len, 6] histories and
+    scales) as this module's ([len, 3] / [len, 3]); any other state as it is."""
+    if not isinstance(state, dict) or "amax_history_fwd" not in state:
+        return state
+    if any(state[f"amax_history_{k}"].dim() != 2 or state[f"amax_history_{k}"].shape[1] != n
+           or tuple(state[f"scale_{k}"].shape) != (n,) for k, (n, _) in TE_SLOTS.items()):
+        return state
+    out = dict(state)
+    for k, (_, cols) in TE_SLOTS.items():
+        idx = [cols[i] for i in range(len(cols))]
+        out[f"amax_history_{k}"] = state[f"amax_history_{k}"][:, idx]
+        out[f"scale_{k}"] = state[f"scale_{k}"][idx]
+    return out
 
 
 def _fp8(data: Optional[Tensor], fp8_dtype: int, scale_inv: Optional[Tensor] = None, scale: int = 0,

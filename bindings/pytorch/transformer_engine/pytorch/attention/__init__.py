@@ -34,6 +34,7 @@ from .. import fused_attention_fp8 as _fa8
 from .. import kv_cache_attention as _kv
 from ..distributed import checkpoint as _checkpoint
 from ..fp8 import FP8Meta, fp8_autocast
+from ..fp8 import _te_extra_state as te_extra_state
 from ..inference import InferenceParams  # noqa: F401  (TE's te.attention.InferenceParams)
 from ..rope import RotaryPositionEmbedding, apply_rotary_pos_emb  # noqa: F401  (also te.attention.*)
 from ..module.base import default_device
@@ -439,8 +440,11 @@ class DotProductAttention(torch.nn.Module):
         return self.fp8_meta.state()
 
     def set_extra_state(self, state) -> None:
+        """Our state, or TE's `_extra_state` (its pickled bytes; its slot layout mapped to ours)."""
+        if isinstance(state, torch.Tensor):
+            state = te_extra_state(state)
         h = self.fp8_meta.amax_history.get("fwd")
-        self.fp8_meta.load(state, h.device if h is not None else default_device())
+        self.fp8_meta.load(_fa8.from_te_slots(state), h.device if h is not None else default_device())
 
     @staticmethod
     def _softmax_plan(mask_type, attention_mask, window, b, sq, sk, device):
