@@ -104,11 +104,25 @@ const Tensor &require(const NVTETensor t, const char *name) {
 
 Tensor &require_mut(NVTETensor t, const char *name) { return const_cast<Tensor &>(require(t, name)); }
 
+static const char *scalar_param_name(NVTETensorParam p) {
+  switch (p) {
+    case kNVTEScale: return "scale";
+    case kNVTEAmax: return "amax";
+    case kNVTERowwiseScaleInv: return "scale_inv";
+    case kNVTEColumnwiseScaleInv: return "columnwise scale_inv";
+    default: return "scalar";
+  }
+}
+
 float *scalar_param(const Tensor &t, NVTETensorParam p, const char *name) {
   const NVTEBasicTensor &b = t.params[p];
   if (b.data_ptr == nullptr) return nullptr;
-  NVTE_CHECK(b.dtype == kNVTEFloat32, name, " must be float32, got ", dtype_name(b.dtype));
-  NVTE_CHECK(numel(b.shape) >= 1, name, " must hold one element, shape ", shape_str(b.shape));
+  // Per-tensor scaling: exactly one float32 (a longer buffer would have its first element used
+  // silently, as if it were per-row scales).
+  NVTE_CHECK(b.dtype == kNVTEFloat32, name, "'s ", scalar_param_name(p), " must be float32, got ",
+             dtype_name(b.dtype));
+  NVTE_CHECK(numel(b.shape) == 1, name, "'s ", scalar_param_name(p),
+             " must hold exactly one element (per-tensor scaling), shape ", shape_str(b.shape));
   return static_cast<float *>(b.data_ptr);
 }
 

@@ -319,6 +319,16 @@ def test_errors_name_the_op_and_the_values(rng):
                  nvte.Tensor(np.zeros((2, 3), np.float32)))
     expect_error(r"nvte_dequantize: output must be float32, float16 or bfloat16, got float8_e4m3",
                  nvte.dequantize, FP8Out((2, 3), "e5m2").tensor, FP8Out((2, 3), "e4m3").tensor)
+    # per-tensor scale / amax / scale_inv: one float32 each, the message naming the tensor and the field
+    data = np.zeros((2, 3), np.uint8)
+    for field, bad, msg in (("scale", np.ones(2, np.float32), r"output's scale must hold exactly one element"),
+                            ("amax", np.zeros((2, 2), np.float32), r"output's amax must hold exactly one element"),
+                            ("scale_inv", np.ones(3, np.float32), r"output's scale_inv must hold exactly one"),
+                            ("scale", np.ones(1, np.float16), r"output's scale must be float32, got float16")):
+        kw = dict(scale=scalar(1.0), amax=scalar(0.0), scale_inv=scalar(1.0))
+        kw[field] = bad
+        expect_error(msg, nvte.quantize, x, nvte.Tensor(data, dtype=DT.kFloat8E4M3, **kw))
+    assert (data == 0).all()
     assert (out.data == 0xAB).all() and out.amax[0] == 0.0  # failed calls wrote nothing
     nvte.quantize(x, out.tensor)  # and the library still works
     assert (out.data == 0x38).all()
