@@ -114,7 +114,8 @@ BIASES = ["post_scale_bias", "pre_scale_bias", "alibi", "alibi_slopes_h", "alibi
 def make_bias(kind, b, h, sq, sk, shape="1hss"):
     gen = torch.Generator().manual_seed(21)
     if kind in ("post_scale_bias", "pre_scale_bias"):
-        full = {"1hss": (1, h, sq, sk), "b1ss": (b, 1, sq, sk), "bhss": (b, h, sq, sk), "hss": (h, sq, sk)}[shape]
+        full = {"1hss": (1, h, sq, sk), "b1ss": (b, 1, sq, sk), "bhss": (b, h, sq, sk), "hss": (h, sq, sk),
+                "111s": (1, 1, 1, sk), "1h1s": (1, h, 1, sk), "b11s": (b, 1, 1, sk)}[shape]
         return kind, torch.randn(*full, generator=gen), None
     if kind == "alibi":
         return "alibi", None, None
@@ -171,11 +172,14 @@ def test_unfused_matches_fused_path(monkeypatch, mask_type, b, sq, sk, padded, k
             assert rel_err(un[i], fu[i]) < 1e-4, name
 
 
-@pytest.mark.parametrize("shape", ["1hss", "b1ss", "bhss", "hss"])
-def test_bias_shapes(monkeypatch, shape):
+@pytest.mark.parametrize("path", ["unfused", "fused"])
+@pytest.mark.parametrize("shape", ["1hss", "b1ss", "bhss", "hss", "111s", "1h1s", "b11s"])
+def test_bias_shapes(monkeypatch, shape, path):
+    """Every bias shape TE takes, on both paths: [1 or b, 1 or h, sq, skv], [h, sq, skv], and one shared
+    by all queries ([.., .., 1, skv], TE's "111s"), whose gradient sums over the queries."""
     b, h, s, d = 2, 4, 6, 8
     _, bias, _ = make_bias("post_scale_bias", b, h, s, s, shape)
-    out, dq, _, _, dbias, dy = run(monkeypatch, "unfused", "bshd", "causal", b, s, s, h, h, d, "post_scale_bias", bias)
+    out, dq, _, _, dbias, dy = run(monkeypatch, path, "bshd", "causal", b, s, s, h, h, d, "post_scale_bias", bias)
     q, k, v = (t.detach().double().requires_grad_(True) for t in make_qkv("bshd", b, s, s, h, h, d, seed=4))
     rb = bias.double().requires_grad_(True)
     ref = ref_biased(q, k, v, "bshd", 1.0 / math.sqrt(d), ref_mask("causal", b, s, s), "post_scale_bias",

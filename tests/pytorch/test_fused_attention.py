@@ -429,6 +429,55 @@ def test_deterministic_backward_repeats_bitwise(monkeypatch):
     assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
 
 
+@pytest.mark.parametrize("case", ["dropout", "post_scale_bias", "alibi", "window", "padding", "off-by-one",
+                                  "thd"])
+def test_deterministic_training_repeats_bitwise(monkeypatch, case, capsys):
+    """NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 over the configurations beyond the plain one: every call
+    runs (fused where the library builds a deterministic backward, unfused where it refuses one;
+    the path taken is printed) and repeats its gradients bit for bit, dropout with the same seed."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    monkeypatch.setattr(fa, "_WORKSPACE_ANSWERS", {})
+    spy = Spy(fa._nvte)
+    monkeypatch.setattr(fa, "_nvte", spy)
+    b, s_, h, d = 2, 256, 4, 64
+    fmt = "thd" if case == "thd" else "bshd"
+    kw = dict(qkv_format=fmt, attn_mask_type="padding" if case in ("padding", "thd") else "causal",
+              attention_dropout=0.1 if case == "dropout" else 0.0,
+              softmax_type="off-by-one" if case == "off-by-one" else "vanilla",
+              window_size=(64, 0) if case == "window" else None)
+    dpa = DotProductAttention(h, d, **kw)
+    q, k, v = make_qkv("bshd", b, s_, s_, h, h, d, seed=13, dtype=DT)
+    call = {}
+    if case == "post_scale_bias":
+        bias = dev(torch.randn(1, h, s_, s_, generator=torch.Generator().manual_seed(2)).to(DT)).requires_grad_()
+        call = dict(core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
+    elif case == "alibi":
+        call = dict(core_attention_bias_type="alibi")
+    elif case == "padding":
+        qm, km = padding_masks(b, s_, s_)
+        call = dict(attention_mask=(dev(qm), dev(km)))
+    elif case == "thd":
+        cu = dev(torch.tensor([0, 200, 200 + s_], dtype=torch.int32))
+        q, k, v = (t.detach().reshape(b * s_, h, d).requires_grad_() for t in (q, k, v))
+        call = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s_, max_seqlen_kv=s_)
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        if ON_GPU:
+            torch.cuda.manual_seed(5)
+        xs = [dev(t.detach()).requires_grad_() for t in (q, k, v)]
+        out = dpa(*xs, **call)
+        out.float().square().sum().backward()
+        gs = [x.grad for x in xs] + ([call["core_attention_bias"].grad.clone()] if case == "post_scale_bias" else [])
+        if case == "post_scale_bias":
+            call["core_attention_bias"].grad = None
+        assert all(torch.isfinite(g).all() for g in gs), case
+        grads.append(torch.cat([g.flatten().float() for g in gs]))
+    with capsys.disabled():
+        print(f"\n[deterministic {case}] fused calls fwd {spy.fwd} bwd {spy.bwd} (0: the unfused path ran)")
+    assert torch.equal(grads[0], grads[1]), case
+
+
 def test_nvte_debug_logs_the_attention_path(monkeypatch, caplog):
     """NVTE_DEBUG=1 with NVTE_DEBUG_LEVEL (TE's variables) logs which path runs and why; level 2 adds
     the call's description; nothing without NVTE_DEBUG."""

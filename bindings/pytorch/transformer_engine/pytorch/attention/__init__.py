@@ -328,6 +328,12 @@ class DotProductAttention(torch.nn.Module):
             self._sink_heads = slice(self.cp.rank * h, (self.cp.rank + 1) * h)
         _df.check_qkv(query_layer, key_layer, value_layer, fmt, h, g, self.hidden_size_per_attention_head_k,
                       self.hidden_size_per_attention_head_v)
+        cb = core_attention_bias
+        if cb is not None and cb.dim() == 4 and cb.shape[2] == 1 and fmt != "thd":
+            # a bias shared by every query ([1 or b, 1 or h, 1, skv]; TE's "111s"): broadcast over the
+            # queries as a view (its gradient is summed over them by autograd)
+            sq = query_layer.shape[0 if fmt == "sbhd" else 1]
+            core_attention_bias = cb.expand(cb.shape[0], cb.shape[1], sq, cb.shape[3])
         if self.cp is not None and not _cp_local:
             return self._context_parallel(query_layer, key_layer, value_layer, fmt, mask_type, window_size,
                                           attention_mask, core_attention_bias_type, inference_params, _fp8_handoff,
