@@ -61,12 +61,11 @@ TE_NAMES = {
     "DotProductAttention": [(dict(return_max_logit=False), dict(return_max_logit=True)),
                             (dict(bottom_right_diagonal=True), None),
                             (dict(name="core"), None)],
-    "MultiheadAttention": [(dict(qk_norm_type=None, qk_norm_eps=1e-6, qk_norm_before_rope=False),
-                            dict(qk_norm_type="RMSNorm")),
+    "MultiheadAttention": [(dict(qk_norm_type="RMSNorm", qk_norm_eps=1e-6, qk_norm_before_rope=True), None),
                            (dict(seq_length=4, micro_batch_size=1, ub_overlap_ag=False), None)],
     "TransformerLayer": [(dict(activation_params=None), dict(activation_params={"limit": 7.0})),
                          (dict(bottom_right_diagonal=None, enc_dec_bottom_right_diagonal=False), None),
-                         (dict(qk_norm_type=None, qk_norm_eps=1e-6), dict(qk_norm_type="LayerNorm")),
+                         (dict(qk_norm_type="LayerNorm", qk_norm_eps=1e-6), None),
                          (dict(ub_tp_comm_overlap=False, ub_overlap_ag=True, ub_bulk_dgrad=True), None)],
 }
 

@@ -17,6 +17,7 @@ from ..module.base import reset_fp8_meta_tensors, set_tensor_parallel_group
 from ..module.layernorm_linear import LayerNormLinear
 from ..module.linear import Linear, check_kwargs
 from ..rope import apply_rotary_pos_emb
+from .qk_norm import apply_qk_norm, make_qk_norms
 from . import DotProductAttention, _check_forward_kwargs
 
 __all__ = ["MultiheadAttention"]
@@ -83,11 +84,10 @@ class MultiheadAttention(torch.nn.Module):
         check_kwargs("MultiheadAttention.__init__", _TE_KWARGS, kwargs)
         if tp_size != 1:
             raise NotImplementedError(f"MultiheadAttention: tensor parallelism (tp_size={tp_size}) is not implemented")
-        for k in _MHA_INIT_NOOPS:
-            kwargs.pop(k, None)
-        if not kwargs.get("qk_norm_type"):  # (their settings mean nothing without a QK norm)
-            kwargs.pop("qk_norm_eps", None)
-            kwargs.pop("qk_norm_before_rope", None)
+        warmup = {k: kwargs.pop(k, None) for k in _MHA_INIT_NOOPS}
+        qk_norm_type = kwargs.pop("qk_norm_type", None)
+        qk_norm_eps = float(kwargs.pop("qk_norm_eps", 1e-6))
+        self.qk_norm_before_rope = bool(kwargs.pop("qk_norm_before_rope", False))
         on = [k for k, v in kwargs.items() if v and not k.startswith("ub_")]
         if on:
             raise NotImplementedError(f"MultiheadAttention: options not implemented in this adapter: {on}")
@@ -115,6 +115,8 @@ class MultiheadAttention(torch.nn.Module):
         self.name = name
 
         kv = self.hidden_size_per_attention_head
+        # TE's QK norm (qk_norm.py): after RoPE, or before it with qk_norm_before_rope
+        self.q_norm, self.k_norm = make_qk_norms(qk_norm_type, kv, qk_norm_eps, device, *warmup.values())
         q_out = self.num_attention_heads * kv
         kv_out = self.num_gqa_groups * kv
         common = dict(init_method=init_method, bias=bias, params_dtype=params_dtype, device=device,
@@ -238,7 +240,8 @@ class MultiheadAttention(torch.nn.Module):
                          **kwargs)
         if inference_params is not None and self.attention_type == "self":
             attn_args["inference_params"] = inference_params  # (cross attention reads encoder_output each call)
-        elif _df.fp8_mha_recipe() is not None and rotary_pos_emb is None and self.core_attention.cp is None:
+        elif (_df.fp8_mha_recipe() is not None and rotary_pos_emb is None and self.core_attention.cp is None
+              and self.q_norm is None):
             # FP8 hand-offs between the projections and attention (not with a K/V cache; with RoPE,
             # which rotates high-precision q / k, or context parallelism, which trades high-precision
             # tensors, attention still runs in FP8, as under fp8_dpa)
@@ -255,10 +258,14 @@ class MultiheadAttention(torch.nn.Module):
             qo, ln_out = self._project_in(mod, hidden_states, is_first_microbatch)
             q = qo.view(*qo.shape[:-1], self.num_attention_heads, self.hidden_size_per_attention_head)
             k, v = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch))
+        if self.q_norm is not None and self.qk_norm_before_rope:
+            q, k = apply_qk_norm(self.q_norm, q), apply_qk_norm(self.k_norm, k)
         if rotary_pos_emb is not None:  # (THD with gaps: the padded offsets place each sequence's tokens)
             q, k = self._rotate(q, k, rotary_pos_emb, inference_params,
                                 cu_seqlens_q_padded if cu_seqlens_q_padded is not None else cu_seqlens_q,
                                 cu_seqlens_kv_padded if cu_seqlens_kv_padded is not None else cu_seqlens_kv)
+        if self.q_norm is not None and not self.qk_norm_before_rope:
+            q, k = apply_qk_norm(self.q_norm, q), apply_qk_norm(self.k_norm, k)
         ctx = self.core_attention(q, k, v, checkpoint_core_attention=checkpoint_core_attention, **attn_args)
         res = self.proj(ctx, is_first_microbatch=is_first_microbatch)
         return self._outputs(res, ln_out)
