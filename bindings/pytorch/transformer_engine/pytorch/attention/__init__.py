@@ -125,14 +125,15 @@ def _check_window(window_size) -> Optional[Tuple[int, int]]:
     return w
 
 
-def _normalize_window(window_size, mask_type: str) -> Optional[Tuple[int, int]]:
+def _normalize_window(window_size, mask_type: str, te_rule: bool = True) -> Optional[Tuple[int, int]]:
     """None when no sliding window applies beyond the mask type itself. (-1, 0) is TE's spelling of
-    "causal": on a causal mask type it adds nothing, and on a non-causal one TE replaces it by (-1, -1)
-    with a warning (a causal window is asked for with a causal mask type), so no window applies."""
+    "causal": on a causal mask type it adds nothing, and on a non-causal one TE replaces a caller's
+    by (-1, -1) with a warning (a causal window is asked for with a causal mask type), so no window
+    applies (te_rule=False: a window context parallelism derived for one rank's keys, kept)."""
     w = _check_window(window_size)
     if w is None:
         return None
-    if w == (-1, 0) and "causal" not in mask_type:
+    if w == (-1, 0) and "causal" not in mask_type and te_rule:
         warnings.warn(f"DotProductAttention: window_size (-1, 0) with attn_mask_type {mask_type!r} is treated as "
                       f"(-1, -1), as TE does: use a causal mask type for causal attention", stacklevel=3)
         return None
@@ -348,7 +349,8 @@ class DotProductAttention(torch.nn.Module):
                               core_attention_bias_type, core_attention_bias, alibi_slopes)
         if fmt == "thd":
             mask_type = _df.thd_mask_type(mask_type)
-        window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type)
+        window = _normalize_window(window_size if window_size is not None else self.window_size, mask_type,
+                                   te_rule=not _cp_local)
         seq = _df.sequences(fmt, mask_type, query_layer, key_layer, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                             cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         if seq is not None and fmt != "thd":  # cu_seqlens describe the padding (for the unfused path too)
