@@ -172,7 +172,9 @@ def test_unfused_matches_fused_path(monkeypatch, mask_type, b, sq, sk, padded, k
             assert rel_err(un[i], fu[i]) < 1e-4, name
 
 
-@pytest.mark.parametrize("path", ["unfused", "fused"])
+@pytest.mark.parametrize("path", ["unfused", pytest.param("fused", marks=pytest.mark.skipif(
+    DEVICE.type == "cuda", reason="float32 runs unfused on CUDA (cuDNN takes no float32); the bf16 fused "
+    "bias shapes are test_fused_attention's test_post_scale_bias_with_dbias"))])
 @pytest.mark.parametrize("shape", ["1hss", "b1ss", "bhss", "hss", "111s", "1h1s", "b11s"])
 def test_bias_shapes(monkeypatch, shape, path):
     """Every bias shape TE takes, on both paths: [1 or b, 1 or h, sq, skv], [h, sq, skv], and one shared

@@ -157,8 +157,11 @@ def test_bottom_right_window_with_cross_lengths(spy, window):
     run_check(spy, "bshd", "no_mask", 2, 5, 9, 2, 2, 8, window=window)
 
 
-def test_post_scale_bias_with_dbias(spy):
-    bias = torch.randn(1, 2, 6, 6, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+@pytest.mark.parametrize("shape", [(1, 2, 6, 6), (1, 1, 1, 6), (1, 2, 1, 6), (2, 1, 1, 6)])
+def test_post_scale_bias_with_dbias(spy, shape):
+    """Bias shapes on the fused path, gradients included: [1, h, sq, skv] and those shared by all
+    queries ([.., .., 1, skv], TE's "111s": broadcast, their gradient summed over the queries)."""
+    bias = torch.randn(*shape, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
     run_check(spy, "bshd", "causal", 2, 6, 6, 2, 2, 8, bias=bias, bias_type="post_scale_bias")
 
 
