@@ -9,7 +9,9 @@ namespace nvte::api {
 // the same null address).
 bool same_buffer(const Tensor &a, const Tensor &b);
 
-// An output that is exactly an input's buffer must hold the input's dtype, else rows overlap.
+// An output may be exactly an input's buffer (in place) with the input's dtype; an output of
+// another dtype there, or one that overlaps the input only partly, is an error (rows would be
+// read after another row's result overwrote them).
 void check_alias(const Tensor &out, const char *out_name, const Tensor &in, const char *in_name);
 
 }  // namespace nvte::api

@@ -3,6 +3,7 @@
 // strides), pick the backend, run.
 #include "transformer_engine/softmax.h"
 
+#include <cmath>
 #include <string>
 
 #include "../common/attn_softmax.h"
@@ -32,6 +33,16 @@ void check_alias(const Tensor &out, const char *out_name, const Tensor &in, cons
              out_name, " shares its buffer with ", in_name, " but has dtype ",
              dtype_name(out.params[kNVTERowwiseData].dtype), " instead of ",
              dtype_name(in.params[kNVTERowwiseData].dtype));
+  if (same_buffer(out, in)) return;  // (in place: row by row, each row read before it is written)
+  const auto range = [](const Tensor &t) {
+    const NVTEBasicTensor &b = t.params[kNVTERowwiseData];
+    const auto *p = static_cast<const char *>(b.data_ptr);
+    return std::pair{p, p + (p ? numel(b.shape) * dtype_size(b.dtype) : 0)};
+  };
+  const auto [o0, o1] = range(out);
+  const auto [i0, i1] = range(in);
+  NVTE_CHECK(o0 == o1 || i0 == i1 || !(o0 < i1 && i0 < o1), out_name, " overlaps ", in_name,
+             " without being the same buffer: rows would be read after another row's result overwrote them");
 }
 
 }  // namespace nvte::api
@@ -94,6 +105,7 @@ SoftmaxArgs base_args(const Tensor &x, const char *name, const Tensor *mask, flo
   a.h = s.data[1];
   a.sq = s.data[2];
   a.sk = s.data[3];
+  NVTE_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   a.scale = scale;
   if (mask != nullptr) {
     const NVTEBasicTensor &mb = broadcast4(*mask, "mask", a, &a.mask_sb, &a.mask_sh);

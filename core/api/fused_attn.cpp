@@ -37,6 +37,39 @@ const Tensor *opt(const NVTETensor t, const char *name) {
 
 Tensor *workspace_of(NVTETensor ws) { return present(ws) ? &require_mut(ws, "workspace") : nullptr; }
 
+// Outputs must share no memory with what a call reads, nor with each other: the CPU backend fills
+// its outputs before it reads the inputs and the GPU's kernels read and write concurrently, so a
+// shared byte is a silently wrong result. A span is a tensor's first numel x size bytes from its
+// pointer: its whole extent when it is a tensor of its own, a part of a packed one's (so never a
+// false alarm; where packed Q/K/V and dQ/dK/dV sit is check_packing's business).
+struct Span {
+  const char *lo = nullptr, *hi = nullptr;
+  const char *name = "";
+};
+
+Span span(const Tensor *t, const char *name) {
+  if (t == nullptr || t->params[kNVTERowwiseData].data_ptr == nullptr) return {nullptr, nullptr, name};
+  const auto *p = static_cast<const char *>(t->params[kNVTERowwiseData].data_ptr);
+  return {p, p + numel(logical_shape(*t)) * dtype_size(logical_dtype(*t)), name};
+}
+
+void check_apart(const Span &out, const Span &other) {
+  if (out.lo == out.hi || other.lo == other.hi) return;  // (empty: frameworks share one address)
+  NVTE_CHECK(!(out.lo < other.hi && other.lo < out.hi), out.name, " shares memory with ", other.name,
+             ": an output must not overlap an input or another output");
+}
+
+// Every output against every input, and the outputs pairwise unless together(i, j) (outputs that
+// a packed layout places in one buffer).
+template <class Together>
+void check_outputs_apart(const std::vector<Span> &outs, const std::vector<Span> &ins, Together together) {
+  for (size_t i = 0; i < outs.size(); ++i) {
+    for (const Span &in : ins) check_apart(outs[i], in);
+    for (size_t j = i + 1; j < outs.size(); ++j)
+      if (!together(i, j)) check_apart(outs[i], outs[j]);
+  }
+}
+
 // The scalar arguments every entry point shares, in one place.
 AttnScalars scalars(size_t max_sq, size_t max_skv, bool is_training, bool return_max_logit, float scale,
                     float dropout, NVTE_QKV_Layout layout, NVTE_Bias_Type bias, NVTE_Mask_Type mask,
@@ -210,6 +243,16 @@ void run_fwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
       all.push_back({"Aux_CTX_Tensors softmax offset", aux->tensors[a.offset]});
     }
   }
+  std::vector<Span> outs = {span(&o, "O")};
+  if (t.stats) outs.push_back(span(t.stats, "Aux_CTX_Tensors[0] (softmax statistics)"));
+  if (t.max_logit) outs.push_back(span(t.max_logit, "Aux_CTX_Tensors[1] (max logit)"));
+  check_outputs_apart(outs,
+                      {span(&q, "Q"), span(&k, "K"), span(&v, "V"), span(t.bias, "Bias"),
+                       span(t.softmax_offset, "SoftmaxOffset"), span(side.cu_q, "cu_seqlens_q"),
+                       span(side.cu_kv, "cu_seqlens_kv"), span(side.cu_q_padded, "cu_seqlens_q_padded"),
+                       span(side.cu_kv_padded, "cu_seqlens_kv_padded"), span(t.page_k, "page_table_k"),
+                       span(t.page_v, "page_table_v"), span(rng, "rng_state")},
+                      [](size_t, size_t) { return false; });
   switch (backend_of(all.data(), all.size())) {
     case Backend::CPU:
       if (aux != nullptr) {
@@ -370,6 +413,23 @@ void run_bwd(const char *op, const NVTETensor Q, const NVTETensor K, const NVTET
     all.push_back({"S", S});
     all.push_back({"dP", dP});
   }
+  {
+    // dQ, dK, dV of a packed layout share one buffer (3HD / H3D: all three; HD_2HD / HD_H2D: dK, dV)
+    const NVTE_QKV_Layout_Group g = p.layout.group;
+    const bool qkv_packed = g == NVTE_3HD || g == NVTE_H3D;
+    const bool kv_packed = qkv_packed || g == NVTE_HD_2HD || g == NVTE_HD_H2D;
+    check_outputs_apart({span(&dq, "dQ"), span(&dk, "dK"), span(&dv, "dV"), span(t.dbias, "dBias"),
+                         span(t.dsoftmax_offset, "dSoftmaxOffset")},
+                        {span(&q, "Q"), span(&k, "K"), span(&v, "V"), span(&o, "O"), span(&d_o, "dO"),
+                         span(ax.stats, "Aux_CTX_Tensors[0] (softmax statistics)"),
+                         span(t.rng_state, "Aux_CTX_Tensors rng_state"), span(ax.bias, "the bias"),
+                         span(t.softmax_offset, "the softmax offset"), span(side.cu_q, "cu_seqlens_q"),
+                         span(side.cu_kv, "cu_seqlens_kv"), span(side.cu_q_padded, "cu_seqlens_q_padded"),
+                         span(side.cu_kv_padded, "cu_seqlens_kv_padded")},
+                        [&](size_t i, size_t j) {
+                          return (i == 0 && j <= 2 && qkv_packed) || (i == 1 && j == 2 && kv_packed);
+                        });
+  }
   switch (backend_of(all.data(), all.size())) {
     case Backend::CPU: return cpu::fused_attn_bwd(p, t);
     case Backend::CUDA:
@@ -390,20 +450,19 @@ size_t workspace_bytes(const char *op, const NVTETensor Q, const NVTETensor K, c
   const Tensor &q = require(Q, "Q"), &k = require(K, "K"), &v = require(V, "V");
   if (backward) reject_paged_backward(s);
   api::check_config(s, api::qkv_dims(s, q, k, v));
+  // The sizes do not depend on cu_seqlens (values, or for THD the batch size): the call is
+  // described without them, on either backend (so both refuse what the call would).
+  AttnScalars s2 = s;
+  if (backward) s2.is_training = true;
+  api::AttnSideTensors side;
+  side.bias = opt(bias, backward ? "dBias" : "Bias");
+  const AttnParams p = api::describe(s2, q, k, v, side, /*with_cu=*/false);
+  (void)p;  // (read by the CUDA backend only)
   switch (backend_of({{"Q", Q}, {"K", K}, {"V", V}})) {
     case Backend::CPU: return 0;
     case Backend::CUDA:
 #if defined(NVTE_WITH_CUDNN)
-    {
-      // The sizes do not depend on cu_seqlens (values, or for THD the batch size): describe the
-      // call without them.
-      AttnScalars s2 = s;
-      if (backward) s2.is_training = true;
-      api::AttnSideTensors side;
-      side.bias = opt(bias, backward ? "dBias" : "Bias");
-      const AttnParams p = api::describe(s2, q, k, v, side, /*with_cu=*/false);
       return backward ? cuda::fused_attn_bwd_workspace_bytes(p) : cuda::fused_attn_fwd_workspace_bytes(p);
-    }
 #elif defined(NVTE_WITH_CUDA)
       cuda_attn_missing(op);
 #else

@@ -3,6 +3,8 @@
 // backward CPU routine (cpu/softmax.h).
 #include "transformer_engine/softmax.h"
 
+#include <cmath>
+
 #include "../common/backend.h"
 #include "alias_checks.h"
 #include "../cpu/softmax.h"
@@ -74,6 +76,7 @@ void run_forward(const char *op, SoftmaxMask kind, const NVTETensor input, const
   check_family_shape(kind, in, "input");
   check_same_shape(out, "softmax_results", in, "input");
   check_alias(out, "softmax_results", in, "input");
+  NVTE_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   const Tensor *m = nullptr;
   if (kind == SoftmaxMask::Explicit) {
     m = &require(mask, "mask");
@@ -101,6 +104,7 @@ void run_backward(const char *op, SoftmaxMask kind, const NVTETensor incoming_gr
   check_same_shape(dx, "output_grads", y, "softmax_results");
   check_alias(dx, "output_grads", dy, "incoming_grads");
   check_alias(dx, "output_grads", y, "softmax_results");
+  NVTE_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   switch (backend_of({{"incoming_grads", incoming_grads},
                       {"softmax_results", softmax_results},
                       {"output_grads", output_grads}})) {

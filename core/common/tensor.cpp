@@ -1,6 +1,7 @@
 // tensor.cpp - tensor handles, dtype table and the exported tensor accessors.
 #include "tensor.h"
 
+#include <cstdint>
 #include <cstring>
 #include <new>
 
@@ -165,6 +166,17 @@ NVTEStatus nvte_set_tensor_param(NVTETensor *tensor, NVTETensorParam param_name,
     NVTE_CHECK(param->dtype >= 0 && param->dtype < kNVTENumTypes, "unknown dtype ", (int)param->dtype);
     NVTE_CHECK(param->shape.ndim <= NVTE_MAX_DIMS, "shape has ", param->shape.ndim, " dims, at most ",
                NVTE_MAX_DIMS);
+    // Element and byte counts must fit size_t: a count that wrapped (to 0, say) would pass every
+    // later size check and send kernels past the buffer.
+    size_t bytes = dtype_size(param->dtype);
+    bool empty = false;
+    for (size_t i = 0; i < param->shape.ndim; ++i) empty = empty || param->shape.data[i] == 0;
+    for (size_t i = 0; i < param->shape.ndim && !empty; ++i) {
+      const size_t d = param->shape.data[i];
+      NVTE_CHECK(bytes <= SIZE_MAX / d, "shape ", shape_str(param->shape), " of ", dtype_name(param->dtype),
+                 " has more bytes than size_t can count");
+      bytes *= d;
+    }
     (*tensor)->params[param_name] = *param;
   });
 }

@@ -115,8 +115,9 @@ std::vector<int32_t> page_table(const AttnParams &p, const Tensor *t, const char
     for (size_t i = 0; i < used; ++i) {
       const int32_t pg = table[b * p.pages_per_seq + i];
       NVTE_CHECK(pg >= 0 && static_cast<size_t>(pg) < p.num_pages, name, "[", b, "][", i, "] is ", pg,
-                 ", but the K/V caches hold pages 0..", p.num_pages - 1, " (sequence ", b, " has ",
-                 len_kv[b], " keys, so its first ", used, " entries are read)");
+                 p.num_pages == 0 ? std::string(", but the K/V caches hold no pages")
+                                  : concat(", but the K/V caches hold pages 0..", p.num_pages - 1),
+                 " (sequence ", b, " has ", len_kv[b], " keys, so its first ", used, " entries are read)");
     }
   }
   return table;

@@ -100,3 +100,44 @@ def test_errors(call, match):
     nvte.attn_softmax_forward(f32(1, 1, 1, 2), None, None, None, None, None, nvte.Tensor(y), None, 1.0,
                               BT.NVTE_NO_BIAS, MT.NVTE_NO_MASK)
     assert y.tolist() == [[[[0.5, 0.5]]]]
+
+
+def test_scale_must_be_finite():
+    """A NaN scale had given all-zero rows (looking fully masked), an infinite one NaNs."""
+    for scale in (float("nan"), float("inf"), -float("inf")):
+        y = np.full((1, 1, 2, 3), 7.0, np.float32)
+        with pytest.raises(nvte.Error, match="scale must be finite"):
+            nvte.attn_softmax_forward(f32(1, 1, 2, 3), None, None, None, None, None, nvte.Tensor(y), None, scale,
+                                      BT.NVTE_NO_BIAS, MT.NVTE_NO_MASK)
+        assert (y == 7.0).all()
+        with pytest.raises(nvte.Error, match="scale must be finite"):
+            nvte.attn_softmax_backward(f32(1, 1, 2, 3), f32(1, 1, 2, 3), None, None, f32(1, 1, 2, 3), None, None,
+                                       scale)
+
+
+def _view(base, offset_rows, shape):
+    """A float32 handle over `base` starting `offset_rows` rows of its last dim in."""
+    t = nvte.Tensor()
+    t.set_param(nvte.Param.kRowwiseData, base.ctypes.data + offset_rows * base.shape[-1] * 4, list(shape),
+                nvte.DType.kFloat32)
+    t._refs = base
+    return t
+
+
+def test_partial_overlap_is_refused_in_place_is_not():
+    """An output starting one row into its input would read rows already overwritten; exactly in
+    place stays allowed (forward and backward)."""
+    base = np.random.default_rng(0).normal(size=(1, 1, 5, 4)).astype(np.float32)
+    with pytest.raises(nvte.Error, match="softmax_results overlaps input without being the same buffer"):
+        nvte.attn_softmax_forward(_view(base, 0, (1, 1, 4, 4)), None, None, None, None, None,
+                                  _view(base, 1, (1, 1, 4, 4)), None, 1.0, BT.NVTE_NO_BIAS, MT.NVTE_NO_MASK)
+    y = np.random.default_rng(1).random((1, 1, 4, 4)).astype(np.float32)
+    with pytest.raises(nvte.Error, match="output_grads overlaps incoming_grads without being the same buffer"):
+        nvte.attn_softmax_backward(_view(base, 0, (1, 1, 4, 4)), nvte.Tensor(y), None, None,
+                                   _view(base, 1, (1, 1, 4, 4)), None, None, 1.0)
+    x = base[:, :, :4].copy()
+    want = np.exp(x - x.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    t = nvte.Tensor(x)
+    nvte.attn_softmax_forward(t, None, None, None, None, None, t, None, 1.0, BT.NVTE_NO_BIAS, MT.NVTE_NO_MASK)
+    np.testing.assert_allclose(x, want, rtol=1e-6)

@@ -224,3 +224,23 @@ def test_columnwise_only_handles_raise(rng, which):
         nvte.copy_to_kv_cache(wrap(args["new_k"]), T(c["nv"]), wrap(args["k_cache"]), T(c["vc"].copy()), T(c["table"]),
                               T(c["cu_new"]), T(c["cu_cached"]), F.NVTE_BSHD, 3, c["ctx"], 8, 2, 0)
 
+
+
+def test_caches_sharing_memory_are_refused(rng):
+    """k_cache = v_cache (V rows overwrote K rows silently) and new tokens inside the cache written."""
+    c = make_case(rng, "bshd", 3, 2, 4, 4, np.float32, True, 4, 2, ctx=2)
+    c["cu_new"] = np.array([0, 1, 2, 3], np.int32)
+    c["cu_cached"] = np.array([0, 2, 4, 6], np.int32)
+    c["table"] = np.array([[0, 1], [2, 3], [4, 5]], np.int32)
+    shared = c["kc"].copy()
+    args = [T(c["nk"]), T(c["nv"]), T(shared), T(shared), T(c["table"]), T(c["cu_new"]), T(c["cu_cached"]),
+            F.NVTE_BSHD, 3, 2, 8, 2, 0]
+    before = shared.copy()
+    with pytest.raises(nvte.Error, match="k_cache shares memory with v_cache"):
+        nvte.copy_to_kv_cache(*args)
+    assert np.array_equal(shared, before)
+    kc = c["kc"].copy()
+    nk_inside = kc.reshape(-1)[: c["nk"].size].reshape(c["nk"].shape)  # a view: new_k's rows in the cache
+    args[0], args[2], args[3] = T(nk_inside), T(kc), T(c["vc"].copy())
+    with pytest.raises(nvte.Error, match="k_cache shares memory with new_k"):
+        nvte.copy_to_kv_cache(*args)
