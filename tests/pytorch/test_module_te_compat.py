@@ -169,3 +169,27 @@ def test_reset_fp8_meta_tensors():
     for m in metas:
         for key in ("fwd", "bwd"):
             assert not m.amax_history[key].any() and bool((m.scale[key] == 1).all())
+
+
+def test_parameter_order_and_init_as_te():
+    """TE's registration order (optimizer states index parameters by position): LayerNormMLP's
+    layer_norm_weight, layer_norm_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias; a split
+    Linear's every weight, then every bias. TE initialises each split on its own (a shape-dependent
+    init such as xavier sees the split's shape) and LayerNormMLP's fc2 with the default init when
+    only init_method is given."""
+    mlp = te.LayerNormMLP(16, 32, device=DEVICE)
+    assert [n for n, _ in mlp.named_parameters()] == ["layer_norm_weight", "layer_norm_bias", "fc1_weight",
+                                                      "fc1_bias", "fc2_weight", "fc2_bias"]
+    lin = te.Linear(64, 192, parameters_split=("query", "key", "value"), device=DEVICE)
+    assert [n for n, _ in lin.named_parameters()] == ["query_weight", "key_weight", "value_weight", "query_bias",
+                                                      "key_bias", "value_bias"]
+    torch.manual_seed(0)
+    lin = te.Linear(64, 192, parameters_split=("query", "key", "value"), init_method=torch.nn.init.xavier_uniform_,
+                    device=DEVICE)
+    bound_split, bound_whole = (6 / (64 + 64)) ** 0.5, (6 / (64 + 192)) ** 0.5
+    for n in ("query", "key", "value"):
+        w = getattr(lin, f"{n}_weight")
+        assert bound_whole * 1.05 < w.abs().max().item() <= bound_split, n
+    mlp = te.LayerNormMLP(16, 32, init_method=lambda w: torch.nn.init.constant_(w, 0.5), device=DEVICE)
+    assert (mlp.fc1_weight == 0.5).all()
+    assert 0.015 < mlp.fc2_weight.std().item() < 0.031  # TE's default normal(0, 0.023)

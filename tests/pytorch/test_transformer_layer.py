@@ -203,6 +203,27 @@ def test_decoder_drop_path_skips_cross_attention(stub_mha):
     assert rel_err(y, x + layer.inter_attention(x, encoder_output=enc)) < 1e-6
 
 
+def test_drop_path_draws_along_dim_0_as_te(stub_mha):
+    """TE's TransformerLayer drop path draws one keep/drop per index of dim 0 (the sequence of an
+    sbhd input)."""
+    torch.manual_seed(1)
+    layer = _stub_layer(drop_path_rate=0.5)
+    assert layer.drop_path.batch_dim == 0
+    x = torch.ones(64, 3, 2, device=DEVICE)
+    y = layer.drop_path(x)
+    assert (y == y[:, 0:1, 0:1]).all() and set(y[:, 0, 0].tolist()) == {0.0, 2.0}
+
+
+def test_autocast_casts_the_residual_stream(stub_mha):
+    """TE casts hidden_states to torch.autocast's dtype, so the output (residual stream) is in it."""
+    layer = te.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, device=DEVICE)
+    x = dev(torch.randn(5, 2, 32))
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    assert layer(x).dtype == torch.float32
+
+
 def test_drop_path_module():
     torch.manual_seed(0)
     dp = te_transformer.DropPath(0.5, batch_dim=1)

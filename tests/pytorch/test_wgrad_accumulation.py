@@ -195,6 +195,42 @@ def test_overwrite_main_grad(rng):
         assert rel_err(got, dy.double().t() @ x.double()) < 1e-6
 
 
+@pytest.mark.parametrize("module", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+def test_first_microbatch_overwrites_main_grad(rng, module):
+    """TE: a forward with is_first_microbatch=True writes its weight gradient into main_grad instead
+    of adding it (stale contents are dropped); later micro-batches (False / None) add. GroupedLinear's
+    empty row block gets zeros written on the first micro-batch."""
+    g = seeded(rng)
+    n_in, n_out, tokens = 16, 12, 6
+    make = {"Linear": lambda: te.Linear(n_in, n_out, fuse_wgrad_accumulation=True, device=DEVICE),
+            "LayerNormLinear": lambda: te.LayerNormLinear(n_in, n_out, fuse_wgrad_accumulation=True, device=DEVICE),
+            "LayerNormMLP": lambda: te.LayerNormMLP(n_in, n_out, fuse_wgrad_accumulation=True, device=DEVICE),
+            "GroupedLinear": lambda: te.GroupedLinear(2, n_in, n_out, fuse_wgrad_accumulation=True, device=DEVICE)}
+    m = make[module]()
+    for p in m.parameters():
+        if p.dim() == 2:
+            p.main_grad = dev(torch.full(p.shape, 100.0))  # stale contents the first micro-batch drops
+    xs = [torch.randn(tokens, n_in, generator=g) for _ in range(2)]
+    dys = [torch.randn(tokens, n_in if module == "LayerNormMLP" else n_out, generator=g) for _ in range(2)]
+    call = (lambda mod, x, first: mod(dev(x), [0, tokens], is_first_microbatch=first)) if module == "GroupedLinear" \
+        else (lambda mod, x, first: mod(dev(x), is_first_microbatch=first))
+    for x, dy, first in zip(xs, dys, (True, False)):
+        call(m, x, first).backward(dev(dy))
+    # the reference: the same weights without the option, .grad summed over both micro-batches
+    plain2 = {"Linear": lambda: te.Linear(n_in, n_out, device=DEVICE),
+              "LayerNormLinear": lambda: te.LayerNormLinear(n_in, n_out, device=DEVICE),
+              "LayerNormMLP": lambda: te.LayerNormMLP(n_in, n_out, device=DEVICE),
+              "GroupedLinear": lambda: te.GroupedLinear(2, n_in, n_out, device=DEVICE)}[module]()
+    plain2.load_state_dict(m.state_dict())
+    for x, dy in zip(xs, dys):
+        call(plain2, x, None).backward(dev(dy))
+    got = {n: p.main_grad for n, p in m.named_parameters() if p.dim() == 2}
+    want = {n: p.grad for n, p in plain2.named_parameters() if p.dim() == 2}
+    assert set(got) == set(want) and got
+    for n in got:
+        assert rel_err(got[n], want[n]) < 1e-6, n  # no trace of the 100s
+
+
 def test_frozen_split_gets_nothing(rng):
     g = seeded(rng)
     m = te.Linear(16, 12, parameters_split={"a": 4, "b": 8}, fuse_wgrad_accumulation=True, device=DEVICE)

@@ -33,10 +33,11 @@ _INPUT_FORMATS = ("sbhd", "bshd")
 
 
 class DropPath(torch.nn.Module):
-    """Stochastic depth: in training, zeroes whole samples with probability `drop_prob` and rescales the
-    kept ones by 1 / (1 - drop_prob). `batch_dim` is the axis that indexes samples."""
+    """Stochastic depth: in training, zeroes whole slices along `batch_dim` with probability
+    `drop_prob` and rescales the kept ones by 1 / (1 - drop_prob). TE's DropPath draws along dim 0
+    (the default; for its TransformerLayer that is the sequence of an sbhd input, which TE keeps)."""
 
-    def __init__(self, drop_prob: float = 0.0, batch_dim: int = 1):
+    def __init__(self, drop_prob: float = 0.0, batch_dim: int = 0):
         super().__init__()
         if not 0.0 <= drop_prob < 1.0:
             raise ValueError(f"DropPath: drop_prob must be in [0, 1), got {drop_prob}")
@@ -177,8 +178,7 @@ class TransformerLayer(torch.nn.Module):
                                           zero_centered_gamma=zero_centered_gamma, device=device,
                                           get_rng_state_tracker=get_rng_state_tracker,
                                           fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-        batch_dim = 1 if attn_input_format == "sbhd" else 0
-        self.drop_path = DropPath(drop_path_rate, batch_dim) if drop_path_rate > 0.0 else None
+        self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0.0 else None  # (dim 0, as TE)
         if self.output_layernorm:
             norm_cls = LayerNorm if normalization == "LayerNorm" else RMSNorm
             self.layernorm = norm_cls(hidden_size, eps=layernorm_epsilon, params_dtype=params_dtype,
@@ -234,6 +234,10 @@ class TransformerLayer(torch.nn.Module):
                              f"({self.attn_input_format}), got shape {tuple(hidden_states.shape)}")
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError("TransformerLayer: layer_type='decoder' needs encoder_output")
+        if torch.is_autocast_enabled(hidden_states.device.type):  # (TE: the residual stream in autocast's dtype)
+            dt = torch.get_autocast_dtype(hidden_states.device.type)
+            if hidden_states.dtype != dt and hidden_states.is_floating_point():
+                hidden_states = hidden_states.to(dt)
         mask_type = self_attn_mask_type if self_attn_mask_type is not None else self.self_attn_mask_type
         # the attention bias (and ALiBi, checkpointing, zero fill) goes to both attentions, as in TE
         shared = self._attn_kwargs(core_attention_bias_type=core_attention_bias_type,

@@ -76,8 +76,10 @@ class LinearCfg:
     # Delayed scaling only: FP8 hand-offs (fp8_handoff.py) of the input / the output
     fp8_input: bool = False
     fp8_output: bool = False
-    # fuse_wgrad_accumulation: the weight gradient is added into the weights' main_grad (wgrad_to)
+    # fuse_wgrad_accumulation: the weight gradient is added into the weights' main_grad (wgrad_to),
+    # or written there (wgrad_overwrite: TE's is_first_microbatch=True skips the accumulation)
     fuse_wgrad: bool = False
+    wgrad_overwrite: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -216,7 +218,8 @@ class _LinearFn(torch.autograd.Function):
 def _accumulate_wgrad(ctx, operands: tuple, need_db: bool):
     """fuse_wgrad_accumulation: main_grad += the weight gradient -> (what the weight's .grad
     receives, the bias gradient or None); add_wgrad and wgrad_placeholder say how."""
-    gb = add_wgrad(operands, ctx.wgrad_to, ctx.cfg.fp8, ctx.act_dtype, ctx.weight_dtype, need_db)
+    gb = add_wgrad(operands, ctx.wgrad_to, ctx.cfg.fp8, ctx.act_dtype, ctx.weight_dtype, need_db,
+                   ctx.cfg.wgrad_overwrite)
     out, inp = ctx.features[1], ctx.features[0]
     return wgrad_placeholder(ctx.wgrad_to, (out, inp), ctx.weight_dtype), gb
 
@@ -228,15 +231,16 @@ def main_grad_of(p: torch.Tensor) -> torch.Tensor:
 
 
 def add_wgrad(operands: tuple, params, fp8: bool, act_dtype: torch.dtype, weight_dtype: torch.dtype,
-              need_db: bool) -> Optional[torch.Tensor]:
+              need_db: bool, overwrite_all: bool = False) -> Optional[torch.Tensor]:
     """The wgrad GEMM (NT) of `operands` into the main_grad of `params` (the weight's rows in order:
     one weight, or the splits of parameters_split) -> the bias gradient in weight_dtype, or None.
-    A weight flagged `overwrite_main_grad` (TE's attribute) gets the gradient written, not added;
+    A weight flagged `overwrite_main_grad` (TE's attribute), or every weight with overwrite_all (a
+    forward with is_first_microbatch=True, as TE does), gets the gradient written, not added;
     a frozen split gets nothing. One weight whose main_grad the GEMM can write from these operands
     (float32, or the operands' dtype; any with FP8 operands) takes it as the GEMM's C = D;
     otherwise the gradient is made once in float32 and added to (copied into) each main_grad."""
     mains = [main_grad_of(p) if p.requires_grad else None for p in params]
-    overwrite = [bool(getattr(p, "overwrite_main_grad", False)) for p in params]
+    overwrite = [overwrite_all or bool(getattr(p, "overwrite_main_grad", False)) for p in params]
     m0 = mains[0]
     if len(params) == 1 and m0 is not None and m0.is_contiguous() and (fp8 or m0.dtype in (torch.float32, act_dtype)):
         gb = ops.gemm_accumulate(*operands, m0, False, True, need_db, dbias_dtype(weight_dtype, m0), not overwrite[0])

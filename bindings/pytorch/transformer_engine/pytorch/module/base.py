@@ -149,13 +149,13 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def _linear_cfg(self, scaling: str, fwd_slot: int = 0, bwd_slot: int = 0, update_bwd: bool = True,
                     gelu: bool = False, need_dgrad: bool = True, need_wgrad: bool = True,
                     norm: tuple = (), handoff: tuple = (), seed_bwd: bool = False,
-                    fuse_wgrad: bool = False) -> LinearCfg:
+                    fuse_wgrad: bool = False, wgrad_overwrite: bool = False) -> LinearCfg:
         """The constant configuration of one linear layer's autograd function for this forward;
         norm: () or (kind, eps, zero_centered_gamma) of a fused norm; handoff: () or (fp8_input,
         fp8_output). Kept per distinct configuration and recipe settings (building the frozen
         dataclass every forward costs microseconds)."""
         key = (scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm, handoff, seed_bwd,
-               fuse_wgrad, self._recipe_settings(scaling))
+               fuse_wgrad, wgrad_overwrite, self._recipe_settings(scaling))
         if torch.compiler.is_compiling():  # no cache updates inside a traced graph
             return self._new_linear_cfg(*key)
         cfg = self._linear_cfgs.get(key)
@@ -177,8 +177,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     @staticmethod
     def _new_linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm, handoff,
-                        seed_bwd, fuse_wgrad, settings) -> LinearCfg:
-        flags = dict(gelu=gelu, need_dgrad=need_dgrad, need_wgrad=need_wgrad, fuse_wgrad=fuse_wgrad)
+                        seed_bwd, fuse_wgrad, wgrad_overwrite, settings) -> LinearCfg:
+        flags = dict(gelu=gelu, need_dgrad=need_dgrad, need_wgrad=need_wgrad, fuse_wgrad=fuse_wgrad,
+                     wgrad_overwrite=wgrad_overwrite)
         if norm:
             flags.update(norm=norm[0], norm_eps=float(norm[1]), norm_zero_centered=bool(norm[2]))
         if handoff:
@@ -279,7 +280,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         handoff = (fp8_input, fp8_output) if (fp8_input or fp8_output) else ()
         seed = not fp8_output and self._take_bwd_seed(scaling, bwd_slot, need_dgrad or need_wgrad)
         cfg = self._linear_cfg(scaling, fwd_slot, bwd_slot, update_bwd, gelu, need_dgrad, need_wgrad, norm_cfg,
-                               handoff, seed, fuse_wgrad)
+                               handoff, seed, fuse_wgrad, fuse_wgrad and is_first_microbatch is True)
         qweight = self._quantized_weight(weight, cfg, fwd_slot + 1, is_first_microbatch)
         return linear_fn(x2, weight, bias, cfg, qweight, self._meta_tensors(scaling), norm_w, norm_b, rows,
                          wgrad_to if fuse_wgrad else ())

@@ -12,7 +12,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import custom_ops as ops
-from ._linear_fn import LinearCfg, add_wgrad, high_precision, wgrad_placeholder
+from ._linear_fn import LinearCfg, add_wgrad, high_precision, main_grad_of, wgrad_placeholder
 from .base import (TransformerEngineBaseModule, as_2d, autocast_params, check_input, check_main_grads,
                    check_same_device, default_init_method)
 from .linear import check_parallel_mode, check_unsupported
@@ -83,6 +83,10 @@ class _GroupedLinearFn(torch.autograd.Function):
         need_dw = any(ctx.needs_input_grad[5:5 + n])
         need_db = ctx.has_bias and any(ctx.needs_input_grad[5 + n:5 + 2 * n])
         fuse = need_dw and ctx.main_grads is not None
+        if fuse and ctx.main_grads.overwrite:  # (an empty row block's gradient is zero: written as such)
+            for i in set(range(n)) - set(live):
+                if ctx.main_grads.params[i].requires_grad:
+                    main_grad_of(ctx.main_grads.params[i]).zero_()
         saved = ctx.saved_tensors
         dbs = None
         if cfg.fp8:
@@ -103,7 +107,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             if fuse:  # main_grad += x^T g, one accumulating GEMM per weight
                 for j, i in enumerate(live):
                     add_wgrad((none[j], xt[j], x_si[j], cfg.fwd_dtype, none[j], gq[j][1], gq[j][2], cfg.bwd_dtype),
-                              (ctx.main_grads.params[i],), True, g.dtype, ctx.weight_dtype, False)
+                              (ctx.main_grads.params[i],), True, g.dtype, ctx.weight_dtype, False,
+                              ctx.main_grads.overwrite)
             dws = ops.grouped_gemm(none, list(xt), list(x_si), cfg.fwd_dtype, none, [q[1] for q in gq],
                                    [q[2] for q in gq], cfg.bwd_dtype, ctx.weight_dtype, False, True, [], False)[0] \
                 if need_dw and not fuse else None
@@ -115,7 +120,8 @@ class _GroupedLinearFn(torch.autograd.Function):
                                    False)[0] if need_dx else None
             if fuse:
                 dbs = [add_wgrad((xl[j], None, None, HP, gl[j], None, None, HP), (ctx.main_grads.params[i],),
-                                 False, xl[j].dtype, ctx.weight_dtype, need_db) for j, i in enumerate(live)]
+                                 False, xl[j].dtype, ctx.weight_dtype, need_db, ctx.main_grads.overwrite)
+                       for j, i in enumerate(live)]
                 dbs = dbs if need_db else None
             elif need_dw or need_db:
                 dws, dbs = ops.grouped_gemm(*_hp_operands(xl), HP, *_hp_operands(gl), HP, ctx.weight_dtype, False,
@@ -149,8 +155,9 @@ class MainGrads:
     """The weights of a GroupedLinear with fuse_wgrad_accumulation: their main_grad buffers receive
     the weight gradients (_linear_fn._accumulate_wgrad says what .grad gets)."""
 
-    def __init__(self, params):
+    def __init__(self, params, overwrite: bool = False):
         self.params = tuple(params)
+        self.overwrite = overwrite  # (is_first_microbatch=True: written, not added, as in TE)
 
     def grads(self, shapes, dtype):
         """What each weight's .grad receives (_linear_fn.wgrad_placeholder)."""
@@ -236,7 +243,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         if self.fuse_wgrad_accumulation and need_wgrad and weights[0].requires_grad:
             params = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
             check_main_grads(params, "GroupedLinear")
-            main_grads = MainGrads(params)
+            main_grads = MainGrads(params, is_first_microbatch is True)
         out = _GroupedLinearFn.apply(x2, tuple(splits), cfg, len(fwd_biases), main_grads, *weights, *fwd_biases,
                                      *qflat, *self._meta_tensors(scaling))
         out = out.view(*inp.shape[:-1], self.out_features)

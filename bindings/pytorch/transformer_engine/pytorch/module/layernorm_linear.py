@@ -63,10 +63,10 @@ class LayerNormLinear(SplitParams, TransformerEngineBaseModule):
             self.bias = self._new_param(self.out_features)
         else:
             self.register_parameter("bias", None)
+        if splits:  # (before the initialisation: each split is initialised on its own, as in TE)
+            self._split(splits)
         if self._device_arg.type != "meta":
             self.reset_parameters()
-        if splits:
-            self._split(splits)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
                 fp8_grad: bool = False):

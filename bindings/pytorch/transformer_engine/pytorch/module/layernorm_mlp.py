@@ -87,7 +87,9 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.use_bias, self.return_bias = bool(bias), bool(return_bias)
         self.return_layernorm_output = bool(return_layernorm_output)
         self.init_method = init_method if init_method is not None else default_init_method()
-        self.output_layer_init_method = output_layer_init_method or self.init_method
+        # (TE: an unset output_layer_init_method is the default one, not init_method)
+        self.output_layer_init_method = (output_layer_init_method if output_layer_init_method is not None
+                                         else default_init_method())
         self.sequence_parallel, self.name = sequence_parallel, name
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)  # (_linear_fn.py: weight.main_grad)
         h, f = self.hidden_size, self.ffn_hidden_size
@@ -97,13 +99,17 @@ class LayerNormMLP(TransformerEngineBaseModule):
         else:
             self.register_parameter("layer_norm_bias", None)
         f1 = 2 * f if activation in GATED_ACTIVATIONS else f
+        # registered in TE's order (fc1 weight, fc1 bias, fc2 weight, fc2 bias): optimizer states
+        # index parameters by position
         self.fc1_weight = self._new_param(f1, h)
-        self.fc2_weight = self._new_param(h, f)
         if self.use_bias:
             self.fc1_bias = self._new_param(f1)
-            self.fc2_bias = self._new_param(h)
         else:
             self.register_parameter("fc1_bias", None)
+        self.fc2_weight = self._new_param(h, f)
+        if self.use_bias:
+            self.fc2_bias = self._new_param(h)
+        else:
             self.register_parameter("fc2_bias", None)
         if self._device_arg.type != "meta":
             self.reset_parameters()

@@ -50,20 +50,23 @@ class SplitParams:
     _splits: Optional[List[Tuple[str, int]]] = []
 
     def _split(self, splits: Sequence[Tuple[str, int]]) -> None:
+        """Replaces weight / bias (not initialised yet: reset_parameters follows, initialising each
+        split on its own and casting the split weights under quantized_model_init) by the splits,
+        registered in TE's order: every weight, then every bias (optimizer states index
+        parameters by position)."""
         w, b = self.weight, self.bias
         del self._parameters["weight"]
         del self._parameters["bias"]
         w_all = w.detach().clone()
         b_all = None if b is None else b.detach().clone()
-        start = 0
-        for name, n in splits:
+        starts = [sum(n for _, n in splits[:i]) for i in range(len(splits))]
+        for (name, n), start in zip(splits, starts):
             self.register_parameter(f"{name}_weight", torch.nn.Parameter(w_all[start:start + n],
                                                                          requires_grad=w.requires_grad))
+        for (name, n), start in zip(splits, starts):
             self.register_parameter(f"{name}_bias", None if b is None else
                                     torch.nn.Parameter(b_all[start:start + n], requires_grad=b.requires_grad))
-            start += n
         self._splits = list(splits)
-        self._make_fp8_params()  # quantized_model_init: the split weights are the FP8 parameters
 
     def _weight_names(self) -> List[str]:
         return [f"{n}_weight" for n, _ in self._splits] if self._splits else ["weight"]
