@@ -556,8 +556,10 @@ void gemm(const GemmArgs &g, cudaStream_t stream) {
   // Autotuning (gemm_autotune.h): a large call that can run twice over its inputs, with the
   // scratch for the check's hashes.
   const TuneMode mode = autotune_mode();
-  // (beta != 0 is tuned out of place: tuning_call; batched calls are not tuned)
-  const bool rerunnable = !p.d_fp8 && g.batch == 1;
+  // (beta != 0 is tuned out of place, on a scratch D of D's size allocated outside the framework's
+  // allocator: only up to kMaxTuneScratchBytes; batched calls are not tuned)
+  const bool rerunnable = !p.d_fp8 && g.batch == 1 &&
+                          (g.beta == 0.0f || g.m * g.n * dtype_size(d.dtype) <= kMaxTuneScratchBytes);
   p.tune = rerunnable && ws_bytes >= kScratchBytes &&
            (mode == TuneMode::all || (mode == TuneMode::large && (double)g.m * g.n * g.k >= kTuneMinVolume));
   uintptr_t scratch = 0;

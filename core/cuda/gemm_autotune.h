@@ -5,6 +5,7 @@
 
 #include <cublasLt.h>
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,10 @@ TuneMode autotune_mode();
 // 2^34, e.g. 4096 x 4096 x 1024: about 25 us of FP8 work on an H100. Below it a few percent
 // of a GEMM is a few microseconds, less than the host time of a call.
 constexpr double kTuneMinVolume = 17179869184.0;
+// The largest D an accumulating call (beta != 0) is tuned with: its timed runs write a scratch D
+// of D's size from cudaMallocAsync, memory the framework's allocator does not see. 512 MiB:
+// e.g. a float32 main_grad of 16384 x 8192.
+constexpr size_t kMaxTuneScratchBytes = size_t(512) << 20;
 // NVTE_GEMM_AUTOTUNE_LOG=1: each plan's timings and choice (or cached choice) on stderr.
 bool autotune_log();
 // NVTE_GEMM_AUTOTUNE_CACHE=<file>, or nullptr: plans built while it is set take the file's

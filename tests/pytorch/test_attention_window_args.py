@@ -112,16 +112,19 @@ def test_bottom_right_diagonal_values():
     dpa = DotProductAttention(h, d, attn_mask_type="no_mask", qkv_format="bshd")
     with pytest.raises(NotImplementedError, match="bottom_right_diagonal=False"):
         dpa(q, k, v, core_attention_bias_type="alibi", bottom_right_diagonal=False)
+    # equal query and key lengths: both corners are the same diagonal, so False runs
+    dpa = DotProductAttention(h, d, attn_mask_type="no_mask", qkv_format="bshd", window_size=(1, 1))
+    ref = ref_attention(k64, k64, v64, "bshd", 1 / math.sqrt(d), ref_mask("no_mask", b, sk, sk, None, (1, 1)))
+    assert rel_err(dpa(k, k, v, bottom_right_diagonal=False).cpu(), ref) < TOL
     x = dev(torch.randn(sq, 1, 16))
-    mha = MultiheadAttention(16, 2, attn_mask_type="no_mask", device=x.device)
-    mha(x, window_size=(1, 1), bottom_right_diagonal=True)
+    enc = dev(torch.randn(sk, 1, 16))  # (cross attention: sq != skv)
+    mha = MultiheadAttention(16, 2, attn_mask_type="no_mask", attention_type="cross", device=x.device)
+    mha(x, encoder_output=enc, window_size=(1, 1), bottom_right_diagonal=True)
     with pytest.raises(NotImplementedError, match="bottom_right_diagonal=False"):
-        mha(x, window_size=(1, 1), bottom_right_diagonal=False)
+        mha(x, encoder_output=enc, window_size=(1, 1), bottom_right_diagonal=False)
     layer = TransformerLayer(16, 32, 2, self_attn_mask_type="no_mask", bottom_right_diagonal=False, device=x.device)
-    layer(x)  # (no window: the alignment changes nothing)
-    with pytest.raises(NotImplementedError, match="bottom_right_diagonal=False"):
-        layer(x, window_size=(1, 1))
+    layer(x, window_size=(1, 1))  # (self attention: equal lengths, the alignment changes nothing)
     dec = TransformerLayer(16, 32, 2, layer_type="decoder", enc_dec_bottom_right_diagonal=False, device=x.device)
-    dec(x, encoder_output=x, enc_dec_attn_mask_type="no_mask")
+    dec(x, encoder_output=enc, enc_dec_attn_mask_type="no_mask")  # (no window)
     with pytest.raises(NotImplementedError, match="bottom_right_diagonal=False"):
-        dec(x, encoder_output=x, enc_dec_attn_mask_type="no_mask", enc_dec_window_size=(1, 1))
+        dec(x, encoder_output=enc, enc_dec_attn_mask_type="no_mask", enc_dec_window_size=(1, 1))

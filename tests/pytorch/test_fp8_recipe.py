@@ -226,3 +226,34 @@ def test_history_length_change_keeps_recent_rows(rng):
         m(x)
     assert m.fp8_meta.amax_history["fwd"].shape == (2, 3)
     torch.testing.assert_close(m.fp8_meta.amax_history["fwd"][1], h[1])
+
+
+_CALLED = []
+
+
+def _record_call(*args):
+    """A global a crafted checkpoint names; loading must not call it."""
+    _CALLED.append(args)
+    return torch.zeros(4, 3)
+
+
+def test_te_extra_state_runs_no_code_from_the_checkpoint():
+    """`_extra_state` is pickled bytes inside a uint8 tensor, which torch.load's weights-only mode
+    lets through; loading it rebuilds tensors only: a global the pickle names (here a function of
+    this module standing for os.system) is not called."""
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (_record_call, ("from the checkpoint",))
+    state = {"recipe": recipe.DelayedScaling(), "scale_fwd": torch.ones(3), "amax_history_fwd": Payload(),
+             "scale_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(4, 2)}
+    blob = torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+    m = te.Linear(16, gemm_dim(8), device=DEVICE)
+    with pytest.raises((ValueError, AttributeError, TypeError)):
+        m.set_extra_state(blob)
+    assert _CALLED == []
+    dpa = te.DotProductAttention(2, 8)
+    with pytest.raises((ValueError, AttributeError, TypeError)):
+        dpa.set_extra_state(blob)
+    assert _CALLED == []

@@ -317,3 +317,40 @@ def test_te_state_dict_loads_into_module(rng, kind):
     _assert_loaded(m.weight, data, si, E4M3, torch.float32, (16, 32))
     if m.weight._transpose is not None:
         assert torch.equal(m.weight._transpose, m.weight._data.t())
+
+
+@pytest.mark.parametrize("scale_inv", [torch.tensor([2.0], dtype=torch.float64), torch.tensor([2.0], dtype=torch.float16),
+                                       torch.tensor([2.0, 3.0]), torch.tensor(2.0, dtype=torch.int32)])
+def test_rebuild_refuses_a_scale_inv_the_library_would_misread(scale_inv):
+    """This package's pickle with a scale_inv that is not one float32 (the library reads one float32:
+    a float64 was misread, a float16 read past its end) is refused; TE's form converts a one-element
+    scale_inv of another float dtype by value and refuses more than one element."""
+    from transformer_engine.pytorch.tensor import float8_tensor as f8
+    data = torch.full((2, 3), 0x38, dtype=torch.uint8)  # E4M3 1.0
+    with pytest.raises(ValueError, match="scale_inv must be a float32 tensor of one element"):
+        f8._rebuild_float8_tensor(data, None, scale_inv, 7, torch.float32, False)
+    if scale_inv.numel() != 1:
+        with pytest.raises(ValueError, match="one scale_inv"):
+            f8.Float8Tensor._make_in_reduce_ex(data, f8._constants.DType.kFloat8E4M3, scale_inv, torch.float32, (2, 3))
+    else:
+        t = f8.Float8Tensor._make_in_reduce_ex(data, f8._constants.DType.kFloat8E4M3, scale_inv, torch.float32, (2, 3))
+        assert torch.equal(t.dequantize(), torch.full((2, 3), 2.0))
+    ok = f8._rebuild_float8_tensor(data, None, torch.tensor([2.0]), 7, torch.float32, False)
+    assert torch.equal(ok.dequantize(), torch.full((2, 3), 2.0))
+
+
+def test_getattr_allowlisted_by_the_caller_in_tuple_form_is_the_real_one():
+    """The package registers a getattr that fetches only Float8Tensor._make_in_reduce_ex; a caller
+    who allowlists the real getattr in torch's (object, name) form gets the real one whichever
+    entry torch resolves (the two share the name builtins.getattr)."""
+    class P:
+        def __reduce__(self):
+            return (getattr, (torch.float32, "is_floating_point"))
+    b = io.BytesIO()
+    torch.save(P(), b)
+    with torch.serialization.safe_globals([(getattr, "builtins.getattr")]):
+        b.seek(0)
+        assert torch.load(b, weights_only=True) is True
+    b.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(b, weights_only=True)

@@ -228,16 +228,29 @@ class FP8Meta:
         self.bwd_seeded = (1 << self.num["bwd"]) - 1  # a saved history carries on as it is
 
 
+def _load_storage_bytes(b: bytes):
+    """torch.storage._load_from_bytes (how pickle.dumps writes a tensor's storage), through torch's
+    weights-only loader instead of a full unpickler."""
+    return torch.load(io.BytesIO(b), weights_only=True)
+
+
 class _LenientUnpickler(pickle.Unpickler):
-    """Unpickles TE's extra state; a class this package lacks (TE's private helpers) becomes a
-    placeholder, since only the tensors are read. (Unpickling runs code from the checkpoint, as
-    TE's own loading and torch.load(weights_only=False) do: load checkpoints you trust.)"""
+    """Unpickles TE's extra state (pickled bytes inside a uint8 tensor, which torch.load's
+    weights-only mode lets through). Only the tensors are read, so only what rebuilds a tensor
+    resolves (its storage through the weights-only loader); every other global (TE's recipe and
+    private helpers, or anything a crafted checkpoint names, os.system included) becomes an inert
+    placeholder: loading a state_dict runs no code from it."""
+
+    _ALLOWED = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"),
+                ("torch._utils", "_rebuild_parameter"), ("collections", "OrderedDict")}
 
     def find_class(self, module, name):
-        try:
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _load_storage_bytes
+        if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return type(name, (), {"__init__": lambda self, *a, **k: None, "__setstate__": lambda self, st: None})
+        return type(name, (), {"__init__": lambda self, *a, **k: None, "__setstate__": lambda self, st: None,
+                               "__call__": lambda self, *a, **k: None})
 
 
 def _te_extra_state(t: torch.Tensor):

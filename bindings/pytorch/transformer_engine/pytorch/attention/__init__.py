@@ -152,13 +152,15 @@ _DPA_TE_FORWARD_KWARGS = frozenset(_FORWARD_NOOPS + (
     "score_mod_bprop_tensors"))
 
 
-def _check_diagonal(brd, mask_type: str, window_size, bias_type: str) -> None:
+def _check_diagonal(brd, mask_type: str, window_size, bias_type: str, equal_lengths: bool = False) -> None:
     """TE's bottom_right_diagonal: the corner a sliding window's and ALiBi's diagonal is aligned to.
     TE forces it for the causal mask types (top-left for causal / padding_causal, bottom-right for
     *_bottom_right), and None means bottom-right for the others, as here. Top-left (False) on a
     non-causal mask type is not implemented: it changes a windowed or ALiBi result, so it raises
-    there rather than run bottom-right silently (elsewhere the alignment changes nothing)."""
-    if brd is None or bool(brd) or "causal" in mask_type:
+    there rather than run bottom-right silently (elsewhere the alignment changes nothing, as with
+    equal query and key lengths: equal_lengths, not under padding masks, whose sequences have their
+    own lengths)."""
+    if brd is None or bool(brd) or "causal" in mask_type or (equal_lengths and "padding" not in mask_type):
         return
     w = _check_window(window_size)
     if (w is not None and w not in ((-1, -1), (-1, 0))) or bias_type == "alibi":
@@ -285,8 +287,12 @@ class DotProductAttention(torch.nn.Module):
         own attention inside context parallelism (context_parallel.attend)."""
         check_kwargs("DotProductAttention.forward", _DPA_TE_FORWARD_KWARGS, kwargs)
         brd = kwargs.pop("bottom_right_diagonal", None)
+        fmt0 = qkv_format or self.qkv_format
+        sdim = {"bshd": 1, "sbhd": 0}.get(fmt0)
         _check_diagonal(self.bottom_right_diagonal if brd is None else brd, attn_mask_type or self.attn_mask_type,
-                        window_size if window_size is not None else self.window_size, core_attention_bias_type)
+                        window_size if window_size is not None else self.window_size, core_attention_bias_type,
+                        sdim is not None and query_layer.dim() == 4 and key_layer.dim() == 4
+                        and query_layer.shape[sdim] == key_layer.shape[sdim])
         _check_forward_kwargs("DotProductAttention", kwargs)
         if checkpoint_core_attention and self._checkpointable(query_layer, key_layer, value_layer, core_attention_bias,
                                                               inference_params, _fp8_handoff, _cp_local):

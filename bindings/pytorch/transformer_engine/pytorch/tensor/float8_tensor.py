@@ -214,6 +214,16 @@ class Float8Tensor(torch.Tensor):
         """A tensor owning its buffers (any dim; a 2-D one may keep a [cols, rows] transpose)."""
         if data.dtype != torch.uint8:
             raise ValueError(f"Float8Tensor: data must be uint8, got {data.dtype}")
+        # (the library reads scale_inv as one float32 on data's device: anything else would be
+        # misread, or read past its end; pickles reach here too)
+        if (not isinstance(scale_inv, torch.Tensor) or scale_inv.dtype != torch.float32 or scale_inv.numel() != 1
+                or scale_inv.device != data.device):
+            raise ValueError("Float8Tensor: scale_inv must be a float32 tensor of one element on the data's device "
+                             f"({data.device}), got "
+                             + (f"{scale_inv.dtype} {tuple(scale_inv.shape)} on {scale_inv.device}"
+                                if isinstance(scale_inv, torch.Tensor) else type(scale_inv).__name__))
+        if int(fp8_dtype) not in _FP8_MAX:
+            raise ValueError(f"Float8Tensor: fp8_dtype must be DType.kFloat8E4M3 or kFloat8E5M2, got {fp8_dtype!r}")
         if transpose is not None and (data.dim() != 2 or tuple(transpose.shape) != tuple(data.shape)[::-1]):
             raise ValueError(f"Float8Tensor: transpose of shape {tuple(transpose.shape)} for data of shape "
                              f"{tuple(data.shape)}")

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import threading
 from typing import Optional
 
 __all__ = ["DType", "te_dtype_numbering", "fp8_dtype_from_te", "Unpickler", "load", "loads"]
@@ -52,7 +53,7 @@ __all__ = ["DType", "te_dtype_numbering", "fp8_dtype_from_te", "Unpickler", "loa
 _E4M3, _E5M2 = 7, 8
 _LATER = {7: _E4M3, 8: _E5M2}            # TE releases with kInt16 (forms B and C always)
 _EARLIER = {6: _E4M3, 7: _E5M2}          # TE releases without kInt16
-_e4m3_value: Optional[int] = None        # set by te_dtype_numbering
+_numbering = threading.local()          # .e4m3: set by te_dtype_numbering, per thread
 
 
 class DType:
@@ -85,14 +86,13 @@ def te_dtype_numbering(e4m3: int):
     in the numbering whose kFloat8E4M3 is `e4m3`: 6 (TE releases without DType.kInt16) or 7 (with
     it); the value of `int(transformer_engine_torch.DType.kFloat8E4M3)` in the TE that wrote the
     checkpoint."""
-    global _e4m3_value
     if e4m3 not in (6, 7):
         raise ValueError(f"te_dtype_numbering: kFloat8E4M3 is 6 or 7 in TE's numberings, got {e4m3!r}")
-    prev, _e4m3_value = _e4m3_value, int(e4m3)
+    prev, _numbering.e4m3 = getattr(_numbering, "e4m3", None), int(e4m3)
     try:
         yield
     finally:
-        _e4m3_value = prev
+        _numbering.e4m3 = prev
 
 
 def fp8_dtype_from_te(obj) -> int:
@@ -119,11 +119,12 @@ def fp8_dtype_from_te(obj) -> int:
             raise ValueError(f"TE checkpoint: DType value {value} is not an FP8 format of a Float8Tensor "
                              "(kFloat8E4M3 = 7, kFloat8E5M2 = 8)")
         return _LATER[value]
-    if _e4m3_value is not None:
-        table = _EARLIER if _e4m3_value == 6 else _LATER
+    e4m3_value = getattr(_numbering, "e4m3", None)
+    if e4m3_value is not None:
+        table = _EARLIER if e4m3_value == 6 else _LATER
         if value not in table:
             raise ValueError(f"TE checkpoint: DType value {value} is not an FP8 format in the numbering with "
-                             f"kFloat8E4M3 = {_e4m3_value} (te_dtype_numbering)")
+                             f"kFloat8E4M3 = {e4m3_value} (te_dtype_numbering)")
         return table[value]
     if value == 6:
         return _E4M3  # kFloat8E4M3 without kInt16 (with it, 6 is kBFloat16: never a Float8Tensor's)
@@ -150,7 +151,9 @@ def restricted_getattr(obj, name):
 
     if obj is Float8Tensor and name == "_make_in_reduce_ex":
         return Float8Tensor._make_in_reduce_ex
-    if getattr in torch.serialization.get_safe_globals():
+    # the real getattr allowlisted by the caller, bare or in torch's (object, name) form
+    if any(g is getattr or (isinstance(g, tuple) and g and g[0] is getattr)
+           for g in torch.serialization.get_safe_globals()):
         return getattr(obj, name)
     raise pickle.UnpicklingError(
         f"weights-only load: getattr({obj!r}, {name!r}) is not allowed (transformer_engine allows only "
