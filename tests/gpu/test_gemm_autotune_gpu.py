@@ -13,6 +13,18 @@ from gemm_gpu_util import (DEV, Operand, ab_shapes, acc_tol, check_close, gen, p
                            uniform, workspace)
 
 
+def _tn_operands(kind, m, n, k, g):
+    """(A [m, k], B [n, k] handles of a TN GEMM, their float64 values): bf16, or E4M3 with scale_inv 0.5."""
+    if kind == "e4m3":
+        a8 = (torch.randn(m, k, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn).view(torch.uint8)
+        b8 = (torch.randn(n, k, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn).view(torch.uint8)
+        si = torch.tensor([0.5], device=DEV)
+        return (T(a8, dtype=DT.kFloat8E4M3, scale_inv=si), T(b8, dtype=DT.kFloat8E4M3, scale_inv=si),
+                *(x.view(torch.float8_e4m3fn).double() * 0.5 for x in (a8, b8)))
+    a, b = (torch.randn(r, k, device=DEV, generator=g, dtype=torch.bfloat16) for r in (m, n))
+    return T(a), T(b), a.double(), b.double()
+
+
 @pytest.mark.parametrize("kind", ["bfloat16", "e4m3"])
 def test_autotune_decides_and_keeps_the_result(kind, monkeypatch, capfd):
     """Default mode at a large shape (the benchmark's Linear M=8192 N=4096 K=4096, above the
@@ -22,14 +34,7 @@ def test_autotune_decides_and_keeps_the_result(kind, monkeypatch, capfd):
     g = torch.Generator(device=DEV)
     g.manual_seed(42)
     n, m, k = 8192, 4096, 4096
-    if kind == "e4m3":
-        a8 = (torch.randn(m, k, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn).view(torch.uint8)
-        b8 = (torch.randn(n, k, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn).view(torch.uint8)
-        si = torch.tensor([0.5], device=DEV)
-        ta, tb = T(a8, dtype=DT.kFloat8E4M3, scale_inv=si), T(b8, dtype=DT.kFloat8E4M3, scale_inv=si)
-    else:
-        ta = T(torch.randn(m, k, device=DEV, generator=g, dtype=torch.bfloat16))
-        tb = T(torch.randn(n, k, device=DEV, generator=g, dtype=torch.bfloat16))
+    ta, tb, _, _ = _tn_operands(kind, m, n, k, g)
     ws = workspace()
     ref = torch.empty(n, m, dtype=torch.bfloat16, device=DEV)
     monkeypatch.setenv("NVTE_GEMM_AUTOTUNE", "0")
@@ -117,16 +122,7 @@ def test_autotune_accumulating_call_keeps_one_accumulation_per_call(kind, monkey
     g = torch.Generator(device=DEV)
     g.manual_seed(47)
     n, m, k = 4096, 4096, 8192
-    if kind == "e4m3":
-        a8 = (torch.randn(m, k, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn).view(torch.uint8)
-        b8 = (torch.randn(n, k, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn).view(torch.uint8)
-        si = torch.tensor([0.5], device=DEV)
-        ta, tb = T(a8, dtype=DT.kFloat8E4M3, scale_inv=si), T(b8, dtype=DT.kFloat8E4M3, scale_inv=si)
-        a64, b64 = (x.view(torch.float8_e4m3fn).double() * 0.5 for x in (a8, b8))
-    else:
-        a, b = (torch.randn(r, k, device=DEV, generator=g, dtype=torch.bfloat16) for r in (m, n))
-        ta, tb = T(a), T(b)
-        a64, b64 = a.double(), b.double()
+    ta, tb, a64, b64 = _tn_operands(kind, m, n, k, g)
     ws = workspace()
     start = torch.randn(n, m, device=DEV, generator=g)
     calls = 8 * 10  # 16 warm-up calls, 7 candidates x 5 timed calls, calls after the choice
