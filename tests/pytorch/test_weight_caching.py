@@ -99,3 +99,29 @@ def test_is_first_microbatch_without_fp8_is_plain(rng):
     y2 = m(x, is_first_microbatch=False)  # high precision: nothing is cached, the new weight is used
     torch.testing.assert_close(y2, x @ m.weight.detach().t() + m.bias.detach())  # all on DEVICE
     assert not torch.allclose(y1, y2)
+
+
+def test_cached_weight_keeps_its_amax_history_between_casts():
+    """TE's per-step recipe update leaves a tensor's history and scale alone in a step that did not
+    cast it (its newest amax is 0): with is_first_microbatch=False the cached FP8 weight is not cast,
+    so the weight column holds one entry per weight cast, not per micro-batch (a per-micro-batch
+    roll pushed the weight's amax out of the "max" window after amax_history_len micro-batches)."""
+    from transformer_engine.common.recipe import DelayedScaling
+    L = 4
+    torch.manual_seed(0)
+    m = te.Linear(gemm_dim(16), gemm_dim(16), bias=False, params_dtype=torch.float32, device=DEVICE)
+    w_amaxes = []
+    for k, first in enumerate([True, False, False, False, True]):
+        x = dev(torch.randn(gemm_dim(16), gemm_dim(16)))
+        with te.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=L)):
+            y = m(x, is_first_microbatch=first)
+        y.float().sum().backward()
+        if first:
+            w_amaxes.append(float(m.weight.detach().abs().max()))
+        hist = m.fp8_meta.amax_history["fwd"][:, 1].cpu()
+        casts = len(w_amaxes)
+        # the newest weight amax sits in the last row rolled so far; earlier rows hold the earlier casts
+        want = torch.zeros(L)
+        want[L - casts:] = torch.tensor(w_amaxes[-L:], dtype=torch.float32)
+        assert torch.equal(hist, want), (k, hist.tolist(), want.tolist())
+        assert float(m.fp8_meta.scale["fwd"][1]) == pytest.approx(448.0 / max(w_amaxes), rel=1e-6)

@@ -629,9 +629,11 @@ GATED_ACTIVATIONS = ("geglu", "reglu", "swiglu", "qgeglu", "sreglu")
 # -------------------------------------------------------------------- recipe
 def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor, algo: str, fp8_dtype,
                            margin: float) -> None:
-    """In place: one delayed-scaling step (nvte_delayed_scaling_recipe_amax_and_scale_update)."""
+    """In place: one delayed-scaling step, TE's per-step update
+    (nvte_delayed_scaling_recipe_amax_and_scale_update_after_reduction, no reduction buffer): a
+    column whose newest amax is 0 (its tensor was not cast this step, e.g. a cached FP8 weight
+    under is_first_microbatch=False) keeps its history and scale; the others roll and rescale."""
     _check(amax_history, "amax_history", (torch.float32,))
     _check(scale, "scale", (torch.float32,), amax_history.device)
-    h, s = _tensor(amax_history), _tensor(scale)
-    _nvte.delayed_scaling_recipe_amax_and_scale_update(h, s, h, s, algo, fp8_dtype, float(margin),
-                                                       _stream(scale))
+    _nvte.delayed_scaling_recipe_amax_and_scale_update_after_reduction(None, [_tensor(amax_history)], [_tensor(scale)],
+                                                                       algo, fp8_dtype, float(margin), _stream(scale))
