@@ -254,3 +254,18 @@ def test_current_scaling_recipe_not_mixed_with_delayed_state(rng):
     with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
         m(x * 100).sum().backward()
     assert torch.equal(m.fp8_meta.amax_history["fwd"], h) and torch.equal(m.fp8_meta.scale["fwd"], s)
+
+
+def test_power_2_scales_follow_te_environment_variable(tmp_path):
+    """TE's Float8CurrentScaling takes use_power_2_scales, and NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1
+    (read at import) makes power-of-two scales the QParams' default; it was ignored."""
+    import subprocess
+    import sys
+    code = ("from transformer_engine.common.recipe import Float8CurrentScaling as R; r = R(); "
+            "print(r.use_power_2_scales, r.fp8_quant_fwd_inp.power_2_scale, r.fp8_quant_fwd_weight.power_2_scale, "
+            "r.fp8_quant_bwd_grad.power_2_scale, R(use_power_2_scales=True).use_power_2_scales)")
+    import os
+    for env, want in (("1", "True True True True True"), ("0", "False False False False True")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES": env}).stdout.strip()
+        assert out == want, (env, out)

@@ -8,6 +8,7 @@ Names, arguments and defaults follow Transformer Engine 2.x.
 from __future__ import annotations
 
 import dataclasses
+import os
 from enum import Enum
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -110,14 +111,22 @@ class DelayedScaling(Recipe):
                 f"reduce_amax={self.reduce_amax}, fp8_dpa={self.fp8_dpa}, fp8_mha={self.fp8_mha}")
 
 
+# TE reads this once, at import
+_POW2_DEFAULT = os.getenv("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "0") == "1"
+
+
 @dataclasses.dataclass
 class Float8CurrentScaling(Recipe):
-    """Per-tensor scales computed from the tensor being cast (amax of this very step)."""
+    """Per-tensor scales computed from the tensor being cast (amax of this very step).
+    use_power_2_scales and the QParams' power_2_scale default to TE's environment variable
+    NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1, read when this module is imported (as TE does); the
+    casts follow the QParams."""
 
+    use_power_2_scales: bool = _POW2_DEFAULT
     fp8_format: Format = Format.HYBRID
-    fp8_quant_fwd_inp: QParams = QParams()
-    fp8_quant_fwd_weight: QParams = QParams()
-    fp8_quant_bwd_grad: QParams = QParams()
+    fp8_quant_fwd_inp: QParams = QParams(power_2_scale=_POW2_DEFAULT)
+    fp8_quant_fwd_weight: QParams = QParams(power_2_scale=_POW2_DEFAULT)
+    fp8_quant_bwd_grad: QParams = QParams(power_2_scale=_POW2_DEFAULT)
     fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
     fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
     fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
