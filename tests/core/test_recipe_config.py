@@ -45,3 +45,12 @@ def test_delayed_scaling_rejects_bad_arguments(kwargs, match):
 def test_callable_amax_algo_is_accepted():
     r = recipe.DelayedScaling(amax_compute_algo=lambda h: h.max(0))
     assert callable(r.amax_compute_algo)
+
+
+def test_predicates_are_class_methods_as_in_te():
+    """TE's recipe predicates are class methods: callable on the class and on instances."""
+    assert recipe.DelayedScaling.delayed() and not recipe.DelayedScaling.float8_current_scaling()
+    assert recipe.Float8CurrentScaling.float8_current_scaling() and recipe.Float8CurrentScaling.float8_per_tensor_scaling()
+    assert recipe.MXFP8BlockScaling.mxfp8() and not recipe.MXFP8BlockScaling.float8_per_tensor_scaling()
+    assert recipe.Float8BlockScaling.float8_block_scaling() and not recipe.Float8BlockScaling().nvfp4()
+    assert recipe.DelayedScaling().delayed() and not recipe.DelayedScaling().mxfp8()

@@ -49,24 +49,31 @@ class QParams:
 
 
 class Recipe:
-    """Base class of recipes; the predicates tell adapters which one they hold."""
+    """Base class of recipes; the predicates tell adapters which one they hold (class methods, as
+    in TE: `DelayedScaling.delayed()` works on the class too)."""
 
-    def delayed(self) -> bool:
-        return isinstance(self, DelayedScaling)
+    @classmethod
+    def delayed(cls) -> bool:
+        return issubclass(cls, DelayedScaling)
 
-    def float8_current_scaling(self) -> bool:
-        return isinstance(self, Float8CurrentScaling)
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        return issubclass(cls, Float8CurrentScaling)
 
-    def mxfp8(self) -> bool:
-        return isinstance(self, MXFP8BlockScaling)
+    @classmethod
+    def mxfp8(cls) -> bool:
+        return issubclass(cls, MXFP8BlockScaling)
 
-    def float8_block_scaling(self) -> bool:
-        return isinstance(self, Float8BlockScaling)
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        return issubclass(cls, Float8BlockScaling)
 
-    def float8_per_tensor_scaling(self) -> bool:
-        return self.delayed() or self.float8_current_scaling()
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        return cls.delayed() or cls.float8_current_scaling()
 
-    def nvfp4(self) -> bool:
+    @classmethod
+    def nvfp4(cls) -> bool:
         return False
 
 
