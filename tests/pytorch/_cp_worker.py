@@ -73,16 +73,32 @@ def fp8_cases(size, mode=""):
 
 
 def bias_cases(size):
-    """(mask, fmt, bias batch, bias gradient asked) of the ring's post_scale_bias runs."""
+    """(mask, fmt, bias batch, bias gradient asked, keys per query) of the ring's post_scale_bias
+    runs; 2 keys per query: cross attention, keys twice the queries' length."""
     fmts = ("bshd", "sbhd") if size == 2 else ("bshd",)
-    return [(mask, fmt, 1, True) for mask in ("no_mask", "causal") for fmt in fmts] + [("causal", "bshd", B, False)]
+    return ([(mask, fmt, 1, True, 1) for mask in ("no_mask", "causal") for fmt in fmts]
+            + [("causal", "bshd", B, False, 1), ("no_mask", "bshd", 1, True, 2)])
 
 
-def whole_bias(size, seed, dtype, batch):
-    """A post-scale bias [batch, h, s, s] over the whole sequence (s = 2 size C)."""
+def bias_case_name(case):
+    mask, fmt, batch, _, kv = case
+    return f"bias-{mask}-{fmt}-{batch}" + ("" if kv == 1 else f"-kv{kv}")
+
+
+def bias_inputs(size, seed, dtype, kv):
+    """whole_inputs with kv times as many keys (the extra ones drawn from seed + 1)."""
+    q, k, v, do = whole_inputs(size, seed, dtype)
+    if kv > 1:
+        _, k2, v2, _ = whole_inputs(size, seed + 1, dtype)
+        k, v = torch.cat([k, k2], 1), torch.cat([v, v2], 1)
+    return q, k, v, do
+
+
+def whole_bias(size, seed, dtype, batch, kv=1):
+    """A post-scale bias [batch, h, s, kv s] over the whole sequence (s = 2 size C)."""
     s = 2 * size * C
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, heads(size)[0], s, s, generator=gen).to(dtype)
+    return torch.randn(batch, heads(size)[0], s, kv * s, generator=gen).to(dtype)
 
 
 def fp8_sizes(on_cuda):
@@ -162,6 +178,36 @@ def thd_local_index(lens, rank, size):
     return torch.tensor(idx)
 
 
+def one_rank_level_cases(size):
+    """(case of cases(size), [A, P] of the "a2a+p2p" groups) whose a2a or p2p level has one rank:
+    the other level runs alone, as that case's comm type."""
+    by_comm = {c[0]: c for c in cases(size) if c[3] is None}
+    return [(by_comm["p2p"], (1, size)), (by_comm["a2a"], (size, 1))]
+
+
+def one_rank_level_runs(results, rank, size, dev, dtype):
+    """cp_comm_type "a2a+p2p" with a level of one rank (Megatron's hierarchical sizes [1, N] / [N, 1])
+    on the inputs of the matching plain case: results under "level1-" + that case's name."""
+    h, g = heads(size)
+    for case, (a, p) in one_rank_level_cases(size):
+        comm, mask, fmt, window = case
+        i = cases(size).index(case)
+        q, k, v, do = whole_inputs(size, 1000 + i, dtype)
+        loc = [local_chunks(t, rank, size).to(dev) for t in (q, k, v, do)]
+        if fmt == "sbhd":
+            loc = [t.transpose(0, 1).contiguous() for t in loc]
+        ql, kl, vl = (t.requires_grad_() for t in loc[:3])
+        dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format=fmt,
+                                     attn_mask_type=mask, window_size=window, cp_group=hier_groups(rank, a, p),
+                                     cp_global_ranks=list(range(size)), cp_comm_type="a2a+p2p")
+        o = dpa(ql, kl, vl)
+        o.backward(loc[3].reshape(o.shape))
+        res = [o.view(*o.shape[:-1], h, D_V), ql.grad, kl.grad, vl.grad]
+        if fmt == "sbhd":
+            res = [t.transpose(0, 1) for t in res]
+        results["level1-" + case_name(case)] = [t.detach().float().cpu() for t in res]
+
+
 def main():
     rank, size, out_file, dev, group, rest = init_rank()
     mode = rest[0] if rest else ""
@@ -197,6 +243,7 @@ def main():
 
     thd_runs(results, rank, size, group, ("p2p", "all_gather", "a2a"), dev, dtype)
     bias_runs(results, rank, size, group, dev, dtype)
+    one_rank_level_runs(results, rank, size, dev, dtype)
 
     # dropout (causal, bshd): L = <O, dO> at Q, K, V and at +-EPS along one direction, same seeds
     for comm in ("p2p", "all_gather", "a2a"):
@@ -296,13 +343,15 @@ def bias_runs(results, rank, size, cp_group, dev, dtype):
     """The p2p ring with a post-scale bias: each rank passes its query rows of the whole bias (every
     key column, in sequence order); outputs, input gradients and the bias gradient (its rows)."""
     h, g = heads(size)
-    for i, (mask, fmt, batch, grad) in enumerate(bias_cases(size)):
-        q, k, v, do = whole_inputs(size, 4000 + i, dtype)
+    for i, case in enumerate(bias_cases(size)):
+        mask, fmt, batch, grad, kv = case
+        q, k, v, do = bias_inputs(size, 4000 + i, dtype, kv)
         loc = [local_chunks(t, rank, size).to(dev) for t in (q, k, v, do)]
         if fmt == "sbhd":
             loc = [t.transpose(0, 1).contiguous() for t in loc]
         ql, kl, vl = (t.requires_grad_() for t in loc[:3])
-        bl = local_chunks(whole_bias(size, 4100 + i, dtype, batch), rank, size, dim=2).to(dev).requires_grad_(grad)
+        bl = local_chunks(whole_bias(size, 4100 + i, dtype, batch, kv), rank, size, dim=2).to(dev)
+        bl.requires_grad_(grad)
         dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format=fmt,
                                      attn_mask_type=mask, cp_group=cp_group, cp_global_ranks=list(range(size)),
                                      cp_comm_type="p2p")
@@ -311,7 +360,7 @@ def bias_runs(results, rank, size, cp_group, dev, dtype):
         res = [o.view(*o.shape[:-1], h, D_V), ql.grad, kl.grad, vl.grad]
         if fmt == "sbhd":
             res = [t.transpose(0, 1) for t in res]
-        results[f"bias-{mask}-{fmt}-{batch}"] = ([t.detach().float().cpu() for t in res]
+        results[bias_case_name(case)] = ([t.detach().float().cpu() for t in res]
                                                  + [bl.grad.detach().float().cpu() if grad else None])
 
 

@@ -74,9 +74,9 @@ def attention_ref(q, k, v, do, mask, window, dtype=torch.float64, sink=None, bia
     if bias is not None:
         bias = bias.detach().to(dtype).requires_grad_()
         z = z + bias
-    s = q.shape[1]
-    i, j = torch.arange(s).view(s, 1), torch.arange(s).view(1, s)
-    hide = torch.zeros(s, s, dtype=torch.bool)
+    s, sk = q.shape[1], k.shape[1]  # (sk != s: cross attention, no_mask only)
+    i, j = torch.arange(s).view(s, 1), torch.arange(sk).view(1, sk)
+    hide = torch.zeros(s, sk, dtype=torch.bool)
     if mask == "causal":
         hide |= j > i
     if window is not None:
@@ -89,28 +89,39 @@ def attention_ref(q, k, v, do, mask, window, dtype=torch.float64, sink=None, bia
     if sink is not None:
         sink = sink.detach().to(dtype).requires_grad_()
         z = torch.cat([z, sink.view(1, -1, 1, 1).expand(z.shape[0], -1, s, 1)], -1)
-    o = torch.softmax(z, -1)[..., :s] @ vh
+    o = torch.softmax(z, -1)[..., :sk] @ vh
     o = o.transpose(1, 2)
     o.backward(do.detach())
     return ([o.detach(), q.grad, k.grad, v.grad] + ([sink.grad] if sink is not None else [])
             + ([bias.grad] if bias is not None else []))
 
 
+@pytest.mark.parametrize("size", SIZES)
+def test_a2a_p2p_with_a_one_rank_level_runs_the_other_alone(results, size):
+    """cp_comm_type "a2a+p2p" whose a2a (or p2p) group has one rank runs the other level alone, as
+    TE does (it had raised): the same results, bit for bit, as that comm type's own run."""
+    for r in results(size):
+        for case, _ in W.one_rank_level_cases(size):
+            got, want = r["level1-" + W.case_name(case)], r[W.case_name(case)]
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), W.case_name(case)
+
+
 @pytest.mark.parametrize("size, case", [(s, c) for s in SIZES for c in W.bias_cases(s)],
-                         ids=[f"{s}-{c[0]}-{c[1]}-b{c[2]}" for s in SIZES for c in W.bias_cases(s)])
+                         ids=[f"{s}-{W.bias_case_name(c)}" for s in SIZES for c in W.bias_cases(s)])
 def test_ring_post_scale_bias_matches_whole_sequence(results, size, case):
     """The p2p ring with core_attention_bias_type "post_scale_bias" (each rank its query rows of the
     bias, every key column): output, input gradients and the bias gradient (the ranks' rows put
-    back in sequence order) against float64 attention with the whole bias."""
-    mask, fmt, batch, grad = case
+    back in sequence order) against float64 attention with the whole bias; also cross attention
+    (twice as many keys as queries: the bias's key chunks are the keys', not the queries')."""
+    mask, fmt, batch, grad, kv = case
     i = W.bias_cases(size).index(case)
-    got = [r[f"bias-{mask}-{fmt}-{batch}"] for r in results(size)]
+    got = [r[W.bias_case_name(case)] for r in results(size)]
     parts = [whole([g[n] for g in got], size) for n in range(4)]
     if grad:
         parts.append(whole([g[4] for g in got], size, dim=2))
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
-    q, k, v, do = W.whole_inputs(size, 4000 + i, dtype)
-    bias = W.whole_bias(size, 4100 + i, dtype, batch)
+    q, k, v, do = W.bias_inputs(size, 4000 + i, dtype, kv)
+    bias = W.whole_bias(size, 4100 + i, dtype, batch, kv)
     ref = attention_ref(q, k, v, do, mask, None, bias=bias)
     naive = attention_ref(q, k, v, do, mask, None, dtype, bias=bias)
     for name, g, r, n in zip(("out", "dq", "dk", "dv", "dbias"), parts, ref, naive):

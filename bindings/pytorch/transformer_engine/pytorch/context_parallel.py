@@ -97,14 +97,19 @@ def make_group(cp_group, cp_global_ranks: Optional[Sequence[int]], cp_comm_type:
     return CPGroup(cp_group, ranks, size, rank, cp_comm_type) if size > 1 else None
 
 
-def _hierarchical_group(groups, cp_global_ranks) -> CPGroup:
-    """The CP description of cp_comm_type "a2a+p2p" from [a2a group, p2p group] (module text)."""
+def _hierarchical_group(groups, cp_global_ranks) -> Optional[CPGroup]:
+    """The CP description of cp_comm_type "a2a+p2p" from [a2a group, p2p group] (module text). As
+    in TE, a level of one rank drops out: the other runs alone ("p2p" or "a2a"), and with both of
+    one rank there is no CP (Megatron's hierarchical sizes [1, N] / [N, 1])."""
     if len(groups) != 2:
         raise ValueError(f"DotProductAttention: cp_comm_type 'a2a+p2p' takes two groups [a2a, p2p], got {len(groups)}")
     inner, outer = (make_group(g, None, c) for g, c in zip(groups, ("a2a", "p2p")))
     if inner is None or outer is None:
-        raise ValueError("DotProductAttention: cp_comm_type 'a2a+p2p' needs a2a and p2p groups of 2 or more ranks "
-                         "(use 'a2a' or 'p2p' alone otherwise)")
+        alone = inner if outer is None else outer
+        if alone is not None and cp_global_ranks is not None and list(cp_global_ranks) != alone.ranks:
+            raise ValueError(f"DotProductAttention: cp_global_ranks {list(cp_global_ranks)} are not the ranks of the "
+                             f"CP group {alone.ranks} ('a2a+p2p' with a level of one rank)")
+        return alone
     a_size, p_size = inner.size, outer.size
     rank = outer.rank * a_size + inner.rank
     me = inner.ranks[inner.rank]

@@ -148,26 +148,27 @@ def add_rows(acc: Optional[torch.Tensor], x: torch.Tensor, dim: int, part) -> to
     return acc
 
 
-def bias_block(bias: torch.Tensor, cp: CPGroup, step: int, c: int, qp, kp) -> torch.Tensor:
-    """A ring step's slice of the attention bias [b | 1, h | 1, 2 c, 2 cp c] (this rank's query rows,
-    the keys of the whole sequence in sequence order, TE's layout): query rows qp, and the columns
-    of the step's block, chunks j and 2 cp - 1 - j of rank j = rank - step (kp: the first alone)."""
+def bias_block(bias: torch.Tensor, cp: CPGroup, step: int, ck: int, qp, kp) -> torch.Tensor:
+    """A ring step's slice of the attention bias [b | 1, h | 1, 2 c, 2 cp ck] (this rank's query rows,
+    the keys of the whole sequence in sequence order, TE's layout; ck: a key chunk's length, the
+    query chunk's unless cross attention): query rows qp, and the columns of the step's block,
+    chunks j and 2 cp - 1 - j of rank j = rank - step (kp: the first alone)."""
     j = (cp.rank - step) % cp.size
     rows = _rows(bias, 2, qp)
-    first = rows.narrow(3, j * c, c)
+    first = rows.narrow(3, j * ck, ck)
     if kp is not None:
         return first.contiguous()
-    return torch.cat([first, rows.narrow(3, (2 * cp.size - 1 - j) * c, c)], 3)
+    return torch.cat([first, rows.narrow(3, (2 * cp.size - 1 - j) * ck, ck)], 3)
 
 
-def put_bias_block(dbias: torch.Tensor, db: torch.Tensor, cp: CPGroup, step: int, c: int, qp, kp) -> None:
+def put_bias_block(dbias: torch.Tensor, db: torch.Tensor, cp: CPGroup, step: int, ck: int, qp, kp) -> None:
     """Writes a step's bias gradient db into dbias where bias_block took the step's bias from (the
     steps' blocks are disjoint; blocks no step computes stay zero: the causal mask hides them)."""
     j = (cp.rank - step) % cp.size
     rows = _rows(dbias, 2, qp)
-    rows.narrow(3, j * c, c).copy_(db.narrow(3, 0, c))
+    rows.narrow(3, j * ck, ck).copy_(db.narrow(3, 0, ck))
     if kp is None:
-        rows.narrow(3, (2 * cp.size - 1 - j) * c, c).copy_(db.narrow(3, c, c))
+        rows.narrow(3, (2 * cp.size - 1 - j) * ck, ck).copy_(db.narrow(3, ck, ck))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -184,7 +185,7 @@ class _RingAttention(torch.autograd.Function):
             qs = _rows(q, sdim, qp).contiguous()
             ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
             rng = _fa.new_rng_state(q.device) if dropout > 0.0 else zero_rng
-            bs = None if bias is None else bias_block(bias, cp, step, c, qp, kp)
+            bs = None if bias is None else bias_block(bias, cp, step, k.shape[sdim] // 2, qp, kp)
             o_i, lse_i, rng_i, _ = _fa.fused_attn_fwd(qs, ks, vs, bs, None, None, None, None, rng,
                                                       qs.shape[sdim], ks.shape[sdim], True, scale, dropout, layout,
                                                       _BIAS[bias is not None], _fa.MASK_INT[mask], -1, -1,
@@ -211,7 +212,7 @@ class _RingAttention(torch.autograd.Function):
             qs, os_, dos = (_rows(t, sdim, qp).contiguous() for t in (q, out, dout))
             ls = _rows(lse, 2, qp).contiguous()
             ks, vs = (_rows(t, sdim, kp).contiguous() for t in block)
-            bs = q.new_empty(0) if bias is None else bias_block(bias, cp, step, c, qp, kp)
+            bs = q.new_empty(0) if bias is None else bias_block(bias, cp, step, k.shape[sdim] // 2, qp, kp)
             dq_i, dk_i, dv_i, db_i, _ = _fa.fused_attn_bwd(qs, ks, vs, os_, dos, ls, rngs[step], bs, None,
                                                            None, None, None, qs.shape[sdim], ks.shape[sdim], scale,
                                                            dropout, layout, _BIAS[bias is not None],
@@ -219,7 +220,7 @@ class _RingAttention(torch.autograd.Function):
             dq = add_rows(dq, dq_i, sdim, qp)
             dkv.add(dk_i, dv_i, lambda t: _rows(t, sdim, kp))
             if dbias is not None:
-                put_bias_block(dbias, db_i, cp, step, c, qp, kp)
+                put_bias_block(dbias, db_i, cp, step, k.shape[sdim] // 2, qp, kp)
         dsink = sink_grad(ctx, dout, out, lse, fmt)
         dk, dv = dkv.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink, dbias
