@@ -188,24 +188,29 @@ def one_rank_level_cases(size):
 def one_rank_level_runs(results, rank, size, dev, dtype):
     """cp_comm_type "a2a+p2p" with a level of one rank (Megatron's hierarchical sizes [1, N] / [N, 1])
     on the inputs of the matching plain case: results under "level1-" + that case's name."""
-    h, g = heads(size)
     for case, (a, p) in one_rank_level_cases(size):
-        comm, mask, fmt, window = case
-        i = cases(size).index(case)
-        q, k, v, do = whole_inputs(size, 1000 + i, dtype)
-        loc = [local_chunks(t, rank, size).to(dev) for t in (q, k, v, do)]
-        if fmt == "sbhd":
-            loc = [t.transpose(0, 1).contiguous() for t in loc]
-        ql, kl, vl = (t.requires_grad_() for t in loc[:3])
-        dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format=fmt,
-                                     attn_mask_type=mask, window_size=window, cp_group=hier_groups(rank, a, p),
-                                     cp_global_ranks=list(range(size)), cp_comm_type="a2a+p2p")
-        o = dpa(ql, kl, vl)
-        o.backward(loc[3].reshape(o.shape))
-        res = [o.view(*o.shape[:-1], h, D_V), ql.grad, kl.grad, vl.grad]
-        if fmt == "sbhd":
-            res = [t.transpose(0, 1) for t in res]
-        results["level1-" + case_name(case)] = [t.detach().float().cpu() for t in res]
+        results["level1-" + case_name(case)] = attend_case(rank, size, cases(size).index(case), case,
+                                                           hier_groups(rank, a, p), "a2a+p2p", dev, dtype)
+
+
+def attend_case(rank, size, i, case, cp_group, comm, dev, dtype):
+    """[O, dQ, dK, dV] (bshd, this rank's chunks) of case i of cases() on cp_group with comm."""
+    h, g = heads(size)
+    _, mask, fmt, window = case
+    q, k, v, do = whole_inputs(size, 1000 + i, dtype)
+    loc = [local_chunks(t, rank, size).to(dev) for t in (q, k, v, do)]
+    if fmt == "sbhd":
+        loc = [t.transpose(0, 1).contiguous() for t in loc]
+    ql, kl, vl = (t.requires_grad_() for t in loc[:3])
+    dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format=fmt,
+                                 attn_mask_type=mask, window_size=window, cp_group=cp_group,
+                                 cp_global_ranks=list(range(size)), cp_comm_type=comm)
+    o = dpa(ql, kl, vl)
+    o.backward(loc[3].reshape(o.shape))
+    res = [o.view(*o.shape[:-1], h, D_V), ql.grad, kl.grad, vl.grad]
+    if fmt == "sbhd":
+        res = [t.transpose(0, 1) for t in res]
+    return [t.detach().float().cpu() for t in res]
 
 
 def main():
@@ -217,21 +222,7 @@ def main():
     h, g = heads(size)
     results = {}
     for i, case in enumerate(cases(size, mode)):
-        comm, mask, fmt, window = case
-        q, k, v, do = whole_inputs(size, 1000 + i, dtype)
-        loc = [local_chunks(t, rank, size).to(dev) for t in (q, k, v, do)]
-        if fmt == "sbhd":
-            loc = [t.transpose(0, 1).contiguous() for t in loc]
-        ql, kl, vl = (t.requires_grad_() for t in loc[:3])
-        dpa = te.DotProductAttention(h, (D_QK, D_V), num_gqa_groups=g, attention_dropout=0.0, qkv_format=fmt,
-                                     attn_mask_type=mask, window_size=window, cp_group=cp_group,
-                                     cp_global_ranks=list(range(size)), cp_comm_type=comm)
-        o = dpa(ql, kl, vl)
-        o.backward(loc[3].reshape(o.shape))
-        res = [o.view(*o.shape[:-1], h, D_V), ql.grad, kl.grad, vl.grad]
-        if fmt == "sbhd":
-            res = [t.transpose(0, 1) for t in res]
-        results[case_name(case)] = [t.detach().float().cpu() for t in res]
+        results[case_name(case)] = attend_case(rank, size, i, case, cp_group, case[0], dev, dtype)
 
     sink_runs(results, rank, size, cp_group, mode, dev, dtype)
     if mode == "hier":
