@@ -102,8 +102,8 @@ def test_layernorm_mlp_fwd_bwd(rng, fp8):
     g = seeded(rng)
     m = te.LayerNormMLP(16, 48, device=DEVICE)
     _randomize(m, g)
-    names = [n for n, _ in m.named_parameters()]
-    assert names == ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"]
+    names = [n for n, _ in m.named_parameters()]  # (TE's registration order)
+    assert names == ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
     seq = gemm_dim(10)  # tokens 2 x 10 on the CPU, 2 x 16 on CUDA (FP8 GEMM dims 16-aligned)
     x = torch.randn(2, seq, 16, generator=g, requires_grad=True)
     dy = torch.randn(2, seq, 16, generator=g)
