@@ -9,6 +9,11 @@ namespace nvte::api {
 // the same null address).
 bool same_buffer(const Tensor &a, const Tensor &b);
 
+// Two operands' rowwise bytes (numel x element size from their data pointers) intersect; an
+// empty or data-less one intersects nothing. For a tensor inside a packed buffer this is a part
+// of its extent, so a true answer is never a false alarm.
+bool bytes_overlap(const Tensor &a, const Tensor &b);
+
 // An output may be exactly an input's buffer (in place) with the input's dtype; an output of
 // another dtype there, or one that overlaps the input only partly, is an error (rows would be
 // read after another row's result overwrote them).

@@ -6,6 +6,7 @@
 
 #include "../common/attn_merge.h"
 #include "../common/backend.h"
+#include "alias_checks.h"
 #include "attn_checks.h"
 #include "../cpu/attn_merge.h"
 #ifdef NVTE_WITH_CUDA
@@ -29,17 +30,6 @@ void check_rowwise(const Tensor &t, const char *name) {
   NVTE_CHECK(buffer_set(t.params[kNVTERowwiseData]), name, " needs rowwise data");
 }
 
-// Whether two tensors' rowwise bytes intersect (the kernel reads the part while it writes out / lse).
-bool overlap(const Tensor &a, const Tensor &b) {
-  const auto range = [](const Tensor &t) {
-    const auto *p = static_cast<const char *>(t.params[kNVTERowwiseData].data_ptr);
-    return std::pair{p, p + numel(logical_shape(t)) * dtype_size(logical_dtype(t))};
-  };
-  const auto [a0, a1] = range(a);
-  const auto [b0, b1] = range(b);
-  return a0 < b1 && b0 < a1;
-}
-
 const char *stats_text(NVTE_QKV_Format fmt) {
   return fmt == NVTE_THD ? "[t, h] (THD)" : "[b, h, s] or [b, h, s, 1]";
 }
@@ -61,7 +51,7 @@ Geometry running(const Tensor &out, const Tensor &lse, NVTE_QKV_Format fmt, bool
              "qkv_format must be NVTE_BSHD, NVTE_SBHD or NVTE_THD, got ", (int)fmt);
   check_rowwise(out, "out");
   check_rowwise(lse, "lse");
-  NVTE_CHECK(!overlap(out, lse), "out and lse must not share memory");
+  NVTE_CHECK(!api::bytes_overlap(out, lse), "out and lse must not share memory");
   const NVTEShape os = logical_shape(out), ls = logical_shape(lse);
   const size_t want = fmt == NVTE_THD ? 3 : 4;
   NVTE_CHECK(os.ndim == want, "out must be ", fmt == NVTE_THD ? "[t, h, d] (THD)" : "4-D [.., h, d]", ", got ",
@@ -122,7 +112,7 @@ extern "C" NVTEStatus nvte_attn_merge(NVTETensor out, NVTETensor lse, const NVTE
     check_rowwise(p, "out_part");
     check_rowwise(pl, "lse_part");
     for (const Tensor *t : {&p, &pl})
-      NVTE_CHECK(!overlap(*t, o) && !overlap(*t, l), t == &p ? "out_part" : "lse_part",
+      NVTE_CHECK(!api::bytes_overlap(*t, o) && !api::bytes_overlap(*t, l), t == &p ? "out_part" : "lse_part",
                  " must not share memory with out or lse (they are written while it is read)");
     const NVTEShape os = logical_shape(o), ps = logical_shape(p), pls = logical_shape(pl);
     const NVTEDType pd = logical_dtype(p);
@@ -154,7 +144,7 @@ extern "C" NVTEStatus nvte_attn_merge_sink(NVTETensor out, NVTETensor lse, const
     const Tensor &sk = require(sink, "sink");
     Geometry g = running(o, l, qkv_format);
     check_rowwise(sk, "sink");
-    NVTE_CHECK(!overlap(sk, o) && !overlap(sk, l), "sink must not share memory with out or lse");
+    NVTE_CHECK(!api::bytes_overlap(sk, o) && !api::bytes_overlap(sk, l), "sink must not share memory with out or lse");
     api::check_exact(sk, "sink", kNVTEFloat32, api::make_shape({(size_t)g.heads}), true);
     g.part_rows = g.rows;  // every row gets the sink's term
     g.part_is_zero = true;
@@ -179,7 +169,7 @@ extern "C" NVTEStatus nvte_attn_merge_sink_grad(const NVTETensor dout, const NVT
     api::check_exact(sk, "sink", kNVTEFloat32, api::make_shape({(size_t)g.heads}), true);
     api::check_exact(ds, "dsink", kNVTEFloat32, api::make_shape({(size_t)g.heads}), true);
     for (const Tensor *t : {&d, &o, &l, &sk})
-      NVTE_CHECK(!overlap(ds, *t), "dsink must not share memory with the inputs");
+      NVTE_CHECK(!api::bytes_overlap(ds, *t), "dsink must not share memory with the inputs");
     g.part_rows = g.rows;
     const Backend where = backend_of({{"dout", dout}, {"out", out}, {"lse", lse}, {"sink", sink}, {"dsink", dsink}});
     switch (where) {

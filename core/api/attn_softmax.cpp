@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "../common/attn_softmax.h"
 #include "../common/backend.h"
@@ -28,20 +29,24 @@ bool same_buffer(const Tensor &a, const Tensor &b) {
   return x.data_ptr != nullptr && x.data_ptr == y.data_ptr && numel(x.shape) != 0;
 }
 
+bool bytes_overlap(const Tensor &a, const Tensor &b) {
+  const auto range = [](const Tensor &t) {
+    const NVTEBasicTensor &x = t.params[kNVTERowwiseData];
+    const auto *p = static_cast<const char *>(x.data_ptr);
+    return std::pair{p, p + (p ? numel(x.shape) * dtype_size(x.dtype) : 0)};
+  };
+  const auto [a0, a1] = range(a);
+  const auto [b0, b1] = range(b);
+  return a0 != a1 && b0 != b1 && a0 < b1 && b0 < a1;
+}
+
 void check_alias(const Tensor &out, const char *out_name, const Tensor &in, const char *in_name) {
   NVTE_CHECK(!same_buffer(out, in) || out.params[kNVTERowwiseData].dtype == in.params[kNVTERowwiseData].dtype,
              out_name, " shares its buffer with ", in_name, " but has dtype ",
              dtype_name(out.params[kNVTERowwiseData].dtype), " instead of ",
              dtype_name(in.params[kNVTERowwiseData].dtype));
-  if (same_buffer(out, in)) return;  // (in place: row by row, each row read before it is written)
-  const auto range = [](const Tensor &t) {
-    const NVTEBasicTensor &b = t.params[kNVTERowwiseData];
-    const auto *p = static_cast<const char *>(b.data_ptr);
-    return std::pair{p, p + (p ? numel(b.shape) * dtype_size(b.dtype) : 0)};
-  };
-  const auto [o0, o1] = range(out);
-  const auto [i0, i1] = range(in);
-  NVTE_CHECK(o0 == o1 || i0 == i1 || !(o0 < i1 && i0 < o1), out_name, " overlaps ", in_name,
+  // (in place: row by row, each row read before it is written)
+  NVTE_CHECK(same_buffer(out, in) || !bytes_overlap(out, in), out_name, " overlaps ", in_name,
              " without being the same buffer: rows would be read after another row's result overwrote them");
 }
 

@@ -8,6 +8,7 @@
 
 #include "../common/backend.h"
 #include "../common/kv_cache.h"
+#include "alias_checks.h"
 #include "../cpu/copy_to_kv_cache.h"
 #ifdef NVTE_WITH_CUDA
 #include "../cuda/copy_to_kv_cache.h"
@@ -83,24 +84,12 @@ CopyParams validate(const Tensor &nk, const Tensor &nv, const Tensor &kc, const 
     p.capacity = max_seq_len;
   }
   // the caches are written: they must share no memory with each other or with what is read
-  const auto range = [](const Tensor *t) {
-    const NVTEBasicTensor &x = t->params[kNVTERowwiseData];
-    const auto *ptr = static_cast<const char *>(x.data_ptr);
-    return std::pair{ptr, ptr + (ptr ? numel(x.shape) * dtype_size(x.dtype) : 0)};
-  };
-  const std::pair<const Tensor *, const char *> written[] = {{&kc, "k_cache"}, {&vc, "v_cache"}};
-  const std::pair<const Tensor *, const char *> read[] = {{&nk, "new_k"}, {&nv, "new_v"}, {table, "page_table"},
-                                                          {&cu_new, "cu_new_lens"}, {&cu_cached, "cu_cached_lens"}};
-  for (const auto &[w, wn] : written) {
-    const auto [w0, w1] = range(w);
-    const auto apart = [&](const Tensor *o, const char *on) {
-      if (o == nullptr || o == w) return;
-      const auto [o0, o1] = range(o);
-      NVTE_CHECK(w0 == w1 || o0 == o1 || !(w0 < o1 && o0 < w1), wn, " shares memory with ", on);
-    };
-    for (const auto &[r, rn] : read) apart(r, rn);
-    if (w == &kc) apart(&vc, "v_cache");
-  }
+  const std::pair<const Tensor *, const char *> others[] = {{&vc, "v_cache"}, {&nk, "new_k"}, {&nv, "new_v"},
+                                                            {table, "page_table"}, {&cu_new, "cu_new_lens"},
+                                                            {&cu_cached, "cu_cached_lens"}};
+  for (const auto &[w, wn] : {std::pair{&kc, "k_cache"}, std::pair{&vc, "v_cache"}})
+    for (const auto &[o, on] : others)
+      NVTE_CHECK(o == nullptr || o == w || !api::bytes_overlap(*w, *o), wn, " shares memory with ", on);
   if (table != nullptr) {
     const NVTEShape ts = logical_shape(*table);
     const size_t cols = paged ? (size_t)max_pages_per_seq : (ts.ndim == 2 ? std::max<size_t>(ts.data[1], 1) : 1);

@@ -8,6 +8,7 @@
 
 #include "../common/backend.h"
 #include "../cpu/fused_attn.h"
+#include "alias_checks.h"
 #include "attn_checks.h"
 #ifdef NVTE_WITH_CUDNN
 #include "../cuda/fused_attn.h"
@@ -39,28 +40,20 @@ Tensor *workspace_of(NVTETensor ws) { return present(ws) ? &require_mut(ws, "wor
 
 // Outputs must share no memory with what a call reads, nor with each other: the CPU backend fills
 // its outputs before it reads the inputs and the GPU's kernels read and write concurrently, so a
-// shared byte is a silently wrong result. A span is a tensor's first numel x size bytes from its
-// pointer: its whole extent when it is a tensor of its own, a part of a packed one's (so never a
-// false alarm; where packed Q/K/V and dQ/dK/dV sit is check_packing's business).
+// shared byte is a silently wrong result (api::bytes_overlap; where packed Q/K/V and dQ/dK/dV sit
+// is check_packing's business).
 struct Span {
-  const char *lo = nullptr, *hi = nullptr;
-  const char *name = "";
+  const Tensor *t;  // (null: absent)
+  const char *name;
 };
 
-Span span(const Tensor *t, const char *name) {
-  if (t == nullptr || t->params[kNVTERowwiseData].data_ptr == nullptr) return {nullptr, nullptr, name};
-  const auto *p = static_cast<const char *>(t->params[kNVTERowwiseData].data_ptr);
-  return {p, p + numel(logical_shape(*t)) * dtype_size(logical_dtype(*t)), name};
-}
+Span span(const Tensor *t, const char *name) { return {t, name}; }
 
 void check_apart(const Span &out, const Span &other) {
-  if (out.lo == out.hi || other.lo == other.hi) return;  // (empty: frameworks share one address)
-  NVTE_CHECK(!(out.lo < other.hi && other.lo < out.hi), out.name, " shares memory with ", other.name,
-             ": an output must not overlap an input or another output");
+  NVTE_CHECK(out.t == nullptr || other.t == nullptr || !api::bytes_overlap(*out.t, *other.t), out.name,
+             " shares memory with ", other.name, ": an output must not overlap an input or another output");
 }
 
-// Every output against every input, and the outputs pairwise unless together(i, j) (outputs that
-// a packed layout places in one buffer).
 template <class Together>
 void check_outputs_apart(const std::vector<Span> &outs, const std::vector<Span> &ins, Together together) {
   for (size_t i = 0; i < outs.size(); ++i) {
