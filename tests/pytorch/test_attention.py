@@ -26,8 +26,9 @@ def _c64(t):
 
 
 # ------------------------------------------------------------------ references
-def ref_mask(mask_type, b, sq, sk, attention_mask=None, window=None):
-    """[b or 1, h or 1, sq, sk] bool (True = masked) or None."""
+def ref_mask(mask_type, b, sq, sk, attention_mask=None, window=None, top_left=False):
+    """[b or 1, h or 1, sq, sk] bool (True = masked) or None. top_left: a window aligned to the
+    top-left corner on a non-causal mask type (TE's bottom_right_diagonal=False)."""
     m = None
     if "padding" in mask_type:
         if isinstance(attention_mask, tuple):
@@ -49,7 +50,7 @@ def ref_mask(mask_type, b, sq, sk, attention_mask=None, window=None):
     if window is not None:
         # TE aligns a window's diagonal top-left for causal / padding_causal, bottom-right for the
         # other mask types (at each sequence's own lengths under padding)
-        if mask_type in ("causal", "padding_causal"):
+        if top_left or mask_type in ("causal", "padding_causal"):
             off = torch.zeros(1, 1, 1, 1, dtype=torch.long)
         elif "padding" in mask_type:
             off = ((~km.reshape(b, sk)).sum(1) - (~qm.reshape(b, sq)).sum(1)).view(b, 1, 1, 1)

@@ -18,12 +18,13 @@ from test_attention import dev_mask, make_qkv, padding_masks, ref_mask
 TOL = 2e-5
 
 
-def ref_alibi(slopes, b, h, sq, sk, mask_type, attention_mask):
+def ref_alibi(slopes, b, h, sq, sk, mask_type, attention_mask, top_left=False):
     """float64 [b, h, sq, sk]: -slope * |i + diag - j|, diag = lk - lq per sequence when the mask
-    aligns bottom-right (all but causal / padding_causal), else 0."""
+    aligns bottom-right (all but causal / padding_causal, unless top_left asks the top-left corner
+    of a non-causal type: TE's bottom_right_diagonal=False), else 0."""
     s = torch.as_tensor(slopes, dtype=torch.float64).reshape(-1, h)
     diag = torch.zeros(b, dtype=torch.float64)
-    if "causal" not in mask_type or mask_type.endswith("bottom_right"):
+    if not top_left and ("causal" not in mask_type or mask_type.endswith("bottom_right")):
         if "padding" in mask_type:
             qm, km = attention_mask if isinstance(attention_mask, tuple) else (attention_mask,) * 2
             diag = ((~km.reshape(b, sk)).sum(1) - (~qm.reshape(b, sq)).sum(1)).double()

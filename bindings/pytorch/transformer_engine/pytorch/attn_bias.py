@@ -57,12 +57,13 @@ def mask_lengths(attention_mask, b: int, sq: int, sk: int, device) -> Tuple[torc
     return (~qm.reshape(b, sq)).sum(1).to(device), (~km.reshape(b, sk)).sum(1).to(device)
 
 
-def mask_diagonal(mask_type: str, attention_mask, b: int, sq: int, sk: int, device) -> torch.Tensor:
+def mask_diagonal(mask_type: str, attention_mask, b: int, sq: int, sk: int, device,
+                  top_left: bool = False) -> torch.Tensor:
     """int64 [1 or b]: the offset of the diagonal that a causal mask, a sliding window and ALiBi's
     distances are aligned to (query i's diagonal key is i + offset), as TE aligns them: top-left
-    (0) for causal and padding_causal, bottom-right for every other mask type, at each sequence's
-    own lengths under padding masks."""
-    if "causal" in mask_type and not mask_type.endswith("bottom_right"):
+    (0) for causal and padding_causal and where bottom_right_diagonal=False asks it (top_left),
+    bottom-right for every other mask type, at each sequence's own lengths under padding masks."""
+    if top_left or ("causal" in mask_type and not mask_type.endswith("bottom_right")):
         return torch.zeros(1, dtype=torch.int64, device=device)
     if "padding" in mask_type and attention_mask is not None:
         lq, lk = mask_lengths(attention_mask, b, sq, sk, device)
@@ -90,7 +91,7 @@ def check_bias(bias: torch.Tensor, b: int, h: int, sq: int, sk: int) -> torch.Te
 
 def biased_softmax(scores: torch.Tensor, scale: float, bias_type: str, bias: Optional[torch.Tensor],
                    alibi_slopes: Optional[torch.Tensor], mask_type: str, attention_mask, softmax_mask,
-                   causal: str, offset: Optional[torch.Tensor]) -> torch.Tensor:
+                   causal: str, offset: Optional[torch.Tensor], top_left: bool = False) -> torch.Tensor:
     """The probabilities of the unscaled scores Q K^T [b, h, sq, sk] with the bias (checked here)
     or ALiBi (its diagonal from mask_type and the padding lengths), the softmax's mask (bool or
     None, True = hidden) and causal rule, and the sink logits `offset`: one library call
@@ -103,5 +104,5 @@ def biased_softmax(scores: torch.Tensor, scale: float, bias_type: str, bias: Opt
         bias = check_bias(bias, b, h, sq, sk)
     elif bias_type == "alibi":
         check_alibi_slopes(alibi_slopes, b, h)
-        diag = mask_diagonal(mask_type, attention_mask, b, sq, sk, scores.device)
+        diag = mask_diagonal(mask_type, attention_mask, b, sq, sk, scores.device, top_left)
     return attn_softmax(scores, scale, bias_type, bias, alibi_slopes, diag, softmax_mask, causal, offset)

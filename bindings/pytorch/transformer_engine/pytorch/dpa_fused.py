@@ -180,7 +180,8 @@ def _unpad_thd(o: torch.Tensor, tokens: int, starts: torch.Tensor, lens: torch.T
     return torch.where(valid.view(-1, *([1] * (o.dim() - 1))), x, x.new_zeros(()))
 
 
-def _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_slopes, seq: Seq, fp8, why):
+def _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_slopes, seq: Seq, fp8, why,
+                        top_left: bool = False):
     """run_fused of a THD call through its zero-padded [b, max_s, h, d] form (BSHD, padding mask from
     cu_seqlens): the tokens are scattered in and the output rows gathered back (differentiable
     index copies, so the gradients take the same way); gap tokens of the output stay zero. FP8:
@@ -198,7 +199,7 @@ def _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_
             f"this call{f' ({why})' if why else ''}, nor its padded bshd form")
     try:
         o = run_fused(dpa, qp, kp, vp, "bshd", mask_type, window, None, bias_type, bias, alibi_slopes, bshd, fp8,
-                      force_fused=True)
+                      force_fused=True, top_left=top_left)
     except NotImplementedError as e:
         raise NotImplementedError(f"{head}: {e}") from None
     return _unpad_thd(o.reshape(b * seq.max_sq, q.shape[-2] * v.shape[-1]), q.shape[0], starts_q, lens_q,
@@ -296,12 +297,14 @@ def needs_grad(dpa, q, k, v, bias, learnable: bool = True) -> bool:
 
 
 def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, bias, alibi_slopes,
-              seq: Optional[Seq], fp8: Optional[DelayedScaling], handoff=None, force_fused: bool = False):
+              seq: Optional[Seq], fp8: Optional[DelayedScaling], handoff=None, force_fused: bool = False,
+              top_left: bool = False):
     """The fused attention output, or None when the unfused path should run; raises when neither
     path can run the call. handoff (fp8_mha): ((src_a, src_b), spec) of
     fused_attention_fp8.FusedAttnFP8MHAFunc, q, k, v being uint8 views of the FP8 bytes (for the
     shapes); the output is then O's FP8 hand-off. force_fused: as if only the fused path could run
-    the call (the padded form of a THD call)."""
+    the call (the padded form of a THD call). top_left: windows and ALiBi of a non-causal mask
+    aligned to the top-left corner (bottom_right_diagonal=False), the library's flag."""
     needs_fused = force_fused or fmt == "thd" or fp8 is not None  # (the unfused path takes biases: attn_bias.py)
     if bias_type in ("pre_scale_bias", "post_scale_bias") and bias is None:
         raise ValueError(f"core_attention_bias_type {bias_type!r} needs core_attention_bias")
@@ -351,13 +354,14 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
         if not why:
             ok, reason = _fa.fused_backend_supports(q, k, v, layout, _fa.BIAS_INT[bias_type],
                                                     _fa.MASK_INT[mask_type], dropout, is_training, sq, sk,
-                                                    wl, wr, fp8=fp8 is not None, br="causal" not in mask_type,
+                                                    wl, wr, fp8=fp8 is not None,
+                                                    br="causal" not in mask_type and not top_left,
                                                     bias=bias if bias_type in ("pre_scale_bias", "post_scale_bias")
                                                     else None, softmax=softmax)
             why = "" if ok else reason
             if fmt == "thd" and handoff is None and (not ok or THD_AS_PADDED == "always"):
                 return _thd_as_padded_bshd(dpa, q, k, v, mask_type, window, bias_type, bias, alibi_slopes, seq,
-                                           fp8, why)
+                                           fp8, why, top_left)
     if why:
         if fp8 is not None:
             flag = "fp8_mha" if handoff is not None else "fp8_dpa"
@@ -381,7 +385,7 @@ def run_fused(dpa, q, k, v, fmt, mask_type, window, attention_mask, bias_type, b
             rng = _fa.new_rng_state(q.device)
     else:
         rng = _zero_rng_state(q.device)
-    br = "causal" not in mask_type
+    br = "causal" not in mask_type and not top_left
     mask = _fa.MASK_INT[mask_type]
     if handoff is not None or fp8 is not None:
         # NVTE_FP8_DPA_BWD=0 (TE's switch): FP8 forward, high-precision backward (fused_attention_fp8.py)

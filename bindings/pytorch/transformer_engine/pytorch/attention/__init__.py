@@ -152,21 +152,25 @@ _DPA_TE_FORWARD_KWARGS = frozenset(_FORWARD_NOOPS + (
     "score_mod_bprop_tensors"))
 
 
+def _top_left(brd, mask_type: str) -> bool:
+    """TE's bottom_right_diagonal=False on a non-causal mask type: windows and ALiBi aligned to the
+    top-left corner (query i's diagonal key is i) instead of the bottom-right one (i + skv - sq, per
+    sequence under padding). The causal types fix their alignment themselves, and None means
+    bottom-right for the others, as in TE."""
+    return brd is not None and not bool(brd) and "causal" not in mask_type
+
+
 def _check_diagonal(brd, mask_type: str, window_size, bias_type: str, equal_lengths: bool = False) -> None:
-    """TE's bottom_right_diagonal: the corner a sliding window's and ALiBi's diagonal is aligned to.
-    TE forces it for the causal mask types (top-left for causal / padding_causal, bottom-right for
-    *_bottom_right), and None means bottom-right for the others, as here. Top-left (False) on a
-    non-causal mask type is not implemented: it changes a windowed or ALiBi result, so it raises
-    there rather than run bottom-right silently (elsewhere the alignment changes nothing, as with
-    equal query and key lengths: equal_lengths, not under padding masks, whose sequences have their
-    own lengths)."""
-    if brd is None or bool(brd) or "causal" in mask_type or (equal_lengths and "padding" not in mask_type):
+    """Raises for a top-left alignment (_top_left) where it changes the result (a window or ALiBi,
+    unequal query and key lengths or padding masks) on the paths that do not implement it: context
+    parallelism and K/V-cache inference."""
+    if not _top_left(brd, mask_type) or (equal_lengths and "padding" not in mask_type):
         return
     w = _check_window(window_size)
     if (w is not None and w not in ((-1, -1), (-1, 0))) or bias_type == "alibi":
         raise NotImplementedError(f"DotProductAttention: bottom_right_diagonal=False (a window / ALiBi aligned to "
-                                  f"the top-left corner with attn_mask_type {mask_type!r}) is not implemented in "
-                                  f"this adapter; None or True align them bottom-right")
+                                  f"the top-left corner with attn_mask_type {mask_type!r}) is not implemented for "
+                                  f"context parallelism or K/V-cache inference; None or True align them bottom-right")
 
 
 def _check_forward_kwargs(who: str, kwargs) -> None:
@@ -287,12 +291,15 @@ class DotProductAttention(torch.nn.Module):
         own attention inside context parallelism (context_parallel.attend)."""
         check_kwargs("DotProductAttention.forward", _DPA_TE_FORWARD_KWARGS, kwargs)
         brd = kwargs.pop("bottom_right_diagonal", None)
-        fmt0 = qkv_format or self.qkv_format
-        sdim = {"bshd": 1, "sbhd": 0}.get(fmt0)
-        _check_diagonal(self.bottom_right_diagonal if brd is None else brd, attn_mask_type or self.attn_mask_type,
-                        window_size if window_size is not None else self.window_size, core_attention_bias_type,
-                        sdim is not None and query_layer.dim() == 4 and key_layer.dim() == 4
-                        and query_layer.shape[sdim] == key_layer.shape[sdim])
+        brd = self.bottom_right_diagonal if brd is None else brd
+        # (a rank's own call inside context parallelism: the windows CP derived are bottom-right)
+        top_left = not _cp_local and _top_left(brd, attn_mask_type or self.attn_mask_type)
+        if top_left and ((self.cp is not None and not _cp_local) or inference_params is not None):
+            sdim = {"bshd": 1, "sbhd": 0}.get(qkv_format or self.qkv_format)
+            _check_diagonal(brd, attn_mask_type or self.attn_mask_type,
+                            window_size if window_size is not None else self.window_size, core_attention_bias_type,
+                            inference_params is None and sdim is not None and query_layer.dim() == 4
+                            and key_layer.dim() == 4 and query_layer.shape[sdim] == key_layer.shape[sdim])
         _check_forward_kwargs("DotProductAttention", kwargs)
         if checkpoint_core_attention and self._checkpointable(query_layer, key_layer, value_layer, core_attention_bias,
                                                               inference_params, _fp8_handoff, _cp_local):
@@ -308,7 +315,8 @@ class DotProductAttention(torch.nn.Module):
                                         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
                                         attn_mask_type=attn_mask_type, window_size=window_size,
                                         core_attention_bias_type=core_attention_bias_type, core_attention_bias=bias,
-                                        alibi_slopes=alibi_slopes, pad_between_seqs=pad_between_seqs)
+                                        alibi_slopes=alibi_slopes, pad_between_seqs=pad_between_seqs,
+                                        bottom_right_diagonal=brd)
             return _checkpoint(run, query_layer, key_layer, value_layer, core_attention_bias,
                                get_rng_state_tracker=self.get_rng_state_tracker, use_reentrant=False)
         fmt = self._check_format(qkv_format or self.qkv_format)
@@ -365,7 +373,8 @@ class DotProductAttention(torch.nn.Module):
         if _fp8_handoff is not None and fp8 is None:
             raise RuntimeError("DotProductAttention: FP8 hand-offs need fp8_autocast with a recipe whose fp8_mha is True")
         fused = _df.run_fused(self, query_layer, key_layer, value_layer, fmt, mask_type, window, attention_mask,
-                              core_attention_bias_type, core_attention_bias, alibi_slopes, seq, fp8, _fp8_handoff)
+                              core_attention_bias_type, core_attention_bias, alibi_slopes, seq, fp8, _fp8_handoff,
+                              top_left=top_left)
         if fused is not None:
             return fused
         # Unfused path -> [b, h, s, d]
@@ -381,16 +390,17 @@ class DotProductAttention(torch.nn.Module):
             v = v.repeat_interleave(rep, dim=1)
         scores = _bm.matmul(q, k, y_transposed=True)  # [b, h, sq, sk], unscaled (the library's GEMM)
         if core_attention_bias_type == "no_bias" and self.softmax_type == "vanilla":
-            kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device)
+            kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device, top_left)
             probs = fused_scale_mask_softmax(scores, kind, self.softmax_scale, mask)
         else:  # the library's attention softmax: bias / ALiBi / sink applied there
             if mask_type == "causal" and window is None:  # (top-left at any sq, sk: its rule, not a mask)
                 kind, mask = "upper_triang", None
             else:
-                kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device)
+                kind, mask = self._softmax_plan(mask_type, attention_mask, window, b, sq, sk, scores.device,
+                                                top_left)
             probs = _ab.biased_softmax(scores, self.softmax_scale, core_attention_bias_type, core_attention_bias,
                                        alibi_slopes, mask_type, attention_mask, mask, _CAUSAL_OF_KIND[kind],
-                                       self.sink_offset(scores.device))
+                                       self.sink_offset(scores.device), top_left)
         if self.training and self.attention_dropout > 0.0:
             with self.dropout_rng():
                 probs = torch.nn.functional.dropout(probs, p=self.attention_dropout, training=True)
@@ -461,8 +471,8 @@ class DotProductAttention(torch.nn.Module):
         self.fp8_meta.load(_fa8.from_te_slots(state), h.device if h is not None else default_device())
 
     @staticmethod
-    def _softmax_plan(mask_type, attention_mask, window, b, sq, sk, device):
-        """(softmax kernel family, bool mask or None) for this mask type."""
+    def _softmax_plan(mask_type, attention_mask, window, b, sq, sk, device, top_left: bool = False):
+        """(softmax kernel family, bool mask or None) for this mask type (top_left: _top_left)."""
         if window is None:
             if mask_type == "no_mask":
                 return "scaled", None
@@ -482,7 +492,7 @@ class DotProductAttention(torch.nn.Module):
         if "causal" in mask_type or window is not None:
             # key j is after query i's diagonal key when j > i + offset; a window keeps
             # [i + offset - left, i + offset + right] (-1: unbounded)
-            off = _ab.mask_diagonal(mask_type, attention_mask, b, sq, sk, device).view(-1, 1, 1, 1)
+            off = _ab.mask_diagonal(mask_type, attention_mask, b, sq, sk, device, top_left).view(-1, 1, 1, 1)
             i = torch.arange(sq, device=device).view(1, 1, sq, 1) + off
             j = torch.arange(sk, device=device).view(1, 1, 1, sk)
             hidden = [j > i] if "causal" in mask_type else []
