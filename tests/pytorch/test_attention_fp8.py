@@ -519,3 +519,60 @@ def test_fp8_attention_op_registration(which):
     dispatcher registration agree with what the FP8 attention ops really do."""
     op, args = _op_args()[which]
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("bwd", ["fp8", "f16"])
+def test_fp8_dpa_deterministic_refusal_is_a_clear_error_before_the_forward(bwd, monkeypatch):
+    """NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 under fp8_dpa: the deterministic backward's workspace
+    query is asked before the forward, of the FP8 graph (Q, K, V described as float8_e4m3) or, with
+    NVTE_FP8_DPA_BWD=0, of the high-precision one. A refusal (simulated) is a NotImplementedError
+    naming it, before any forward runs (FP8 attention has no high-precision fallback), instead of a
+    failure at the backward; an acceptance trains (both steps' gradients finite)."""
+    real = fa._nvte
+    asked = []
+
+    class Refuse:
+        def __init__(self, refuse):
+            self.refuse, self.fwd = refuse, 0
+
+        def __getattr__(self, name):
+            attr = getattr(real, name)
+            if name == "fused_attn_fwd":
+                def fwd(*a, **k):
+                    self.fwd += 1
+                    return attr(*a, **k)
+                return fwd
+            if name != "fused_attn_bwd_workspace_size":
+                return attr
+
+            def query(*a):
+                asked.append((a[-1], a[0].dtype))
+                if a[-1] and self.refuse:
+                    raise real.Error("no deterministic backward for this graph (simulated)",
+                                     int(real.Status.NOT_SUPPORTED))
+                return attr(*a)
+            return query
+
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "1" if bwd == "fp8" else "0")
+    b, s, h, d = 2, (128 if ON_CUDA else 9), 2, (128 if ON_CUDA else 16)
+    dt = torch.bfloat16 if ON_CUDA else torch.float32
+    want = _nvte.DType.kFloat8E4M3 if bwd == "fp8" else fa._DT[dt]
+    for refuse in (True, False):
+        spy = Refuse(refuse)
+        monkeypatch.setattr(fa, "_nvte", spy)
+        monkeypatch.setattr(fa, "_WORKSPACE_ANSWERS", {})
+        asked.clear()
+        dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal")
+        q, k, v = (dev(torch.randn(b, s, h, d)).to(dt).requires_grad_(True) for _ in range(3))
+        if refuse:
+            with pytest.raises(NotImplementedError, match="simulated"), te.fp8_autocast(fp8_recipe=_recipe()):
+                dpa(q, k, v)
+            assert spy.fwd == 0 and asked == [(True, want)]
+            continue
+        for _ in range(2):
+            with te.fp8_autocast(fp8_recipe=_recipe()):
+                out = dpa(q, k, v)
+            out.float().sum().backward()
+        assert spy.fwd == 2 and asked[0] == (True, want)
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

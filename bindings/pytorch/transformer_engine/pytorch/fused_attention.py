@@ -334,16 +334,20 @@ def fused_backend_supports(q: Tensor, k: Tensor, v: Tensor, layout: int, bias_ty
                                   q.shape[-2], k.shape[-2], max_sq, max_skv, q.shape[-1], v.shape[-1], wl, wr, softmax)
     # asked of the forward workspace query, which sees the tensors: a bottom-right window (TE's query
     # has no alignment argument) and a paged cache (its page size); and the deterministic backward's
-    if ok and not fp8 and ((br and wl >= 0 and mask in _NON_CAUSAL) or layout in _PAGED or det):
+    # (FP8: the deterministic question only, of the FP8 backward unless NVTE_FP8_DPA_BWD=0 makes it
+    # the high-precision one; the support rules answered the rest)
+    if ok and (det or (not fp8 and ((br and wl >= 0 and mask in _NON_CAUSAL) or layout in _PAGED))):
+        fp8_graph = fp8 and _env("NVTE_FP8_DPA_BWD") != "0"
         b4 = None if bias is None else (bias.shape if bias.dim() == 4 else (1, *bias.shape[-3:]))
         key = (q.device.index, q.dtype, *((tuple(x.shape), x.stride()) for x in (q, k, v)), b4, layout,
-               bias_type, mask, dropout, is_training, max_sq, max_skv, wl, wr, br, softmax, det)
+               bias_type, mask, dropout, is_training, max_sq, max_skv, wl, wr, br, softmax, det, fp8_graph)
         answer = _WORKSPACE_ANSWERS.get(key)
         if answer is None:  # asked once per configuration (a forward asks every time)
             if len(_WORKSPACE_ANSWERS) >= _MAX_WORKSPACE_ANSWERS:  # (shapes that never repeat, e.g. THD steps)
                 _WORKSPACE_ANSWERS.clear()
             answer = _WORKSPACE_ANSWERS[key] = _workspace_answer(q, k, v, bias, b4, layout, bias_type, mask, dropout,
-                                                               is_training, max_sq, max_skv, wl, wr, br, softmax, det)
+                                                               is_training, max_sq, max_skv, wl, wr, br, softmax, det,
+                                                               fp8_graph)
         return answer
     return ok, why
 
@@ -355,13 +359,19 @@ _MAX_WORKSPACE_ANSWERS = 1024
 
 
 def _workspace_answer(q, k, v, bias, b4, layout, bias_type, mask, dropout, is_training, max_sq, max_skv,
-                      wl, wr, br, softmax=0, det=False) -> Tuple[bool, str]:
+                      wl, wr, br, softmax=0, det=False, fp8=False) -> Tuple[bool, str]:
     """The forward workspace query's answer for a call (the bias in the call's form: [b or 1, h, sq,
     skv] in q's dtype); det: and the deterministic backward's (the bias standing for its gradient,
-    which has its shape)."""
+    which has its shape). fp8: of the FP8 graphs (Q, K, V described as float8_e4m3 of the same
+    shapes: the queries read no data; they size TE's HYBRID recipe's graphs)."""
     if bias is not None:
         bias = bias.reshape(b4).to(q.dtype)
-    H, enums = [_handle(x) for x in (q, k, v)], _enums(layout, bias_type, mask, softmax)
+    if fp8:
+        e4m3 = _nvte.DType.kFloat8E4M3
+        H = [_ops._make(x.data_ptr(), x.shape, e4m3) for x in (q, k, v)]
+    else:
+        H = [_handle(x) for x in (q, k, v)]
+    enums = _enums(layout, bias_type, mask, softmax)
     try:
         _nvte.fused_attn_fwd_workspace_size(*H, _handle(bias), max_sq, max_skv, is_training, False, dropout, *enums,
                                             wl, wr, br)
