@@ -14,12 +14,18 @@ float fp8_round(double x, float scale, NVTEDType t) {
   return t == kNVTEFloat8E4M3 ? e4m3_to_float(float_to_e4m3(v)) : e5m2_to_float(float_to_e5m2(v));
 }
 
+float checked_scale(float v, const char *name, const char *field) {
+  NVTE_CHECK(std::isfinite(v) && v > 0.0f, "FP8 attention: ", name, " has ", field, " ", v,
+             "; FP8 scales must be finite and positive");
+  return v;
+}
+
 namespace {
 
 float required_scale(const Tensor &t, const char *name) {
   const float *s = scalar_param(t, kNVTEScale, name);
   NVTE_CHECK(s != nullptr, name, " has no scale");
-  return *s;
+  return checked_scale(*s, name, "scale");
 }
 
 // NaN-ignoring max of |float(v)| over n values (see cpu/rows.cpp on why not std::fmax).
@@ -71,7 +77,7 @@ ScaledInput::ScaledInput(const Tensor &t, const char *name)
   if (is_fp8(dtype)) {
     const float *si = scalar_param(t, kNVTERowwiseScaleInv, name);
     NVTE_CHECK(si != nullptr, name, " is FP8 but has no scale_inv");
-    descale = *si;
+    descale = checked_scale(*si, name, "scale_inv");
   }
 }
 

@@ -17,6 +17,11 @@
 
 namespace nvte::cpu::attn_fp8 {
 
+// v, a per-tensor scale or scale_inv read from the tensor `name`, when it is finite and positive;
+// otherwise an error naming it. (A zero, negative, infinite or NaN scale turns every value into
+// zero / NaN, with an amax that still looks valid: the recipe would go on with it silently.)
+float checked_scale(float v, const char *name, const char *field);
+
 // The FP8 number (as float) that x becomes under `scale` in format t (E4M3 or E5M2).
 float fp8_round(double x, float scale, NVTEDType t);
 

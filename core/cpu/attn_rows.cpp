@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "../common/dtype_switch.h"
+#include "attn_fp8_io.h"
 
 namespace nvte::cpu::attn_rows {
 
@@ -193,9 +194,9 @@ RowContext make_context(const AttnParams &p, const Tensor &q, const Tensor &k, c
     c.alpha.assign(a, a + p.h_q);
   }
   if (is_fp8(p.dtype)) {  // the API layer checked that each has a scale_inv
-    c.descale_q = *scalar_param(q, kNVTERowwiseScaleInv, "Q scale_inv");
-    c.descale_k = *scalar_param(k, kNVTERowwiseScaleInv, "K scale_inv");
-    c.descale_v = *scalar_param(v, kNVTERowwiseScaleInv, "V scale_inv");
+    c.descale_q = attn_fp8::checked_scale(*scalar_param(q, kNVTERowwiseScaleInv, "Q scale_inv"), "Q", "scale_inv");
+    c.descale_k = attn_fp8::checked_scale(*scalar_param(k, kNVTERowwiseScaleInv, "K scale_inv"), "K", "scale_inv");
+    c.descale_v = attn_fp8::checked_scale(*scalar_param(v, kNVTERowwiseScaleInv, "V scale_inv"), "V", "scale_inv");
   }
   if (p.dropout > 0.0f) {
     const int64_t *r = static_cast<const int64_t *>(rng_state->params[kNVTERowwiseData].data_ptr);

@@ -80,7 +80,10 @@
  * causal / padding, GQA; no dropout, bias or window, and for training max_seqlen_q/kv multiples of
  * 128: NOT_SUPPORTED otherwise; cuDNN's own limits, e.g. head dim 128 for the backward on Hopper,
  * are reported the same way). cuDNN's own amax of S is that of the normalized P; the CUDA backend
- * records the amax of U (1), the tensor it quantizes, as the CPU does.
+ * records the amax of U (1), the tensor it quantizes, as the CPU does. Scales and scale_invs
+ * must be finite and positive: the CPU backend refuses others (INVALID_ARGUMENT, naming the
+ * tensor) before writing any output; the CUDA backend reads them on the device only, so there
+ * they give NaN or zero outputs without an error.
  *
  * Paged K/V caches (layouts NVTE_Paged_KV_*, forward only: the backward takes no page tables and
  * returns NOT_SUPPORTED for them, as paged caches serve inference). K and V are caches of

@@ -227,3 +227,41 @@ def test_backward_errors(rng):
             r.backward(**over)
     r.backward()
     r.check_backward()
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_scales_must_be_finite_and_positive(bad, rng):
+    """A zero, negative, infinite or NaN scale / scale_inv (S, O, dP, dQ's scales; Q, K, V, O, dO's
+    scale_invs) is refused with an error naming the tensor, before any output is written (the
+    poisoned O and gradients keep their NaN codes): it would otherwise give zeros or NaNs with an
+    amax that looks valid. (CPU backend: the GPU's scales stay on the device.)"""
+    r = Fp8Run(Case(), rng)
+    r.forward()
+    o_before = r.o_arr.copy()
+    DT = nvte.DType
+    shp = (2, 5, 2, 8)
+    fwd_cases = [
+        (dict(S=Meta(scale=bad, amax=0.0).tensor()), "S has scale"),
+        (dict(O=plain(shp, DT.kFloat8E4M3, scale=bad)), "O has scale"),
+        (dict(tensors=[Meta(scale_inv=bad).attach(plain(shp, DT.kFloat8E4M3)), r.tq[1], r.tq[2]]), "Q has scale_inv"),
+        (dict(tensors=[r.tq[0], r.tq[1], Meta(scale_inv=bad).attach(plain(shp, DT.kFloat8E4M3))]), "V has scale_inv"),
+    ]
+    for over, match in fwd_cases:
+        with pytest.raises(nvte.Error, match=match + ".*finite and positive"):
+            fwd_call(r, **over)
+    assert np.array_equal(r.o_arr, o_before, equal_nan=True)
+    fwd_call(r)
+    r.backward()
+    g = r.grads_t
+    bwd_cases = [
+        (dict(dP=Meta(scale=bad, amax=0.0).tensor()), "dP"),
+        (dict(dO=Meta(scale_inv=bad).attach(plain(shp, DT.kFloat8E5M2))), "dO has scale_inv"),
+        (dict(O=Meta(scale_inv=bad).attach(plain(shp, DT.kFloat8E4M3))), "O has scale_inv"),
+        (dict(grads=[Meta(scale=bad).attach(plain(shp, DT.kFloat8E5M2)), g[1], g[2]]), "dQ has scale"),
+        (dict(tensors=[r.tq[0], Meta(scale_inv=bad).attach(plain(shp, DT.kFloat8E4M3)), r.tq[2]]), "K has scale_inv"),
+    ]
+    for over, match in bwd_cases:
+        with pytest.raises(nvte.Error, match=match + ".*finite and positive"):
+            r.backward(**over)
+    r.backward()
+    r.check_backward()
