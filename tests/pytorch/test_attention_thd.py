@@ -401,6 +401,24 @@ def test_every_query_sequence_empty(monkeypatch, mode):
     assert q.grad is None or not q.grad.any()
 
 
+def test_given_max_seqlen_is_checked():
+    """A max_seqlen of 0 with a non-empty sequence raises (it returned zeros and zero gradients,
+    since a call with max_seqlen 0 is answered without the library, which checks the other
+    values); a negative one raises; 0 with every sequence empty still gives zeros."""
+    h, d = 2, D
+    x = dev(torch.randn(8, h, d).to(DT))
+    cu = dev(torch.tensor([0, 5, 8], dtype=torch.int32))
+    dpa = DotProductAttention(h, d, qkv_format="thd", attn_mask_type="padding")
+    for mq, mkv, match in ((0, 5, "cu_seqlens_q gives a sequence of length 5, more than max_seqlen_q 0"),
+                           (5, 0, "cu_seqlens_kv gives a sequence of length 5, more than max_seqlen_kv 0"),
+                           (-1, 5, "max_seqlen_q must be >= 0, got -1")):
+        with pytest.raises(ValueError, match=match):
+            dpa(x, x, x, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mq, max_seqlen_kv=mkv)
+    empty = dev(torch.zeros(3, dtype=torch.int32))
+    o = dpa(x, x, x, cu_seqlens_q=empty, cu_seqlens_kv=cu, max_seqlen_q=0, max_seqlen_kv=5)
+    assert not o.cpu().any()
+
+
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 @pytest.mark.parametrize("fused", ["0", "1"])
 def test_padding_mask_needs_a_description(monkeypatch, fmt, fused):

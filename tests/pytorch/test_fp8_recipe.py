@@ -213,6 +213,33 @@ def test_te_checkpoint_extra_state_loads():
         m.set_extra_state(_te_serialized(bad))
 
 
+def test_old_te_bytesio_extra_state_loads():
+    """Old TE checkpoints' `_extra_state`: an io.BytesIO holding torch.save(None) (no FP8 ran) or
+    torch.save of the state dict (TE still reads this form); one a weights-only load cannot read
+    is a clear error."""
+    import io
+    m = te.Linear(16, gemm_dim(8), device=DEVICE)
+    sd = {k: v for k, v in m.state_dict().items() if k != "_extra_state"}
+
+    def saved(obj):
+        b = io.BytesIO()
+        torch.save(obj, b)
+        return b
+
+    m.load_state_dict(dict(sd, _extra_state=saved(None)))
+    assert not m.fp8_meta.initialized
+    hist_f, hist_b = torch.rand(4, 3) * 10, torch.rand(4, 2) * 10
+    scale_f, scale_b = torch.rand(3) + 1, torch.rand(2) + 1
+    m.load_state_dict(dict(sd, _extra_state=saved({"scale_fwd": scale_f, "amax_history_fwd": hist_f,
+                                                    "scale_bwd": scale_b, "amax_history_bwd": hist_b})))
+    assert m.fp8_meta.initialized
+    assert torch.equal(m.fp8_meta.amax_history["bwd"].cpu(), hist_b) and torch.equal(m.fp8_meta.scale["fwd"].cpu(), scale_f)
+    m.load_state_dict(dict(sd, _extra_state=io.BytesIO()))
+    assert not m.fp8_meta.initialized
+    with pytest.raises(ValueError, match="weights-only"):
+        m.set_extra_state(saved({"recipe": recipe.DelayedScaling(), "scale_fwd": scale_f}))
+
+
 def test_history_length_change_keeps_recent_rows(rng):
     d = gemm_dim(8)  # features and tokens: 8 and 4 on the CPU, 16 on CUDA (FP8 GEMM dims 16-aligned)
     m = te.Linear(d, d, device=DEVICE)

@@ -114,9 +114,25 @@ def sequences(fmt: str, mask_type: str, q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, 
         return Seq(cq, ckv, None, None, s_q, s_kv)
     pq = None if cu_q_pad is None else _cu(cu_q_pad, "cu_seqlens_q_padded", q.device, cq.shape[0])
     pkv = None if cu_kv_pad is None else _cu(cu_kv_pad, "cu_seqlens_kv_padded", q.device, cq.shape[0])
-    mq = _max_len(cq) if max_sq is None else int(max_sq)
-    mkv = _max_len(ckv) if max_skv is None else int(max_skv)
+    mq = _max_len(cq) if max_sq is None else _given_max(max_sq, cq, "q")
+    mkv = _max_len(ckv) if max_skv is None else _given_max(max_skv, ckv, "kv")
     return Seq(cq, ckv, pq, pkv, mq, mkv)
+
+
+def _given_max(m, cu: torch.Tensor, name: str) -> int:
+    """A caller's max_seqlen_{name}: an int >= 0. 0 is checked against cu_seqlens here (run_fused
+    answers a call with a max_seqlen of 0 with zeros, before the library would see a longer
+    sequence), on the host except while a CUDA graph is being captured; the library checks the
+    others."""
+    m = int(m)
+    if m < 0:
+        raise ValueError(f"DotProductAttention: max_seqlen_{name} must be >= 0, got {m}")
+    if m == 0 and cu.numel() > 1 and not (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+        longest = int((cu[1:] - cu[:-1]).max())
+        if longest > 0:
+            raise ValueError(f"DotProductAttention: cu_seqlens_{name} gives a sequence of length {longest}, more "
+                             f"than max_seqlen_{name} 0")
+    return m
 
 
 # THD calls the backend rejects (the GPU's cuDNN path: FP8 THD, THD with attention bias / ALiBi)

@@ -208,6 +208,8 @@ class FP8Meta:
         amax_history_* / scale_* entries), so TE checkpoints load."""
         if isinstance(state, torch.Tensor):
             state = _te_extra_state(state)
+        elif isinstance(state, io.BytesIO):
+            state = _te_bytesio_extra_state(state)
         if state is None:
             self.allocate(device)
             self.initialized = False
@@ -267,6 +269,25 @@ def _te_extra_state(t: torch.Tensor):
     if not any(k in state for k in keys):
         return None  # (a recipe without delayed-scaling state, e.g. current scaling: nothing to restore)
     return {k: state[k] for k in keys if k in state}
+
+
+def _te_bytesio_extra_state(b: io.BytesIO):
+    """Old TE checkpoints' `_extra_state`: an io.BytesIO holding torch.save of None (no FP8 ran) or
+    of the state dict; read in weights-only mode (tensors and plain containers only)."""
+    b.seek(0)
+    if not b.getbuffer().nbytes:
+        return None
+    try:
+        state = torch.load(b, weights_only=True)
+    except Exception as e:  # (e.g. pickled recipe objects, which weights-only loading refuses)
+        raise ValueError(f"unrecognised FP8 extra state: TE's io.BytesIO form could not be read in weights-only "
+                         f"mode ({type(e).__name__}: {e})") from None
+    if state is None:
+        return None
+    if not isinstance(state, dict):
+        raise ValueError(f"unrecognised FP8 extra state: TE's io.BytesIO holds a {type(state).__name__}, not a dict")
+    keys = ("amax_history_fwd", "scale_fwd", "amax_history_bwd", "scale_bwd")
+    return {k: state[k] for k in keys if k in state} or None
 
 
 class FP8GlobalState:
