@@ -439,3 +439,24 @@ def test_bshd_cu_seqlens_longer_than_the_tensor_raise(monkeypatch, fused):
     dpa = DotProductAttention(2, D, qkv_format="bshd", attn_mask_type="padding")
     with pytest.raises(Exception, match=r"each must be in \[0, 4\]|more than max_seqlen 4"):
         dpa(x, x, x, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
+
+def test_mha_cross_thd_gaps_in_the_queries_only():
+    """MultiheadAttention cross attention, THD: cu_seqlens_q_padded without cu_seqlens_kv_padded
+    (the key/value buffer has no gaps) is accepted, as in TE (it raised), and equals the call that
+    gives the key/value offsets as their own padded offsets."""
+    torch.manual_seed(3)
+    hid, lq, lk, pq = 32, [3, 1, 4], [5, 2, 3], [4, 3, 4]
+    cu = lambda lens: dev(torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32))  # noqa: E731
+    mha = MultiheadAttention(hid, 4, num_gqa_groups=2, attention_dropout=0.0, attn_mask_type="padding",
+                             attention_type="cross", qkv_format="thd", params_dtype=DT, device=DEVICE)
+    x = dev(torch.randn(sum(pq), hid).to(DT))
+    enc = dev(torch.randn(sum(lk), hid).to(DT))
+    kw = dict(encoder_output=enc, cu_seqlens_q=cu(lq), cu_seqlens_kv=cu(lk), cu_seqlens_q_padded=cu(pq))
+    one_sided = mha(x, **kw)
+    both = mha(x, cu_seqlens_kv_padded=cu(lk), **kw)
+    assert torch.equal(one_sided, both)
+    self_mha = MultiheadAttention(hid, 4, attention_dropout=0.0, attn_mask_type="padding", qkv_format="thd",
+                                  params_dtype=DT, device=DEVICE)
+    with pytest.raises(ValueError, match="together"):
+        self_mha(x, cu_seqlens_q=cu(lq), cu_seqlens_kv=cu(lq), cu_seqlens_q_padded=cu(pq))

@@ -294,7 +294,7 @@ def test_errors(monkeypatch):
             dpa(q, k, k, inference_params=params)
         with pytest.raises(ValueError, match="more than max_batch_size"):
             params.pre_step(OrderedDict({0: 1, 1: 1, 2: 1}))
-        with pytest.raises(ValueError, match="expected an int >= 1"):
+        with pytest.raises(ValueError, match="integer >= 1"):
             params.pre_step(OrderedDict({0: 0}))
         with pytest.raises(ValueError, match="more than max_seqlen_kv=4"):
             params.pre_step(OrderedDict({0: 5}))

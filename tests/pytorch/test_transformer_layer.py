@@ -249,6 +249,19 @@ def test_bad_arguments(stub_mha):
         layer(dev(torch.randn(4, 32)))
 
 
+def test_head_size_rounds_down_without_kv_channels():
+    """hidden_size not divisible by the heads and no kv_channels: head size hidden // heads, as TE
+    and MultiheadAttention take it (it raised); the layer's attention has 4 x 7 channels."""
+    layer = te.TransformerLayer(30, 40, 4, device=DEVICE, hidden_dropout=0.0, attention_dropout=0.0)
+    assert layer.self_attention.hidden_size_per_attention_head == 7
+    assert te.MultiheadAttention(30, 4, device=DEVICE).hidden_size_per_attention_head == 7
+    assert layer.self_attention.proj.weight.shape == (30, 28)
+    x = dev(torch.randn(5, 2, 30)).requires_grad_()
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (5, 2, 30) and torch.isfinite(x.grad).all()
+
+
 def test_bias_reaches_both_attentions(stub_mha):
     """The attention bias, ALiBi slopes, checkpointing and zero-fill arguments go to the self and the
     cross attention (as TE passes them); window, RoPE and the K/V cache to the self attention only."""

@@ -18,13 +18,16 @@ attend to the whole cached sequence, bottom-right aligned (the new tokens are th
 
 Incoming tensors: "bshd" [b, s, h, d] and "sbhd" [s, b, h, d] hold sequence i's new tokens in its
 first step_lens[i] rows of s (the rest is padding, zero in the output); "thd" [t, h, d] holds them
-packed in batch order. The caches are BSHD: non-paged [max_batch_size, max_seqlen_kv, h_kv, d],
-paged [total_num_pages, page_size, h_kv, d] with a page table per sequence. A non-paged cache is
-kept as a paged one whose pages are whole sequences (one slot each), so finished sequences free
-their slot without moving the others; while the batch's slots are 0..b-1 in order the attention
-call reads it as a plain BSHD cache. The library's fused attention reads the caches directly
-(THD, SBHD and BSHD queries; nvte_fused_attn_fwd's paged layouts), so queries are never converted
-(allow_query_conversion is accepted and has no effect).
+packed in batch order. The bshd / sbhd batch may be padded past the b live sequences, up to
+max_batch_size rows (as TE's CUDA-graphed KV-cache test feeds them): those rows are empty
+sequences, zero in the output, and never written to the cache or read. The caches are BSHD:
+non-paged [max_batch_size, max_seqlen_kv, h_kv, d], paged [total_num_pages, page_size, h_kv, d]
+with a page table per sequence. A non-paged cache is kept as a paged one whose pages are whole
+sequences (one slot each), so finished sequences free their slot without moving the others;
+while the batch's slots are 0..b-1 in order the attention call reads it as a plain BSHD cache.
+The library's fused attention reads the caches directly (THD, SBHD and BSHD queries;
+nvte_fused_attn_fwd's paged layouts), so queries are never converted (allow_query_conversion is
+accepted and has no effect).
 
 The new keys and values go into the caches with one nvte_copy_to_kv_cache call per layer (both
 caches, every sequence). The per-iteration index data (cu_seqlens, the page table) is uploaded
@@ -40,6 +43,8 @@ more pages than are free raises); the sequence order is step_dict's.
 """
 from __future__ import annotations
 
+import logging
+import operator
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
@@ -133,6 +138,20 @@ def _(new_k, new_v, k_cache, v_cache, page_table, cu_new, cu_cached, qkv_format,
 copy_to_kv_cache = eager_or_op(copy_to_kv_cache)
 
 
+def _token_count(what: str, n) -> int:
+    """n as a Python int >= 1: any integer type (Python, NumPy, a 0-d integer tensor: what
+    operator.index takes); bools and non-integers (3.0) are refused."""
+    if isinstance(n, (bool, np.bool_)) or (isinstance(n, torch.Tensor) and n.dtype == torch.bool):
+        raise ValueError(f"{what} must be an integer >= 1, got the bool {n!r}")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer >= 1, got {n!r} ({type(n).__name__})") from None
+    if n < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {n}")
+    return n
+
+
 def gather_pages(cache: torch.Tensor, table: torch.Tensor, b: int) -> torch.Tensor:
     """[b, pages per sequence * page_size, h, d]: each of the first b sequences' pages of a paged
     cache [pages, page_size, h, d], in table order (a copy)."""
@@ -209,7 +228,7 @@ class PagedKVCacheManager(KVCacheManager):
                                  f"max_seqlen_kv={self.max_seqlen}")
         finished = [seq for seq in self.sequences if seq not in lengths]
         freed = sum(len(self.allocated_pages.get(seq, ())) for seq in finished)
-        need = sum(-(-total // self.page_size) - len(self.allocated_pages.get(seq, ()))
+        need = sum(max(0, -(-total // self.page_size) - len(self.allocated_pages.get(seq, ())))
                    for seq, total in lengths.items())
         if need > len(self.free_pages) + freed:
             raise RuntimeError(f"InferenceParams: the K/V cache is full: this step needs {need} more pages of "
@@ -227,13 +246,88 @@ class PagedKVCacheManager(KVCacheManager):
         self.sequences = lengths
         order = tuple(lengths)
         if grew or order != self._table_order:  # (a decode step mostly keeps the last table)
-            table = np.zeros((len(step_dict), self.max_pages_per_seq), np.int32)
+            # max_batch_size rows (the rows past the live sequences: empty ones of a padded batch),
+            # so the table's shape, and its upload's, stay fixed while sequences come and go
+            table = np.zeros((max(self.max_batch_size, len(step_dict)), self.max_pages_per_seq), np.int32)
             for i, seq in enumerate(lengths):
                 pages = self.allocated_pages[seq]
                 table[i, :len(pages)] = pages
             self._host_table, self._table_order = table, order
         self.page_table = None  # (InferenceParams uploads the table with its own arrays)
         return self.sequences
+
+    # ---- TE's bookkeeping accessors / operations (pre_step drives them; these are for callers that
+    # inspect the cache or manage pages by hand)
+    def get_sequence_count(self) -> int:
+        """The number of sequences in the cache (this iteration's)."""
+        return len(self.sequences)
+
+    def get_sequence_lengths(self) -> List[int]:
+        """Each sequence's cached tokens after this iteration's step, in batch order."""
+        return list(self.sequences.values())
+
+    def has_free_page(self) -> bool:
+        """Whether a page is left to allocate."""
+        return len(self.free_pages) > 0
+
+    def get_page_count(self, seq) -> int:
+        """The number of pages allocated to sequence `seq` (0 for one that holds none)."""
+        return len(self.allocated_pages.get(seq, ()))
+
+    def get_page_list(self, seq) -> List[int]:
+        """The ids of the pages allocated to sequence `seq`, in token order."""
+        return list(self.allocated_pages.get(seq, ()))
+
+    def get_page_table(self, sequences) -> torch.Tensor:
+        """int32 [len(sequences), max_pages_per_seq] on the cache's device: row i lists sequences[i]'s
+        pages, 0 past them (a new tensor; the attention calls use the one pre_step made)."""
+        table = np.zeros((len(sequences), self.max_pages_per_seq), np.int32)
+        for i, seq in enumerate(sequences):
+            pages = self.get_page_list(seq)
+            table[i, :len(pages)] = pages
+        return torch.from_numpy(table).to(self._device())
+
+    def allocate_page(self, seq) -> None:
+        """Appends the lowest free page to sequence `seq`'s pages."""
+        if not self.free_pages:
+            raise RuntimeError(f"PagedKVCacheManager.allocate_page: the K/V cache is full (all "
+                               f"{self.total_num_pages} pages are allocated)")
+        if self.get_page_count(seq) >= self.max_pages_per_seq:
+            raise ValueError(f"PagedKVCacheManager.allocate_page: sequence {seq!r} already holds "
+                             f"max_pages_per_seq={self.max_pages_per_seq} pages")
+        self.allocated_pages.setdefault(seq, []).append(self.free_pages.pop(0))
+        self._table_order = None  # (the next pre_step remakes the page table)
+
+    def allocate_sequence(self, seq, context_len: int) -> None:
+        """Allocates the pages that context_len tokens of sequence `seq` fill (ceil(context_len /
+        page_size)), all or none."""
+        n = -(-_token_count("PagedKVCacheManager.allocate_sequence: context_len", context_len) // self.page_size)
+        if self.get_page_count(seq) + n > self.max_pages_per_seq:
+            raise ValueError(f"PagedKVCacheManager.allocate_sequence: sequence {seq!r} would hold more than "
+                             f"max_pages_per_seq={self.max_pages_per_seq} pages")
+        if n > len(self.free_pages):
+            raise RuntimeError(f"PagedKVCacheManager.allocate_sequence: {context_len} tokens need {n} pages, "
+                               f"{len(self.free_pages)} are free")
+        for _ in range(n):
+            self.allocate_page(seq)
+
+    def deallocate_sequence(self, seq) -> None:
+        """Returns all of sequence `seq`'s pages to the free pages."""
+        if seq not in self.allocated_pages:
+            raise ValueError(f"PagedKVCacheManager.deallocate_sequence: sequence {seq!r} holds no pages")
+        self.free_pages.extend(self.allocated_pages.pop(seq))
+        self.free_pages.sort()  # (kept sorted: pages are taken lowest id first)
+        self._table_order = None
+
+    def print_cache(self) -> None:
+        """Logs the cache's state (pages used and free, each sequence's tokens and pages) at DEBUG
+        level on the logger "PagedKVCacheManager"."""
+        log = logging.getLogger("PagedKVCacheManager")
+        used = sum(len(p) for p in self.allocated_pages.values())
+        log.debug("K/V cache: %d pages of %d tokens (%d used, %d free), %d sequences", self.total_num_pages,
+                  self.page_size, used, len(self.free_pages), self.get_sequence_count())
+        for i, (seq, n) in enumerate(self.sequences.items()):
+            log.debug("  batch row %d: sequence %r, %d tokens, pages %s", i, seq, n, self.get_page_list(seq))
 
     def host_arrays(self) -> List[np.ndarray]:
         """This iteration's host-made index arrays, for InferenceParams' one upload per pre_step."""
@@ -253,7 +347,9 @@ class PagedKVCacheManager(KVCacheManager):
             ctx = 0
         else:
             ctx = new_k.shape[1] if qkv_format == "bshd" else new_k.shape[0]
-        copy_to_kv_cache(new_k.contiguous(), new_v.contiguous(), k_cache, v_cache, self.page_table, cu_new_seqlens,
+        # one table row per batch row: the rows of cu_new_seqlens (a padded batch's empty rows included)
+        table = self.page_table[:cu_new_seqlens.numel() - 1]
+        copy_to_kv_cache(new_k.contiguous(), new_v.contiguous(), k_cache, v_cache, table, cu_new_seqlens,
                          cu_cached_seqlens, qkv_format, ctx)
         return k_cache, v_cache
 
@@ -282,9 +378,14 @@ class NonPagedKVCacheManager(PagedKVCacheManager):
     def step(self, layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens, qkv_format):
         k_cache, v_cache = self._write(layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens, qkv_format)
         if self._in_place:
-            b = len(self.sequences)
+            b = cu_new_seqlens.numel() - 1  # (a padded batch's empty rows: free slots, never read)
             return k_cache[:b], v_cache[:b], None
         return k_cache, v_cache, self.page_table
+
+
+def _output_format(qkv_format: str) -> str:
+    """TE's name of the attention call's layout: the queries' format, then the caches' (BSHD)."""
+    return "bshd" if qkv_format == "bshd" else qkv_format + "_2bshd"
 
 
 class InferenceParams:
@@ -292,7 +393,9 @@ class InferenceParams:
     (see the module docstring). TE's arguments; max_sequence_length is accepted as the older name
     of max_seqlen_kv. Attributes after pre_step: batch_size, cu_seqlens_q / cu_seqlens_kv (int32
     [b + 1]: new tokens, cached tokens after the step), max_seqlen_q (longest step),
-    pre_step_seqlens (int32 [b]: tokens cached before the step, e.g. RoPE offsets)."""
+    pre_step_seqlens (int32 [b]: tokens cached before the step, e.g. RoPE offsets),
+    sequences_pre_step ({seq_id: tokens cached before the step}); output_qkv_format: the last
+    step's attention layout ("bshd", "sbhd_2bshd" or "thd_2bshd")."""
 
     def __init__(self, max_batch_size: int, max_seqlen_kv: Optional[int] = None, num_heads_kv: Optional[int] = None,
                  head_dim_k: Optional[int] = None, dtype: Optional[torch.dtype] = None,
@@ -330,6 +433,7 @@ class InferenceParams:
         self.num_heads_q, self.head_dim_q, self.max_ctx_len = num_heads_q, head_dim_q, max_ctx_len
         self.input_qkv_format = qkv_format
         self.cache_qkv_format = "bshd"
+        self.output_qkv_format = _output_format(qkv_format)
         self.allow_query_conversion = allow_query_conversion
         self._manager_cls = cache_manager
         self.cache_manager: Optional[KVCacheManager] = None
@@ -340,8 +444,10 @@ class InferenceParams:
     def _clear_step(self) -> None:
         self.step_dict: "OrderedDict[object, int]" = OrderedDict()
         self.sequences: "OrderedDict[object, int]" = OrderedDict()
+        self.sequences_pre_step: "OrderedDict[object, int]" = OrderedDict()
         self.batch_size = 0
         self.cu_seqlens_q = self.cu_seqlens_kv = self.pre_step_seqlens = None
+        self._index_arrays = None  # (cu_seqlens_q, cu_seqlens_kv, pre_step_seqlens over max_batch_size rows)
         self.max_seqlen_q = 0
         self._pending = None  # step_dict of a pre_step before the caches' sizes were known
         self._uploads = _Uploads()
@@ -386,11 +492,9 @@ class InferenceParams:
         if len(step_dict) > self.max_batch_size:
             raise ValueError(f"InferenceParams.pre_step: {len(step_dict)} sequences, more than max_batch_size="
                              f"{self.max_batch_size}")
-        for seq, n in step_dict.items():
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"InferenceParams.pre_step: sequence {seq!r} brings {n!r} tokens; expected an int "
-                                 ">= 1")
-        step_dict = OrderedDict(step_dict)  # (the state changes only once the step is accepted)
+        # (a copy with Python ints: the state changes only once the step is accepted)
+        step_dict = OrderedDict((seq, _token_count(f"InferenceParams.pre_step: sequence {seq!r}'s new tokens", n))
+                                for seq, n in step_dict.items())
         if self.cache_manager is None:  # sizes come with the first keys: bookkeeping only until then
             if self._pending is not None:
                 raise RuntimeError("InferenceParams.pre_step: the previous iteration stored no keys (no step() "
@@ -406,36 +510,70 @@ class InferenceParams:
             lengths = self.cache_manager.pre_step(step_dict)
         self.step_dict = step_dict
         self.sequences = OrderedDict((s, int(lengths[s])) for s in self.step_dict)
-        self.batch_size = len(self.step_dict)
-        lens_q = np.fromiter(self.step_dict.values(), np.int64, self.batch_size)
-        lens_kv = np.fromiter(self.sequences.values(), np.int64, self.batch_size)
+        self.batch_size = b = len(self.step_dict)
+        self.sequences_pre_step = OrderedDict((s, self.sequences[s] - n) for s, n in self.step_dict.items())
+        lens_q = np.fromiter(self.step_dict.values(), np.int64, b)
+        lens_kv = np.fromiter(self.sequences.values(), np.int64, b)
         self.max_seqlen_q = int(lens_q.max())
-        # (positions a RoPE table must hold: every cached token's, and every row of a padded
-        # BSHD/SBHD step, whose shorter sequences' padding rows run past their last token)
-        self.rope_positions = (int(lens_kv.max()), int((lens_kv - lens_q).max()) + self.max_seqlen_q)
-        cu = np.zeros((2, self.batch_size + 1), np.int64)
-        np.cumsum(lens_q, out=cu[0, 1:])
-        np.cumsum(lens_kv, out=cu[1, 1:])
+        self._rope_extent = (int(lens_kv.max()), int((lens_kv - lens_q).max()))  # (see rope_rows)
+        # the index arrays cover max_batch_size rows: a BSHD/SBHD batch padded past the live sequences
+        # (as for a CUDA graph of max_batch_size rows) has empty sequences there (no new or cached
+        # tokens: cu_seqlens repeat their last value, RoPE offsets 0)
+        n = max(self.max_batch_size, b)
+        cu = np.zeros((2, n + 1), np.int64)
+        np.cumsum(lens_q, out=cu[0, 1:b + 1])
+        np.cumsum(lens_kv, out=cu[1, 1:b + 1])
+        cu[:, b + 1:] = cu[:, b:b + 1]
         if cu[1, -1] >= np.iinfo(np.int32).max:
             raise ValueError("InferenceParams: the batch holds more than 2^31 cached tokens")
+        pre = np.zeros(n, np.int32)
+        pre[:b] = lens_kv - lens_q
         m = self.cache_manager
         extra = m.host_arrays() if m is not None and hasattr(m, "host_arrays") else []
-        views = self._uploads([cu[0].astype(np.int32), cu[1].astype(np.int32), (lens_kv - lens_q).astype(np.int32),
-                               *extra], self._device())  # one host-to-device copy per iteration
-        self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens = views[:3]
+        views = self._uploads([cu[0].astype(np.int32), cu[1].astype(np.int32), pre, *extra],
+                              self._device())  # one host-to-device copy per iteration
+        self._set_index_arrays(*views[:3])
         if extra:
             m.set_device_arrays(views[3:])
 
-    def get_seqlens_pre_step(self) -> torch.Tensor:
-        """int32 [b]: the tokens each sequence had cached before this iteration."""
-        return self.pre_step_seqlens
+    def _set_index_arrays(self, cu_q: torch.Tensor, cu_kv: torch.Tensor, pre: torch.Tensor) -> None:
+        """The index arrays of max_batch_size rows, and the public attributes: their live rows."""
+        self._index_arrays = (cu_q, cu_kv, pre)
+        b = self.batch_size
+        self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens = cu_q[:b + 1], cu_kv[:b + 1], pre[:b]
+
+    def _batch_rows(self, batch: int, who: str) -> int:
+        """batch, checked as the batch dimension of this iteration's inputs: the live sequences,
+        optionally followed by empty rows up to max_batch_size."""
+        if not self.batch_size <= batch <= self._index_arrays[2].numel():
+            raise ValueError(f"{who}: the inputs' batch dimension must hold the {self.batch_size} sequences of "
+                             f"pre_step, optionally padded with empty rows up to max_batch_size="
+                             f"{self.max_batch_size}; got {batch}")
+        return batch
+
+    def get_seqlens_pre_step(self, batch_size: Optional[int] = None) -> Optional[torch.Tensor]:
+        """int32 [b]: the tokens each sequence had cached before this iteration (None before
+        pre_step). With batch_size (a BSHD/SBHD batch padded past the b live sequences), int32
+        [batch_size] with 0 for the empty rows."""
+        if batch_size is None or self.pre_step_seqlens is None:
+            return self.pre_step_seqlens
+        b = self._batch_rows(batch_size, "InferenceParams.get_seqlens_pre_step")
+        return self._index_arrays[2][:b]
+
+    def rope_rows(self, s: int) -> Tuple[int, int]:
+        """(positions a RoPE table must hold for this iteration: every cached token's, positions a
+        padded BSHD/SBHD step of s rows per sequence reaches): a shorter sequence's padding rows, and
+        an empty row's, run past its last token."""
+        tokens, max_pre = self._rope_extent
+        return tokens, max_pre + int(s)
 
     def _device(self) -> torch.device:
         m = self.cache_manager
         dev = getattr(m, "device", None) if m is not None else None
         return dev if dev is not None else default_device()
 
-    def _check_new(self, new_q, new_k, new_v, qkv_format: str) -> None:
+    def _check_new(self, new_q, new_k, new_v, qkv_format: str) -> int:
+        """Checks the step's inputs; returns their batch rows (b, or more for a padded batch)."""
         b, lens = self.batch_size, list(self.step_dict.values())
         rank = 3 if qkv_format == "thd" else 4
         for name, t in (("query", new_q), ("key", new_k), ("value", new_v)):
@@ -446,12 +584,16 @@ class InferenceParams:
             if min(t.shape[0] for t in (new_q, new_k, new_v)) < sum(lens):
                 raise ValueError(f"InferenceParams.step: 'thd' inputs need {sum(lens)} token rows (the step's new "
                                  f"tokens), got {new_q.shape[0]}, {new_k.shape[0]}, {new_v.shape[0]}")
-            return
+            return b
         bi, si = (0, 1) if qkv_format == "bshd" else (1, 0)
+        rows = new_q.shape[bi]
         for t in (new_q, new_k, new_v):
-            if t.shape[bi] != b or t.shape[si] < max(lens):
-                raise ValueError(f"InferenceParams.step: {qkv_format!r} inputs need batch {b} (pre_step's sequences) "
-                                 f"and at least {max(lens)} rows per sequence, got {tuple(t.shape)}")
+            if t.shape[bi] != rows or t.shape[si] < max(lens) or not b <= rows <= self._index_arrays[2].numel():
+                raise ValueError(f"InferenceParams.step: {qkv_format!r} inputs need batch {b} (pre_step's sequences; "
+                                 f"or more, up to max_batch_size={self.max_batch_size}: empty rows) and at least "
+                                 f"{max(lens)} rows per sequence, got query {tuple(new_q.shape)}, key "
+                                 f"{tuple(new_k.shape)}, value {tuple(new_v.shape)}")
+        return rows
 
     def step(self, layer_number, new_q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, qkv_format: str):
         """Stores the iteration's new keys and values of layer_number. Returns (q, k_cache, v_cache,
@@ -462,7 +604,7 @@ class InferenceParams:
             raise RuntimeError("InferenceParams.step: call pre_step(step_dict) before the model's forward")
         if qkv_format not in FORMATS:
             raise ValueError(f"InferenceParams.step: qkv_format must be one of {FORMATS}, got {qkv_format!r}")
-        self._check_new(new_q, new_k, new_v, qkv_format)
+        rows = self._check_new(new_q, new_k, new_v, qkv_format)
         if self.cache_manager is None:
             self.num_heads_kv, self.head_dim_k = new_k.shape[-2], new_k.shape[-1]
             self.head_dim_v, self.dtype = new_v.shape[-1], new_k.dtype
@@ -475,8 +617,7 @@ class InferenceParams:
             m.device = new_k.device
             m.page_table = None  # (uploaded to the keys' device by the first write)
         if self.cu_seqlens_q.device != new_k.device:
-            self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens = (
-                x.to(new_k.device) for x in (self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens))
+            self._set_index_arrays(*(x.to(new_k.device) for x in self._index_arrays))
         if layer_number not in m.cache:
             m.allocate_memory(layer_number)
         k_cache = m.cache[layer_number][0]
@@ -487,16 +628,23 @@ class InferenceParams:
             raise ValueError(f"InferenceParams.step: new keys {tuple(new_k.shape)} / values {tuple(new_v.shape)} do "
                              f"not match the cache's heads and head sizes {tuple(k_cache.shape[-2:])}, "
                              f"{m.cache[layer_number][1].shape[-1]}")
-        res = m.step(layer_number, new_k, new_v, self.cu_seqlens_q, self.cu_seqlens_kv, qkv_format)
+        if rows == self.batch_size:
+            cu_q, cu_kv = self.cu_seqlens_q, self.cu_seqlens_kv
+        else:  # a padded batch: its empty rows have no new or cached tokens (never written or read)
+            cu_q, cu_kv = (x[:rows + 1] for x in self._index_arrays[:2])
+        res = m.step(layer_number, new_k, new_v, cu_q, cu_kv, qkv_format)
         k_cache, v_cache, table = res if len(res) == 3 else (*res, None)  # (a manager returning (k, v): non-paged)
         if table is not None:
-            table = table[:self.batch_size]
+            table = table[:rows]
+        got, what = (table, "a page table") if table is not None else (k_cache, "caches")
+        if got.shape[0] < rows:
+            raise ValueError(f"InferenceParams.step: the cache manager returned {what} of {got.shape[0]} rows for a "
+                             f"batch of {rows}")
         capacity = self.max_seqlen_kv if table is None else table.shape[1] * k_cache.shape[1]
-        out_format = "bshd" if qkv_format == "bshd" else qkv_format + "_2bshd"
+        self.input_qkv_format, self.output_qkv_format = qkv_format, _output_format(qkv_format)
         max_sq = new_q.shape[1] if qkv_format == "bshd" else (new_q.shape[0] if qkv_format == "sbhd"
                                                                else self.max_seqlen_q)
-        return (new_q, k_cache, v_cache, table, self.cu_seqlens_q, self.cu_seqlens_kv, max_sq, capacity,
-                out_format)
+        return (new_q, k_cache, v_cache, table, cu_q, cu_kv, max_sq, capacity, self.output_qkv_format)
 
     def convert_paged_to_nonpaged(self, layer_number, qkv_format: str = "bshd"):
         """(k, v) of layer_number's cache after this iteration's step, each sequence's keys in order

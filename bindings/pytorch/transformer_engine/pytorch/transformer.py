@@ -29,7 +29,7 @@ except ModuleNotFoundError as _err:  # pragma: no cover - only while attention/ 
 __all__ = ["TransformerLayer", "DropPath"]
 
 _LAYER_TYPES = ("encoder", "decoder")
-_INPUT_FORMATS = ("sbhd", "bshd")
+_INPUT_FORMATS = ("sbhd", "bshd", "thd")
 
 
 class DropPath(torch.nn.Module):
@@ -84,10 +84,13 @@ class TransformerLayer(torch.nn.Module):
     `inter_attention` (layer_type="decoder": cross attention over encoder_output), `layernorm_mlp`
     (LayerNormMLP) and `layernorm` (output_layernorm=True).
 
-    Inputs are [seq, batch, hidden] (attn_input_format="sbhd", the default) or [batch, seq, hidden]
-    ("bshd"). hidden_dropout applies to each block's output before the residual addition,
-    attention_dropout to the attention probabilities. With output_layernorm=True the attention block
-    gets no input norm and the layer's output is normalised instead (post-norm)."""
+    Inputs are [seq, batch, hidden] (attn_input_format="sbhd", the default), [batch, seq, hidden]
+    ("bshd") or packed sequences [tokens, hidden] ("thd", with cu_seqlens_q / cu_seqlens_kv or
+    inference_params, as MultiheadAttention takes them; TE's docstring lists only the first two,
+    but TE hands the format to its attention unchecked and its KV-cache test builds "thd" layers).
+    hidden_dropout applies to each block's output before the residual addition, attention_dropout
+    to the attention probabilities. With output_layernorm=True the attention block gets no input
+    norm and the layer's output is normalised instead (post-norm)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
                  num_gqa_groups: Optional[int] = None, layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.1,
@@ -133,9 +136,6 @@ class TransformerLayer(torch.nn.Module):
         for n, p in (("hidden_dropout", hidden_dropout), ("attention_dropout", attention_dropout)):
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"TransformerLayer: {n} must be in [0, 1], got {p}")
-        if hidden_size % num_attention_heads and kv_channels is None:
-            raise ValueError(f"TransformerLayer: hidden_size {hidden_size} is not divisible by "
-                             f"num_attention_heads {num_attention_heads}; pass kv_channels")
         self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
         self.num_attention_heads = int(num_attention_heads)
         self.kv_channels = int(kv_channels) if kv_channels is not None else hidden_size // num_attention_heads
@@ -229,8 +229,9 @@ class TransformerLayer(torch.nn.Module):
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"TransformerLayer: hidden_states must be a torch.Tensor, "
                             f"got {type(hidden_states).__name__}")
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(f"TransformerLayer: hidden_states must be 3D with last dimension {self.hidden_size} "
+        rank = 2 if self.attn_input_format == "thd" else 3
+        if hidden_states.dim() != rank or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"TransformerLayer: hidden_states must be {rank}D with last dimension {self.hidden_size} "
                              f"({self.attn_input_format}), got shape {tuple(hidden_states.shape)}")
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError("TransformerLayer: layer_type='decoder' needs encoder_output")

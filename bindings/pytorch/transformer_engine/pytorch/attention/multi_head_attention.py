@@ -34,11 +34,12 @@ _TE_FORWARD_KWARGS = frozenset(("bottom_right_diagonal", "fp8_output"))
 
 
 # ------------------------------------------------------------- MultiheadAttention
-def _cover_padding_rows(freqs, tokens: int, rows: int):
-    """The RoPE table of a padded K/V-cache step: it must hold every cached token's position
-    (`tokens`); the padding rows of the step's shorter sequences reach up to `rows` positions, past
-    what a table of the cache's length holds, and rotate by angle 0 there (zeros appended: their
-    outputs are never read)."""
+def _cover_padding_rows(freqs, params, fmt: str, x: torch.Tensor):
+    """The RoPE table of a padded BSHD/SBHD K/V-cache step x: it must hold every cached token's
+    position; the padding rows (of the step's shorter sequences, of the rows past its longest
+    one, of a batch's empty rows) reach positions past what a table of the cache's length holds,
+    and rotate by angle 0 there (zeros appended: their outputs are never read)."""
+    tokens, rows = params.rope_rows(x.shape[1 if fmt == "bshd" else 0])
     if not isinstance(freqs, torch.Tensor) or freqs.dim() != 4:
         return freqs  # (apply_rotary_pos_emb reports it)
     if freqs.shape[0] < tokens:
@@ -199,8 +200,9 @@ class MultiheadAttention(torch.nn.Module):
             if start is None:
                 raise RuntimeError("MultiheadAttention: inference_params needs pre_step(step_dict) before the forward")
             cu_seqlens_q = cu_seqlens_kv = inference_params.cu_seqlens_q
-            if self.qkv_format != "thd":
-                q_emb, k_emb = (_cover_padding_rows(e, *inference_params.rope_positions) for e in (q_emb, k_emb))
+            if self.qkv_format != "thd":  # (a batch padded past the live sequences: empty rows start at 0)
+                start = inference_params.get_seqlens_pre_step(q.shape[0 if self.qkv_format == "bshd" else 1])
+                q_emb, k_emb = (_cover_padding_rows(e, inference_params, self.qkv_format, q) for e in (q_emb, k_emb))
         elif self.attention_type == "self" and cu_seqlens_kv is None:
             cu_seqlens_kv = cu_seqlens_q
         fmt, inter = self.qkv_format, self.rotary_pos_interleaved
@@ -230,7 +232,9 @@ class MultiheadAttention(torch.nn.Module):
         _check_forward_kwargs("MultiheadAttention", kwargs)
         if self.attention_type == "self" and cu_seqlens_kv is None and cu_seqlens_kv_padded is None:
             cu_seqlens_kv_padded = cu_seqlens_q_padded  # (one packed buffer: the keys' offsets are the queries')
-        if (cu_seqlens_q_padded is None) != (cu_seqlens_kv_padded is None):
+        # (cross attention: the two sides are separate buffers, and a side without padded offsets
+        # has no gaps, as in TE)
+        if self.attention_type == "self" and (cu_seqlens_q_padded is None) != (cu_seqlens_kv_padded is None):
             raise ValueError("MultiheadAttention: give cu_seqlens_q_padded and cu_seqlens_kv_padded together")
         attn_args = dict(attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
                          core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
