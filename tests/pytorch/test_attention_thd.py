@@ -460,3 +460,27 @@ def test_mha_cross_thd_gaps_in_the_queries_only():
                                   params_dtype=DT, device=DEVICE)
     with pytest.raises(ValueError, match="together"):
         self_mha(x, cu_seqlens_q=cu(lq), cu_seqlens_kv=cu(lq), cu_seqlens_q_padded=cu(pq))
+
+
+def test_thd_bias_shared_by_all_queries_is_broadcast():
+    """A post-scale bias [1, 1 or h, 1, skv] (TE's "111s") under THD: broadcast over max_seqlen_q,
+    as BSHD does (it was a library shape error); equal to the explicitly expanded bias, and its
+    gradient is that one's summed over the queries."""
+    h, d, lens = 2, D, [3, 4]
+    cu = dev(torch.tensor([0, 3, 7], dtype=torch.int32))
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(7, h, d, generator=g).to(DT)
+    dpa = DotProductAttention(h, d, qkv_format="thd", attn_mask_type="padding")
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4,
+              core_attention_bias_type="post_scale_bias")
+    for heads in (1, h):
+        b1 = dev(torch.randn(1, heads, 1, 4, generator=g).to(DT)).requires_grad_()
+        bf = b1.detach().expand(1, heads, 4, 4).contiguous().requires_grad_()
+        o1 = dpa(dev(x), dev(x), dev(x), core_attention_bias=b1, **kw)
+        of = dpa(dev(x), dev(x), dev(x), core_attention_bias=bf, **kw)
+        assert torch.equal(o1, of), heads
+        dy = dev(torch.randn(o1.shape, generator=g).to(DT))
+        o1.backward(dy)
+        of.backward(dy)
+        torch.testing.assert_close(b1.grad, bf.grad.sum(2, keepdim=True), rtol=1e-2 if DT != torch.float32 else 1e-5,
+                                   atol=1e-3 if DT != torch.float32 else 1e-6)

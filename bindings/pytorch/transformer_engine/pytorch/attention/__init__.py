@@ -369,6 +369,10 @@ class DotProductAttention(torch.nn.Module):
                             cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         if seq is not None and fmt != "thd":  # cu_seqlens describe the padding (for the unfused path too)
             attention_mask = _df.padding_masks(seq)
+        cb = core_attention_bias
+        if fmt == "thd" and cb is not None and cb.dim() == 4 and cb.shape[2] == 1 and seq is not None:
+            # (THD's bias is [1 or b, 1 or h, max_seqlen_q, max_seqlen_kv]: "111s" broadcast as above)
+            core_attention_bias = cb.expand(cb.shape[0], cb.shape[1], seq.max_sq, cb.shape[3])
         fp8 = _df.fp8_dpa_recipe(self, query_layer.device)
         if _fp8_handoff is not None and fp8 is None:
             raise RuntimeError("DotProductAttention: FP8 hand-offs need fp8_autocast with a recipe whose fp8_mha is True")
