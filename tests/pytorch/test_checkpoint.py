@@ -69,6 +69,44 @@ def test_checkpoint_matches_plain_run(rng, kind, use_reentrant):
         assert not torch.equal(ck.layernorm_mlp.fp8_meta.scale["fwd"].cpu(), torch.ones(6))
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_fp8_autocast_inside_the_checkpointed_function(rng, use_reentrant):
+    """fp8_autocast entered by the checkpointed function itself: its exit (without grad in the
+    reentrant form's forward) still updates the forward scales, as the same function run without
+    checkpoint does (they stayed at 1 for good, clipping every input beyond 448); under no_grad
+    neither updates."""
+    g = seeded(rng)
+    torch.manual_seed(0)
+    d = gemm_dim(8)
+    plain = torch.nn.Sequential(te.Linear(d, d, device=DEVICE), te.Linear(d, d, device=DEVICE))
+    ck = copy.deepcopy(plain)
+    r = recipe.DelayedScaling(amax_history_len=4)
+
+    def body(model):
+        def f(inp):
+            with te.fp8_autocast(fp8_recipe=r):
+                return model(inp)
+        return f
+    for step in range(3):
+        x = torch.randn(gemm_dim(4), d, generator=g) * 1000 * (step + 1)
+        ys = []
+        for model, ckpt in ((plain, False), (ck, True)):
+            xi = dev(x).requires_grad_()
+            y = te.checkpoint(body(model), xi, use_reentrant=use_reentrant) if ckpt else body(model)(xi)
+            y.float().square().sum().backward()
+            ys.append((y.detach(), xi.grad))
+        assert torch.equal(ys[0][0], ys[1][0]) and torch.equal(ys[0][1], ys[1][1]), step
+        mp, mc = _meta(plain), _meta(ck)
+        for k in mp:
+            assert torch.equal(mc[k], mp[k]), (step, k)
+    assert float(ck[0].fp8_meta.scale["fwd"][0]) < 1.0  # (inputs ~1e3: the scale follows them)
+    before = _meta(ck)
+    with torch.no_grad():
+        te.checkpoint(body(ck), dev(x), use_reentrant=use_reentrant)
+    after = _meta(ck)  # (the casts still record amaxes into row 0; nothing is rolled or rescaled)
+    assert all(torch.equal(before[k], after[k]) for k in before if k.endswith(".s"))
+
+
 def test_checkpoint_kwargs_rng_tracker_and_unsupported(rng):
     g = seeded(rng)
     m = te.Linear(8, 8, device=DEVICE)

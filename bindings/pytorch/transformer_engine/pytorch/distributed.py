@@ -34,15 +34,17 @@ class _RecomputeState:
         self.tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
         self.tracker_states = self.tracker.get_states() if self.tracker is not None else None
         self.user_contexts = None  # checkpoint's context_fn (reentrant form)
+        self.grad_enabled = torch.is_grad_enabled()  # (at the call: the reentrant forward runs without grad)
 
     @contextlib.contextmanager
     def forward(self):
-        prev = FP8GlobalState.checkpoint_stash
-        FP8GlobalState.checkpoint_stash = self.stash
+        st = FP8GlobalState
+        prev = st.checkpoint_stash, st.checkpoint_training
+        st.checkpoint_stash, st.checkpoint_training = self.stash, self.grad_enabled
         try:
             yield
         finally:
-            FP8GlobalState.checkpoint_stash = prev
+            st.checkpoint_stash, st.checkpoint_training = prev
 
     @contextlib.contextmanager
     def recompute(self):

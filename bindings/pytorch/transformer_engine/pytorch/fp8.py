@@ -305,6 +305,9 @@ class FP8GlobalState:
     # records amaxes into scratch buffers, so the recipe state is touched once, as without checkpoint)
     checkpoint_stash: Optional[dict] = None
     recompute_stash: Optional[dict] = None
+    # whether grad was enabled where the checkpoint was called: its forward (run without grad in
+    # the reentrant form) is then a training forward, whose fp8_autocast exit updates the scales
+    checkpoint_training = False
 
     @classmethod
     def register_forward(cls, meta: FP8Meta) -> None:
@@ -322,6 +325,7 @@ class FP8GlobalState:
         cls.enabled, cls.calibrating, cls.recipe, cls.group, cls.depth = False, False, None, None, 0
         cls.pending = {}
         cls.checkpoint_stash = cls.recompute_stash = None
+        cls.checkpoint_training = False
         FP8ModelInitState.reset()
 
     @classmethod
@@ -381,7 +385,9 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Op
         st.depth -= 1
         if st.depth == 0:
             pending, st.pending = st.pending, {}
-            if torch.is_grad_enabled():
+            # (an fp8_autocast inside a reentrant checkpoint's function exits without grad; the
+            # checkpointed forward is the step's training forward all the same)
+            if torch.is_grad_enabled() or (st.checkpoint_stash is not None and st.checkpoint_training):
                 reduce_amaxes(pending)
                 for meta in pending:
                     meta.update("fwd")
@@ -457,3 +463,7 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
 
 # TE 1.x name of the same context manager
 fp8_model_init = quantized_model_init
+
+
+# TE's names that callers import from this module (Megatron-LM: FP8GlobalStateManager)
+from .fp8_state_manager import FP8GlobalStateManager, check_fp8_support, get_default_fp8_recipe  # noqa: E402,F401
