@@ -75,11 +75,14 @@ RopeParams validate(const RopeCall &c, NVTE_QKV_Format fmt, bool interleaved, bo
   if (p.rows > 0) {  // the strided reads stay inside x's buffer (empty tensors may have no buffer)
     NVTE_CHECK(buffer_set(x.params[kNVTERowwiseData]) && buffer_set(y.params[kNVTERowwiseData]), c.x_name,
                " and ", c.y_name, " need rowwise data");
-    const int64_t last = (p.thd ? (p.rows - 1) * p.stride_t
-                                : (int64_t)(s - 1) * p.stride_t + (int64_t)(b - 1) * p.stride_b) +
-                         (int64_t)(h - 1) * stride_h + (int64_t)(d - 1) * stride_d;
-    NVTE_CHECK((size_t)last < numel(logical_shape(x)), c.x_name, " has ", numel(logical_shape(x)),
-               " elements but its strides reach element ", last);
+    // (128-bit: a THD row count comes from a size_t shape, and rows x stride can pass 2^64)
+    using u128 = unsigned __int128;
+    const u128 last = (p.thd ? (u128)(p.rows - 1) * (u128)p.stride_t
+                             : (u128)(s - 1) * (u128)p.stride_t + (u128)(b - 1) * (u128)p.stride_b) +
+                      (u128)(h - 1) * (u128)stride_h + (u128)(d - 1) * (u128)stride_d;
+    const size_t n = numel(logical_shape(x));
+    NVTE_CHECK(last < (u128)n, c.x_name, " has ", n, " elements but its strides reach element ",
+               last > (u128)UINT64_MAX ? std::string("2^64 or beyond") : std::to_string((uint64_t)last));
   }
   const Tensor &f = require(c.freqs, "freqs");
   const NVTEShape fs = logical_shape(f);

@@ -199,6 +199,20 @@ def test_errors(rng):
              cu=T(np.array([0, 5, 3], np.int32)))
 
 
+def test_thd_stride_bound_does_not_wrap(rng):
+    """A THD output of 2^34 + 1 rows with row stride 2^30 over a 16-element input: rows x stride is
+    2^64, which wrapped to 0 in 64-bit arithmetic, passed the bound and read far past the input
+    (SIGSEGV). The handles only describe the output (its buffer is never touched: the call is
+    refused first)."""
+    x = np.zeros((8, 1, 2), np.float16)
+    backing = np.zeros(4, np.float16)
+    y = nvte.Tensor.make(backing.ctypes.data, [2 ** 34 + 1, 1, 2], nvte.DType.kFloat16)
+    cu = T(np.array([0, 1], np.int32))
+    with pytest.raises(nvte.Error, match="strides reach element 2\\^64 or beyond"):
+        nvte.fused_rope_forward(T(x), cu, T(angles(2, 2, rng)), None, y, F.NVTE_THD, False, 1, 0, 0, 1, 1, 2, 2,
+                                2 ** 30, 0, 2, 1)
+
+
 def test_freqs_without_rowwise_data_raise(rng):
     """freqs given only as columnwise data (its logical shape right): an error, not a null read (a
     segfault before)."""
