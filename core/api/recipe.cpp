@@ -1,6 +1,7 @@
 // api/recipe.cpp - FP8 scaling recipe entry points: validate, pick the backend, run.
 #include "transformer_engine/recipe.h"
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -55,9 +56,17 @@ cpu::History history_of(const NVTETensor hist, const NVTETensor scale, const std
   return r;
 }
 
+// 2^margin must be a finite, normal float32 (a NaN margin gave NaN scales, +inf or 200 a scale of
+// 0, -inf FLT_MAX: every later cast broken, with SUCCESS).
+void check_margin(float margin) {
+  NVTE_CHECK(std::isfinite(margin) && std::fabs(margin) <= 126.0f, "margin must be finite and within [-126, 126], got ",
+             margin);
+}
+
 void run_update(const NVTETensor amax_history, const NVTETensor scale, NVTETensor updated_amax_history,
                 NVTETensor updated_scale, const char *algo_name, NVTEDType fp8_dtype, float margin,
                 cudaStream_t stream) {
+  check_margin(margin);
   const cpu::AmaxAlgo algo = parse_algo(algo_name);
   const float fmax = recipe_fp8_max(fp8_dtype);
   const cpu::History in = history_of(amax_history, scale, "amax_history", "scale");
@@ -82,6 +91,7 @@ void run_update(const NVTETensor amax_history, const NVTETensor scale, NVTETenso
 void run_after_reduction(const NVTETensor buffer, const NVTETensor *hists, const NVTETensor *scales,
                          size_t num, const char *algo_name, NVTEDType fp8_dtype, float margin,
                          cudaStream_t stream) {
+  check_margin(margin);
   const cpu::AmaxAlgo algo = parse_algo(algo_name);
   const float fmax = recipe_fp8_max(fp8_dtype);
   NVTE_CHECK(num == 0 || (hists != nullptr && scales != nullptr),

@@ -19,7 +19,8 @@ extern "C" {
  *  (new[i] = old[(i + 1) % len], new[0] = 0);
  *  updated_scale = fp8_max / amax / 2^margin, except: the old scale is kept unless amax
  *  is finite and positive (0, inf, NaN, negative), and an infinite result becomes FLT_MAX.
- *  fp8_max = 448 (kNVTEFloat8E4M3) or 57344 (kNVTEFloat8E5M2).
+ *  fp8_max = 448 (kNVTEFloat8E4M3) or 57344 (kNVTEFloat8E5M2). margin: finite, within
+ *  [-126, 126] (INVALID_ARGUMENT otherwise).
  *
  *  \param[in] amax_history  float32 [len, n] (or [len] for n = 1).
  *  \param[in] scale         float32 [n].

@@ -224,6 +224,26 @@ def test_after_reduction_errors():
         nvte.delayed_scaling_recipe_amax_and_scale_update_after_reduction(None, [h], [], "max", DT.kFloat8E4M3, 0)
 
 
+@pytest.mark.parametrize("margin", [float("nan"), float("inf"), -float("inf"), 200.0, -127.0])
+def test_margin_must_be_finite_and_in_range(margin):
+    """A NaN / infinite margin, or one whose 2^margin is no normal float32, is refused by both
+    updates, with the history and scale untouched (it gave NaN, 0 or FLT_MAX scales with SUCCESS)."""
+    hist = np.array([[0, 0], [1, 2], [3, 4]], np.float32)
+    scale = np.array([2.0, 3.0], np.float32)
+    h0, s0 = hist.copy(), scale.copy()
+    with pytest.raises(nvte.Error, match="margin must be finite and within \\[-126, 126\\]") as e:
+        nvte.delayed_scaling_recipe_amax_and_scale_update(nvte.Tensor(hist), nvte.Tensor(scale), nvte.Tensor(hist),
+                                                           nvte.Tensor(scale), "max", DT.kFloat8E4M3, margin)
+    assert e.value.args[1] == int(nvte.Status.INVALID_ARGUMENT)
+    with pytest.raises(nvte.Error, match="margin must be finite"):
+        nvte.delayed_scaling_recipe_amax_and_scale_update_after_reduction(
+            None, [nvte.Tensor(hist)], [nvte.Tensor(scale)], "max", DT.kFloat8E4M3, margin)
+    np.testing.assert_array_equal(hist, h0)
+    np.testing.assert_array_equal(scale, s0)
+    nvte.delayed_scaling_recipe_amax_and_scale_update(nvte.Tensor(hist), nvte.Tensor(scale), nvte.Tensor(hist),
+                                                       nvte.Tensor(scale), "max", DT.kFloat8E4M3, 126.0)
+
+
 # ----------------------------------------------------------------------------- current scaling
 @pytest.mark.parametrize("shape", [(1, 1), (7, 33), (31, 129), (0, 8), (2, 3, 5)])
 @pytest.mark.parametrize("name", ["float32", "float16", "bfloat16"])
