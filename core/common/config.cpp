@@ -18,7 +18,8 @@ void get_field(const T &field, void *buf, size_t size, size_t *size_written) {
 }
 template <class T>
 void set_field(T &field, const void *buf, size_t size) {
-  NVTE_CHECK(buf != nullptr && size == sizeof(T), "buffer must hold ", sizeof(T), " bytes, got ", size);
+  NVTE_CHECK(buf != nullptr, "buffer is NULL (it must hold ", sizeof(T), " bytes)");
+  NVTE_CHECK(size == sizeof(T), "buffer must hold ", sizeof(T), " bytes, got ", size);
   std::memcpy(&field, buf, sizeof(T));
 }
 

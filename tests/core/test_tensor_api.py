@@ -127,6 +127,8 @@ def test_quantization_config_attributes(lib):
     assert b"4 bytes" in lib.nvte_get_last_error()
     assert lib.nvte_set_quantization_config_attribute(cfg, 1, ctypes.byref(eps), 8) == 1
     assert b"4 bytes" in lib.nvte_get_last_error()
+    assert lib.nvte_set_quantization_config_attribute(cfg, 1, None, 4) == 1
+    assert b"buffer is NULL" in lib.nvte_get_last_error()  # (it said "must hold 4 bytes, got 4")
     assert lib.nvte_set_quantization_config_attribute(cfg, 77, ctypes.byref(eps), 4) == 1
     assert b"unknown quantization config attribute 77" in lib.nvte_get_last_error()
     lib.nvte_destroy_quantization_config(cfg)
