@@ -24,7 +24,7 @@ void activation(Act a, const Tensor *grad, const Tensor &in, Tensor &out) {
   OutputRows dst(out, "output", x.rows, x.cols);
   const size_t cols = x.cols;
   with_act(a, [&](auto kAct) {
-    parallel_for(x.rows, grain_rows(cols), [&](size_t r0, size_t r1) {
+    parallel_for(cols ? x.rows : 0, grain_rows(cols), [&](size_t r0, size_t r1) {  // ([rows, 0]: no work)
       std::vector<float> xv(cols), gv(grad ? cols : 0);
       for (size_t r = r0; r < r1; ++r) {
         x.load(r, xv.data());
@@ -49,7 +49,7 @@ void gated_activation(Act a, const Tensor *grad, const Tensor &in, Tensor &out) 
   // Forward writes [rows, H]; backward writes the gradient of both halves, [rows, 2H].
   OutputRows dst(out, "output", x.rows, grad ? 2 * h : h);
   with_act(a, [&](auto kAct) {
-    parallel_for(x.rows, grain_rows(x.cols), [&](size_t r0, size_t r1) {
+    parallel_for(h ? x.rows : 0, grain_rows(x.cols), [&](size_t r0, size_t r1) {  // ([rows, 0]: no work)
       std::vector<float> xv(2 * h), gv(grad ? h : 0), ov(grad ? 2 * h : h);
       for (size_t r = r0; r < r1; ++r) {
         x.load(r, xv.data());

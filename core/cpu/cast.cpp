@@ -31,7 +31,8 @@ void write_output(Tensor &out, size_t rows, size_t cols, const RowFn &fill) {
     }
   }
   OutputRows dst(view, "output", rows, cols);
-  parallel_for(rows, std::max<size_t>(1, 16384 / std::max<size_t>(cols, 1)), [&](size_t r0, size_t r1) {
+  // (an empty [rows, 0] tensor: no row to visit, however many rows it names)
+  parallel_for(cols ? rows : 0, std::max<size_t>(1, 16384 / std::max<size_t>(cols, 1)), [&](size_t r0, size_t r1) {
     std::vector<float> buf(cols);
     for (size_t r = r0; r < r1; ++r) {
       fill(r, buf.data());

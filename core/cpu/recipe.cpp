@@ -91,7 +91,8 @@ void amax_and_scale_update_after_reduction(const float *buffer, const std::vecto
 void compute_amax(const Tensor &in, float *amax) {
   const InputRows src = input_rows(in, "input");
   std::atomic<float> acc{0.0f};
-  parallel_for(src.rows, std::max<size_t>(1, 16384 / std::max<size_t>(src.cols, 1)), [&](size_t r0, size_t r1) {
+  parallel_for(src.cols ? src.rows : 0, std::max<size_t>(1, 16384 / std::max<size_t>(src.cols, 1)),
+               [&](size_t r0, size_t r1) {  // ([rows, 0]: no work)
     std::vector<float> row(src.cols);
     float m = 0.0f;
     for (size_t r = r0; r < r1; ++r) {

@@ -380,3 +380,26 @@ def test_amax_counts_inf_and_ignores_nan_in_one_row():
         amax_out = FP8Out(xs.shape, "e4m3")
         nvte.compute_amax(nvte.Tensor(xs, dtype=DT.kBFloat16), amax_out.tensor)
         assert amax_out.amax[0] == np.inf
+
+
+def test_empty_tensor_of_many_rows_does_no_row_work():
+    """[2^40, 0] tensors (no elements, no buffer) through quantize, gelu and swiglu: the
+    CPU backend visited every (empty) row, about an hour's loop for this shape; now there is no
+    work (run in a child process with a deadline, so a regression fails instead of hanging)."""
+    import subprocess
+    import sys
+    code = """
+from transformer_engine import _nvte as nvte
+DT = nvte.DType
+def empty(rows, cols=0, dt=DT.kFloat32):
+    t = nvte.Tensor()
+    t.set_param(nvte.Param.kRowwiseData, 0, [rows, cols], dt)
+    return t
+r = 1 << 40
+nvte.quantize(empty(r), empty(r, dt=DT.kBFloat16), 0)
+nvte.gelu(empty(r), empty(r), 0)
+nvte.swiglu(empty(r), empty(r), 0)
+print("done")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr
