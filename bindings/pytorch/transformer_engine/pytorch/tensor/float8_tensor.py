@@ -58,9 +58,14 @@ in-place op through a view that changes its shape; a write through an expanded v
 elements on one byte: torch's copy_ raises); a partial write beyond the scale's range (above).
 Also not supported: torch.compile over modules holding Float8Tensor parameters (no
 __tensor_flatten__), moving such a module to another device after it was built (build it on its
-device). .float() / .half() / .bfloat16() / .cpu() are dequantized copies (TE's semantics), never
-views. The cat above compares scale_invs with torch.equal, and a partial write checks its range
-with .item(): device synchronisations on CUDA.
+device). .float() / .half() / .bfloat16() / .cpu() / .dequantize() are dequantized copies (TE's
+semantics), never views; they are differentiable (the copy's gradient reaches the Float8Tensor, in
+its nominal dtype), and cost nothing more under no_grad. `param.data = x` casts x into the bytes;
+an x of another floating dtype also makes that the nominal dtype (so nn.Module.to(dtype) / .half()
+/ .bfloat16() convert FP8 parameters with their module: the bytes are kept when x is the
+parameter's own value in that dtype, as those conversions assign; float64 raises). The cat above
+compares scale_invs with torch.equal, and a partial write (and a .data assignment of another dtype)
+checks its values with .item() / torch.equal: device synchronisations on CUDA.
 """
 from __future__ import annotations
 
@@ -170,6 +175,7 @@ _OVERLAPPING_VIEWS = {aten.as_strided.default, aten.expand.default, aten.unfold.
 _UNSUPPORTED_VIEWS = {aten.view.dtype: "view(dtype) reinterprets bytes of the nominal dtype, which a Float8Tensor "
                                        "does not hold; use tensor.dequantize().view(dtype) for a copy"}
 _is_view_cache = {}
+_NOMINAL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _is_view_op(func) -> bool:
@@ -182,6 +188,20 @@ def _is_view_op(func) -> bool:
             x.alias_info is not None and not x.alias_info.is_write for x in s.returns)
         _is_view_cache[func] = r
     return r
+
+
+class _Dequantize(torch.autograd.Function):
+    """Float8Tensor.dequantize as an autograd step: the value's gradient is the tensor's gradient,
+    cast to the tensor's nominal dtype (what autograd accumulates into its .grad)."""
+
+    @staticmethod
+    def forward(ctx, tensor, dtype):
+        ctx.nominal = tensor.dtype
+        return tensor._dequantize(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.nominal), None
 
 
 class Float8Tensor(torch.Tensor):
@@ -241,7 +261,15 @@ class Float8Tensor(torch.Tensor):
         return cls(d, t, si, quantizer.fp8_dtype, x.dtype, quantizer, requires_grad)
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """A plain tensor of the value (float(data) * scale_inv) in `dtype` (default: the nominal dtype)."""
+        """A plain tensor of the value (float(data) * scale_inv) in `dtype` (default: the nominal dtype).
+        Differentiable: where this tensor requires grad and grad mode is on, the result's gradient
+        reaches this tensor unchanged, in its nominal dtype (as that of `self * 1` does)."""
+        if torch.is_grad_enabled() and self.requires_grad:
+            return _Dequantize.apply(self, dtype)
+        return self._dequantize(dtype)
+
+    def _dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """dequantize() outside autograd (what the dispatch and the casts read)."""
         dtype = dtype or self.dtype
         d = self._data
         if d.dim() == 2 and d.is_contiguous():
@@ -317,7 +345,7 @@ class Float8Tensor(torch.Tensor):
                 self._write_bytes(b)
                 self._scale_inv.copy_(src._scale_inv.reshape(self._scale_inv.shape))
                 return
-            src = src.dequantize()
+            src = src._dequantize()
         x = src.to(device=self.device, dtype=self.dtype).expand(self.shape).contiguous()
         if x.numel() == 0:
             return
@@ -340,7 +368,7 @@ class Float8Tensor(torch.Tensor):
         if self.dim() != 2:
             raise ValueError(f"Float8Tensor.fp8_operand: a GEMM operand is 2-D, this tensor is {tuple(self.shape)}")
         if int(fp8_dtype) != self._fp8_dtype:
-            d, t, si, _ = custom_ops.quantize(self.dequantize(), None, None, 0, int(fp8_dtype), True, need_transpose,
+            d, t, si, _ = custom_ops.quantize(self._dequantize(), None, None, 0, int(fp8_dtype), True, need_transpose,
                                               False, False, 0.0)
             return d, t, si
         d = self._data if self._data.is_contiguous() else self._data.contiguous()
@@ -368,14 +396,46 @@ class Float8Tensor(torch.Tensor):
     # .data (TE's): reading gives an alias; assigning a tensor casts it into this tensor's bytes
     # (a Float8Tensor of the same format is taken as it is), as `param.data = new` is used to load
     # or reset weights. (torch.Tensor's own setter would swap in a plain tensor's storage.)
+    # A floating tensor of another dtype also makes that dtype this tensor's nominal one, as a
+    # plain tensor's .data assignment would: nn.Module.to(dtype) / .half() / .bfloat16() convert
+    # parameters this way, so an FP8 weight follows its module's dtype. When the value assigned is
+    # this tensor's own value in that dtype (what those conversions assign), the FP8 bytes and
+    # scale_inv are kept as they are (re-casting a value that is already FP8 could only move it);
+    # any other value is cast with the quantizer.
     def _get_data(self) -> "Float8Tensor":
         return self._alias()
 
     def _set_data(self, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Float8Tensor.data: expected a tensor, got {type(value).__name__}")
         if tuple(value.shape) != tuple(self.shape):
             raise ValueError(f"Float8Tensor.data: cannot assign a tensor of shape {tuple(value.shape)} to one of "
                              f"shape {tuple(self.shape)}")
-        self._quantize_from(value)
+        dtype = value.dtype
+        if not dtype.is_floating_point or dtype == self.dtype:
+            self._quantize_from(value)
+            return
+        if dtype not in _NOMINAL_DTYPES:
+            raise TypeError(f"Float8Tensor.data: an FP8 tensor's nominal dtype is float32, float16 or bfloat16; "
+                            f"cannot take a {dtype} value")
+        keep = False
+        if not isinstance(value, Float8Tensor):  # (a Float8Tensor's bytes are taken as they are, or cast)
+            v = value.detach().to(self.device)
+            keep = torch.equal(v, self._dequantize().to(dtype)) or torch.equal(v, self._dequantize(dtype))
+        self._set_nominal_dtype(dtype)
+        if not keep:
+            self._quantize_from(value)
+
+    def _set_nominal_dtype(self, dtype: torch.dtype) -> None:
+        """In place: this tensor presents itself as `dtype` (its bytes, scale_inv, transpose and
+        quantizer are unchanged). torch.Tensor's own .data setter takes the sizes, strides and dtype
+        of a storage-less tensor of this class (as a plain tensor's .data assignment changes its dtype)."""
+        if dtype == self.dtype:
+            return
+        like = torch.Tensor._make_wrapper_subclass(Float8Tensor, tuple(self.shape), strides=tuple(self.stride()),
+                                                   storage_offset=self.storage_offset(), dtype=dtype,
+                                                   device=self.device)
+        torch._C.TensorBase.data.__set__(self, like)
 
     data = property(_get_data, _set_data)
 
@@ -402,7 +462,7 @@ class Float8Tensor(torch.Tensor):
     # ------------------------------------------------------------------ python protocol
     def __repr__(self, *, tensor_contents=None):
         return (f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scale_inv={float(self._scale_inv)}, "
-                f"value={self.dequantize()!r})")
+                f"value={self._dequantize()!r})")
 
     def __reduce_ex__(self, protocol):
         s = self._materialize() if self._is_view() else self
@@ -438,7 +498,7 @@ class Float8Tensor(torch.Tensor):
             if isinstance(dst, Float8Tensor):
                 dst._quantize_from(src)
             else:
-                dst.copy_(src.dequantize(dst.dtype) if isinstance(src, Float8Tensor) else src)
+                dst.copy_(src._dequantize(dst.dtype) if isinstance(src, Float8Tensor) else src)
             return dst
         if func is aten._to_copy.default and set(kwargs) <= {"device"} and kwargs.get("device") is not None:
             return args[0]._materialize(kwargs["device"])
@@ -504,7 +564,7 @@ class Float8Tensor(torch.Tensor):
         def unwrap(t):
             if isinstance(t, Float8Tensor):
                 if id(t) not in plain:
-                    plain[id(t)] = (t, t.dequantize())
+                    plain[id(t)] = (t, t._dequantize())
                 return plain[id(t)][1]
             return t
 
