@@ -5,6 +5,7 @@
 #include "../common/activation_math.h"
 #include "../common/backend.h"
 #include "../cpu/activation.h"
+#include "alias_checks.h"
 #ifdef NVTE_WITH_CUDA
 #include "../cuda/activation.h"
 #endif
@@ -46,6 +47,9 @@ void run_act(const char *op, Act a, bool backward, const NVTETensor grad, const 
     check_dims(*g, "grad", d.rows, d.cols, "(the input's shape)");
   }
   check_dims(out, "output", d.rows, d.cols, "(the input's shape)");
+  // Elementwise: the output may be exactly the input's (or grad's) buffer, same dtype.
+  api::check_alias(out, "output", in, "input");
+  if (g) api::check_alias(out, "output", *g, "grad");
   switch (backend_of({{"grad", grad}, {"input", input}, {"output", output}})) {
     case Backend::CPU: return cpu::activation(a, g, in, out);
     case Backend::CUDA:
@@ -77,6 +81,16 @@ void run_gated(const char *op, Act a, bool backward, const NVTETensor grad, cons
     check_dims(out, "output", d.rows, 2 * h, "(the gradient of input [N, 2H])");
   } else {
     check_dims(out, "output", d.rows, h, "(input is [N, 2H], output is [N, H])");
+  }
+  if (g) {
+    // The backward reads both halves of an input element pair before writing that pair of
+    // the [N, 2H] output (CPU: whole rows; CUDA: gated_kernel), so it may write over the input
+    // exactly; grad [N, H] has another row length, so any overlap with it is refused.
+    api::check_alias(out, "output", in, "input");
+    api::check_disjoint(out, "output", *g, "grad", "output [N, 2H] and grad [N, H] have different row lengths");
+  } else {
+    api::check_disjoint(out, "output", in, "input",
+                        "a gated activation's output [N, H] cannot be written over its input [N, 2H]");
   }
   switch (backend_of({{"grad", grad}, {"input", input}, {"output", output}})) {
     case Backend::CPU: return cpu::gated_activation(a, g, in, out);

@@ -20,38 +20,6 @@ using api::check_alias;
 using api::same_buffer;
 using attn::SoftmaxArgs;
 
-namespace nvte::api {
-
-// Two operands share a buffer (an empty one shares nothing: frameworks give every empty tensor
-// the same null address).
-bool same_buffer(const Tensor &a, const Tensor &b) {
-  const NVTEBasicTensor &x = a.params[kNVTERowwiseData], &y = b.params[kNVTERowwiseData];
-  return x.data_ptr != nullptr && x.data_ptr == y.data_ptr && numel(x.shape) != 0;
-}
-
-bool bytes_overlap(const Tensor &a, const Tensor &b) {
-  const auto range = [](const Tensor &t) {
-    const NVTEBasicTensor &x = t.params[kNVTERowwiseData];
-    const auto *p = static_cast<const char *>(x.data_ptr);
-    return std::pair{p, p + (p ? numel(x.shape) * dtype_size(x.dtype) : 0)};
-  };
-  const auto [a0, a1] = range(a);
-  const auto [b0, b1] = range(b);
-  return a0 != a1 && b0 != b1 && a0 < b1 && b0 < a1;
-}
-
-void check_alias(const Tensor &out, const char *out_name, const Tensor &in, const char *in_name) {
-  NVTE_CHECK(!same_buffer(out, in) || out.params[kNVTERowwiseData].dtype == in.params[kNVTERowwiseData].dtype,
-             out_name, " shares its buffer with ", in_name, " but has dtype ",
-             dtype_name(out.params[kNVTERowwiseData].dtype), " instead of ",
-             dtype_name(in.params[kNVTERowwiseData].dtype));
-  // (in place: row by row, each row read before it is written)
-  NVTE_CHECK(same_buffer(out, in) || !bytes_overlap(out, in), out_name, " overlaps ", in_name,
-             " without being the same buffer: rows would be read after another row's result overwrote them");
-}
-
-}  // namespace nvte::api
-
 namespace {
 
 const NVTEBasicTensor &data_of(const Tensor &t, const char *name) {

@@ -7,6 +7,7 @@
 #include "../common/backend.h"
 #include "../common/config.h"
 #include "../cpu/cast.h"
+#include "alias_checks.h"
 #include "runners.h"
 #ifdef NVTE_WITH_CUDA
 #include "../cuda/cast.h"
@@ -80,6 +81,9 @@ void run_quantize(const char *op, const NVTETensor input, NVTETensor output, con
   Tensor &out = require_mut(output, "output");
   check_high_precision(in, "input");
   check_same_numel(in, "input", out, "output");
+  // Rowwise output exactly over the input (a same-dtype cast) is elementwise; a columnwise
+  // (transposed) output never may share the input's memory.
+  check_alias(out, "output", in, "input");
   const Backend b = backend_of({{"input", input}, {"output", output}, {"noop", noop}});
   switch (b) {
     case Backend::CPU:
@@ -121,6 +125,13 @@ void run_quantize_dbias(const char *op, const NVTETensor input, const NVTETensor
   const Dims2 dd = flat2d(dbs);
   NVTE_CHECK(dbs.ndim >= 1 && dd.rows == 1 && dd.cols == d.cols, "dbias has shape ", shape_str(dbs),
              "; expected [", d.cols, "] (the last dim of input ", shape_str(logical_shape(in)), ")");
+  // Every row reads input and act_input before its output row is written (in place is fine);
+  // dbias is a reduction over all rows, so it shares no memory with any of them.
+  check_alias(out, "output", in, "input");
+  if (act_in) check_alias(out, "output", *act_in, "act_input");
+  check_disjoint(db, "dbias", in, "input", "dbias is a sum over all rows of input");
+  if (act_in) check_disjoint(db, "dbias", *act_in, "act_input", "dbias is a sum over all rows of act_input");
+  check_disjoint(db, "dbias", out, "output", "dbias and output are separate results");
   // The CPU backend needs no workspace, so it always computes (workspace may be NULL or empty).
   switch (backend_of({{"input", input}, {"act_input", act ? act_input : nullptr}, {"output", output},
                       {"dbias", dbias}, {"workspace", workspace}})) {
@@ -231,6 +242,8 @@ NVTEStatus nvte_dequantize(const NVTETensor input, NVTETensor output, cudaStream
     NVTE_CHECK(numel(logical_shape(in)) == numel(logical_shape(out)), "input shape ",
                shape_str(logical_shape(in)), " and output shape ", shape_str(logical_shape(out)),
                " hold different numbers of elements");
+    // (FP8 in, float32/16 out: an output over the input always has another dtype, so is refused)
+    api::check_alias(out, "output", in, "input");
     switch (backend_of({{"input", input}, {"output", output}})) {
       case Backend::CPU: return cpu::dequantize(in, out);
       case Backend::CUDA: {

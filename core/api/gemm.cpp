@@ -9,6 +9,7 @@
 #include "../common/config.h"
 #include "../cpu/gemm.h"
 #include "../cpu/parallel.h"
+#include "alias_checks.h"
 #ifdef NVTE_WITH_CUDA
 #include "../cuda/gemm.h"
 #endif
@@ -196,7 +197,9 @@ void cpu_batched(const cpu::GemmProblem &p, const Tensor &d, const Request &r) {
   });
 }
 
-void run(const char *op, Request r) {
+// Validates r and (execute) runs it; execute = false only validates (multi-tensor GEMMs check
+// every GEMM before the first one writes).
+void run(const char *op, Request r, bool execute = true) {
   const Tensor &A = require(r.A, "A");
   const Tensor &B = require(r.B, "B");
   Tensor &D = require_mut(r.D, "D");
@@ -246,6 +249,35 @@ void run(const char *op, Request r) {
     NVTE_CHECK(is_high_precision(logical_dtype(*r.aux)), "pre_gelu_out has dtype ",
                dtype_name(logical_dtype(*r.aux)), "; expected float32, float16 or bfloat16");
   }
+  // Memory. D is written while A, B, bias and (dGELU) pre_gelu_out are still being read (a float32
+  // D takes the CPU's product directly, tile by tile; the epilogues read their inputs per row),
+  // so it shares no byte with them. C is read element by element where D is written, so a
+  // separate C handle may be exactly D's buffer (accumulate in place), nothing else.
+  const char *why = "the GEMM writes D while it still reads its inputs";
+  api::check_disjoint(D, "D", A, "A", why);
+  api::check_disjoint(D, "D", B, "B", why);
+  if (r.bias) api::check_disjoint(D, "D", *r.bias, "bias", why);
+  if (r.beta != 0.0f && r.C != r.D) api::check_alias(D, "D", *r.C, "C");
+  if (r.gelu || r.dgelu) {
+    api::check_disjoint(D, "D", *r.aux, "pre_gelu_out",
+                        r.gelu ? "D and pre_gelu_out are separate outputs of the GELU epilogue"
+                               : "the dGELU epilogue reads pre_gelu_out while it writes D");
+  }
+  if (r.gelu) {
+    const char *gwhy = "the GELU epilogue writes pre_gelu_out while it still reads the GEMM's inputs";
+    api::check_disjoint(*r.aux, "pre_gelu_out", A, "A", gwhy);
+    api::check_disjoint(*r.aux, "pre_gelu_out", B, "B", gwhy);
+    if (r.bias) api::check_disjoint(*r.aux, "pre_gelu_out", *r.bias, "bias", gwhy);
+  }
+  if (r.dbias) {
+    const char *bwhy = "the bias gradient is a separate output";
+    api::check_disjoint(*r.dbias, "bias gradient", A, "A", bwhy);
+    api::check_disjoint(*r.dbias, "bias gradient", B, "B", bwhy);
+    api::check_disjoint(*r.dbias, "bias gradient", D, "D", bwhy);
+    if (r.dgelu) api::check_disjoint(*r.dbias, "bias gradient", *r.aux, "pre_gelu_out", bwhy);
+  }
+  if (!execute) return;
+
   p.alpha = r.alpha;
   p.beta = r.beta;
   p.d = &D;
@@ -354,16 +386,35 @@ NVTEStatus nvte_multi_tensor_gemm(const NVTETensor *A, const NVTETensor *B, NVTE
     if (num_gemms == 0) return;
     NVTE_CHECK(A != nullptr && B != nullptr && D != nullptr, "the A, B and D arrays must be non-NULL (got A ",
                A ? "set" : "NULL", ", B ", B ? "set" : "NULL", ", D ", D ? "set" : "NULL", ")");
-    for (int i = 0; i < num_gemms; ++i) {
-      try {
-        // The call does not say how many workspaces there are, so every GEMM uses the first
-        // one; they run one after another on `stream`, so sharing it is safe.
-        run("nvte_multi_tensor_gemm",
-            v1_request(A[i], B[i], D[i], bias ? bias[i] : nullptr, pre_gelu_out ? pre_gelu_out[i] : nullptr,
-                       transa, transb, grad, workspace ? workspace[0] : nullptr, accumulate,
-                       use_split_accumulator, math_sm_count, stream));
-      } catch (const Error &e) {
-        throw Error(e.status(), concat("GEMM ", i, " of ", num_gemms, ": ", e.what()));
+    // The call does not say how many workspaces there are, so every GEMM uses the first
+    // one; they run one after another on `stream`, so sharing it is safe.
+    const auto request = [&](int i) {
+      return v1_request(A[i], B[i], D[i], bias ? bias[i] : nullptr, pre_gelu_out ? pre_gelu_out[i] : nullptr,
+                        transa, transb, grad, workspace ? workspace[0] : nullptr, accumulate,
+                        use_split_accumulator, math_sm_count, stream);
+    };
+    // Every GEMM is validated before the first one writes, so a bad one leaves every D untouched.
+    // A D must not share memory with another GEMM's A, B or D either (they may run in any order).
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int i = 0; i < num_gemms; ++i) {
+        try {
+          if (pass == 1) {
+            run("nvte_multi_tensor_gemm", request(i));
+            continue;
+          }
+          run("nvte_multi_tensor_gemm", request(i), false);
+          const Tensor &di = *D[i];
+          for (int j = 0; j < num_gemms; ++j) {
+            if (j == i) continue;
+            const std::string a = concat("A of GEMM ", j), b = concat("B of GEMM ", j), d = concat("D of GEMM ", j);
+            const char *why = "a GEMM's D must not share memory with another GEMM's operands";
+            if (A[j]) api::check_disjoint(di, "D", *A[j], a.c_str(), why);
+            if (B[j]) api::check_disjoint(di, "D", *B[j], b.c_str(), why);
+            if (D[j] && j > i) api::check_disjoint(di, "D", *D[j], d.c_str(), why);
+          }
+        } catch (const Error &e) {
+          throw Error(e.status(), concat("GEMM ", i, " of ", num_gemms, ": ", e.what()));
+        }
       }
     }
   });
@@ -395,6 +446,10 @@ NVTEStatus nvte_batched_gemm(const NVTETensor A, const NVTETensor B, NVTETensor 
       v.shape.data[1] = t.shape.data[2];
       stride[i] = t.shape.data[1] * t.shape.data[2] * dtype_size(t.dtype);
     }
+    // The whole stacks, not just matrix 0: D is written while every matrix of A and B is read.
+    const char *why = "the batched GEMM writes D while it still reads its inputs";
+    api::check_disjoint(d, "D", a, "A", why);
+    api::check_disjoint(d, "D", b, "B", why);
     Request r;
     r.A = &slices[0];
     r.B = &slices[1];

@@ -5,6 +5,7 @@
 
 #include "../common/backend.h"
 #include "../cpu/normalization.h"
+#include "alias_checks.h"
 #ifdef NVTE_WITH_CUDA
 #include "../cuda/normalization.h"
 #endif
@@ -106,6 +107,22 @@ void norm_fwd(const char *op, bool ln, const NVTETensor x, const NVTETensor gamm
   if (mt) check_stats(*mt, "mu", d.rows);
   check_stats(rt, "rsigma", d.rows);
   check_epsilon(eps);
+  // z may be exactly x (same dtype and shape): the CPU and every CUDA forward kernel read a row
+  // of x (or, in norm_fwd_any's last pass, each element) before writing it. The statistics and
+  // the columnwise z share no memory with anything.
+  api::check_alias(zt, "z", xt, "x");
+  api::check_disjoint(zt, "z", gt, "gamma", "every row of z reads all of gamma");
+  if (bt) api::check_disjoint(zt, "z", *bt, "beta", "every row of z reads all of beta");
+  const char *stats_why = "the row statistics are written while other rows are still being read";
+  for (Tensor *st : {mt, &rt}) {
+    if (st == nullptr) continue;
+    const char *sn = st == mt ? "mu" : "rsigma";
+    api::check_disjoint(*st, sn, xt, "x", stats_why);
+    api::check_disjoint(*st, sn, gt, "gamma", stats_why);
+    if (bt) api::check_disjoint(*st, sn, *bt, "beta", stats_why);
+    api::check_disjoint(*st, sn, zt, "z", stats_why);
+  }
+  if (mt) api::check_disjoint(*mt, "mu", rt, "rsigma", "mu and rsigma are separate outputs");
   switch (backend_of({{"x", x}, {"gamma", gamma}, {"beta", beta}, {"z", z}, {"mu", mu},
                       {"rsigma", rsigma}, {"workspace", workspace}})) {
     case Backend::CPU:
@@ -149,6 +166,22 @@ void norm_bwd(const char *op, bool ln, const NVTETensor dz, const NVTETensor x, 
              "; expected float32, float16 or bfloat16");
   check_vec(dgt, "dgamma", d.cols);
   if (dbt) check_vec(*dbt, "dbeta", d.cols);
+  // dx may be exactly dz, x or add (same dtype and shape): the CPU and the CUDA kernels read a
+  // row's dz, x and add (or each element of them, in norm_bwd_any's last pass) before writing
+  // that row of dx.
+  api::check_alias(dxt, "dx", dzt, "dz");
+  api::check_alias(dxt, "dx", xt, "x");
+  if (at) api::check_alias(dxt, "dx", *at, "add");
+  const char *why = "dx must not overlap the statistics or gamma, which every row reads";
+  if (mt) api::check_disjoint(dxt, "dx", *mt, "mu", why);
+  api::check_disjoint(dxt, "dx", rt, "rsigma", why);
+  api::check_disjoint(dxt, "dx", gt, "gamma", why);
+  // dgamma and dbeta are written once every row's inputs have been read (CPU: after the row
+  // loop; CUDA: by the finalize kernel), so they may overlap the inputs, but not dx or each other.
+  const char *red_why = "dgamma and dbeta are sums over all rows, written after dx";
+  api::check_disjoint(dgt, "dgamma", dxt, "dx", red_why);
+  if (dbt) api::check_disjoint(*dbt, "dbeta", dxt, "dx", red_why);
+  if (dbt) api::check_disjoint(dgt, "dgamma", *dbt, "dbeta", "dgamma and dbeta are separate outputs");
   switch (backend_of({{"dz", dz}, {"x", x}, {"add", add}, {"mu", mu}, {"rsigma", rsigma}, {"gamma", gamma},
                       {"dx", dx}, {"dgamma", dgamma}, {"dbeta", dbeta}, {"workspace", workspace}})) {
     case Backend::CPU:

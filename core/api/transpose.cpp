@@ -8,6 +8,7 @@
 #include "../common/activation_math.h"
 #include "../common/backend.h"
 #include "../cpu/cast.h"
+#include "alias_checks.h"
 #include "runners.h"
 #include "../cpu/rows.h"
 #include "../cpu/transpose.h"
@@ -37,6 +38,8 @@ void run_transpose(const NVTETensor input, NVTETensor transposed_output, cudaStr
   NVTE_CHECK(dst.shape.ndim >= 1 && dst.shape.data[0] == d.cols && numel(dst.shape) == d.rows * d.cols,
              "transposed_output has shape ", shape_str(dst.shape), "; expected [", d.cols, ", ", d.rows,
              "] (input shape ", shape_str(src.shape), " transposed)");
+  api::check_disjoint(out, "transposed_output", in, "input",
+                      "a transpose cannot run in place or over part of its input");
   switch (backend_of({{"input", input}, {"transposed_output", transposed_output}})) {
     case Backend::CPU: return cpu::transpose(in, out);
     case Backend::CUDA:
@@ -71,6 +74,22 @@ void run_multi_cast_transpose(size_t n, const NVTETensor *inputs, NVTETensor *ou
                " hold different numbers of elements");
     all.push_back({in_name, inputs[i]});
     all.push_back({out_name, outputs[i]});
+  }
+  // Memory: each output may be exactly its own input (a same-dtype rowwise cast); it shares no
+  // byte with another pair's input (the pairs run one after another) or with another output.
+  for (size_t i = 0; i < n; ++i) {
+    const char *out_name = names[2 * i + 1].c_str();
+    for (size_t j = 0; j < n; ++j) {
+      if (j == i) {
+        api::check_alias(*outputs[i], out_name, *inputs[i], names[2 * i].c_str());
+      } else {
+        api::check_disjoint(*outputs[i], out_name, *inputs[j], names[2 * j].c_str(),
+                            "an output may only overlap its own input");
+        if (j > i)
+          api::check_disjoint(*outputs[i], out_name, *outputs[j], names[2 * j + 1].c_str(),
+                              "two outputs cannot share memory");
+      }
+    }
   }
   switch (backend_of(all.data(), all.size())) {
     case Backend::CPU:
