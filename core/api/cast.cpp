@@ -15,8 +15,19 @@
 
 namespace nvte::api {
 
+// No noop tensor: a NULL handle or one without data. A data-less one that names elements is an
+// error (as for any input), not "no noop": the caller meant a flag that is not there.
+bool noop_absent(const NVTETensor noop) {
+  if (noop == nullptr) return true;
+  const NVTEBasicTensor &d = noop->params[kNVTERowwiseData];
+  if (d.data_ptr != nullptr) return false;
+  NVTE_CHECK(numel(d.shape) == 0 || d.shape.ndim == 0, "noop's rowwise data pointer is NULL but its shape ",
+             shape_str(d.shape), " has ", numel(d.shape), " elements");
+  return true;
+}
+
 bool noop_set(const NVTETensor noop, Backend b) {
-  if (noop == nullptr || noop->params[kNVTERowwiseData].data_ptr == nullptr) return false;
+  if (noop_absent(noop)) return false;
   const NVTEBasicTensor &d = noop->params[kNVTERowwiseData];
   NVTE_CHECK(d.dtype == kNVTEFloat32 && numel(d.shape) >= 1, "noop must be a float32 tensor of one element, got ",
              dtype_name(d.dtype), " ", shape_str(d.shape));
@@ -25,7 +36,7 @@ bool noop_set(const NVTETensor noop, Backend b) {
 }
 
 const float *noop_ptr(const NVTETensor noop) {
-  if (noop == nullptr || noop->params[kNVTERowwiseData].data_ptr == nullptr) return nullptr;
+  if (noop_absent(noop)) return nullptr;
   const NVTEBasicTensor &d = noop->params[kNVTERowwiseData];
   NVTE_CHECK(d.dtype == kNVTEFloat32 && numel(d.shape) >= 1, "noop must be a float32 tensor of one element, got ",
              dtype_name(d.dtype), " ", shape_str(d.shape));

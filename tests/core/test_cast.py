@@ -403,3 +403,24 @@ print("done")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "done" in out.stdout, out.stderr
+
+
+def test_noop_without_data_but_with_elements_is_refused():
+    """A noop flag handle with a NULL data pointer and a shape of one element is an error, as the
+    same handle is as any input (it was taken as "no flag" and the cast ran); a NULL handle or an
+    empty one is no flag."""
+    from transformer_engine import _nvte as nvte
+    bad = nvte.Tensor()
+    bad.set_param(nvte.Param.kRowwiseData, 0, [1], nvte.DType.kFloat32)
+    x = np.ones((2, 3), np.float32)
+    out = np.zeros((2, 3), np.float32)
+    with pytest.raises(nvte.Error, match="noop's rowwise data pointer is NULL but its shape \\[1\\] has 1 elements"):
+        nvte.quantize_noop(nvte.Tensor(x), nvte.Tensor(out), bad, 0)
+    assert not out.any()
+    amax, scale = np.array([2.0], np.float32), np.array([1.0], np.float32)
+    with pytest.raises(nvte.Error, match="noop's rowwise data pointer is NULL"):
+        nvte.compute_scale_from_amax(nvte.Tensor(np.zeros((2, 3), np.uint8), dtype=nvte.DType.kFloat8E4M3, amax=amax,
+                                                 scale=scale), noop=bad)
+    assert scale[0] == 1.0
+    nvte.quantize_noop(nvte.Tensor(x), nvte.Tensor(out), nvte.Tensor(), 0)
+    np.testing.assert_array_equal(out, x)
