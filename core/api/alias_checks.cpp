@@ -57,6 +57,13 @@ void check_alias(const Tensor &out, const char *out_name, const Tensor &in, cons
                    " ", layout_name(pi), ": a transposed layout cannot be written over its source");
 }
 
+bool any_overlap(const Tensor &a, const Tensor &b) {
+  for (int pa : kLayouts)
+    for (int pb : kLayouts)
+      if (ranges_meet(a.params[pa], b.params[pb])) return true;
+  return false;
+}
+
 void check_disjoint(const Tensor &out, const char *out_name, const Tensor &other, const char *other_name,
                     const char *why) {
   for (int po : kLayouts)

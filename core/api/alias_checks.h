@@ -29,6 +29,9 @@ bool bytes_overlap(const Tensor &a, const Tensor &b);
 // read after another row's result overwrote them).
 void check_alias(const Tensor &out, const char *out_name, const Tensor &in, const char *in_name);
 
+// Whether any byte of a's rowwise / columnwise data is one of b's (empty buffers share none).
+bool any_overlap(const Tensor &a, const Tensor &b);
+
 // No data buffer of `out` (rowwise or columnwise) shares a byte with one of `other`. `why` ends the
 // message (e.g. "a transpose cannot run in place"); NULL gives a generic reason.
 void check_disjoint(const Tensor &out, const char *out_name, const Tensor &other, const char *other_name,

@@ -406,11 +406,16 @@ NVTEStatus nvte_multi_tensor_gemm(const NVTETensor *A, const NVTETensor *B, NVTE
           const Tensor &di = *D[i];
           for (int j = 0; j < num_gemms; ++j) {
             if (j == i) continue;
-            const std::string a = concat("A of GEMM ", j), b = concat("B of GEMM ", j), d = concat("D of GEMM ", j);
-            const char *why = "a GEMM's D must not share memory with another GEMM's operands";
-            if (A[j]) api::check_disjoint(di, "D", *A[j], a.c_str(), why);
-            if (B[j]) api::check_disjoint(di, "D", *B[j], b.c_str(), why);
-            if (D[j] && j > i) api::check_disjoint(di, "D", *D[j], d.c_str(), why);
+            // (names are built only for a failure: this loop runs n^2 times per call)
+            const auto disjoint = [&](const NVTETensor t, const char *what) {
+              if (t == nullptr || !api::any_overlap(di, *t)) return;
+              const std::string name = concat(what, " of GEMM ", j);
+              api::check_disjoint(di, "D", *t, name.c_str(),
+                                  "a GEMM's D must not share memory with another GEMM's operands");
+            };
+            disjoint(A[j], "A");
+            disjoint(B[j], "B");
+            if (j > i) disjoint(D[j], "D");
           }
         } catch (const Error &e) {
           throw Error(e.status(), concat("GEMM ", i, " of ", num_gemms, ": ", e.what()));
